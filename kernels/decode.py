@@ -1,0 +1,200 @@
+"""Decode attention: one query token per sequence over its live blocks, split-K (flash-decoding).
+
+Program (sequence s, KV head h, split j) holds the whole GQA group of h (``[GROUP_PAD, D]``, padded
+to 16 rows for ``tl.dot``) so each K/V tile is read once, walks split j's share of s's live-key
+tiles with an online softmax in fp32 (base 2), and either writes the normalised output (one
+split) or its partial (max, sum, unnormalised acc) for ``_combine_splits_kernel``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.key_tile import live_key_tile, matmul
+from kernels.launch_checks import check_attention, interpreting, next_pow2
+from kernels.metadata import AttentionMetadata, PagedKVCache
+
+LOG2E = 1.4426950408889634
+EMPTY_MAX = tl.constexpr(-1.0e30)  # running max before any visible key: finite, so exp2 never sees (-inf) - (-inf)
+
+
+@triton.jit
+def _decode_kernel(q_ptr, k_ptr, v_ptr, death_ptr, block_tables_ptr, block_index_ptr, num_live_ptr,
+                   query_start_ptr, query_pos_ptr, out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
+                   stride_qn, stride_qh, stride_kb, stride_ks, stride_kh,
+                   stride_bt, stride_bi, stride_on, stride_oh, num_q_heads, scale_log2,
+                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+                   BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                   PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    row = tl.load(query_start_ptr + seq)
+    num_q = tl.minimum(tl.load(query_start_ptr + seq + 1) - row, 1)  # 0 or 1
+    q_pos = tl.load(query_pos_ptr + row, mask=num_q > 0, other=-1)
+    num_live = tl.load(num_live_ptr + seq) * num_q
+    num_tiles = tl.cdiv(num_live * BLOCK_SIZE, TILE_N)
+    per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    first = split * per_split
+    last = tl.minimum(first + per_split, num_tiles)
+
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, DIM_PAD)
+    head = kv_head * GROUP + g
+    row_ok = g < GROUP * num_q  # [GROUP_PAD]; a scalar-bool '&' would break the interpreter's mask dtype
+    d_ok = d < HEAD_DIM
+    row64 = row.to(tl.int64)
+    q_mask = row_ok[:, None] & d_ok[None, :]
+    q = tl.load(q_ptr + row64 * stride_qn + head[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0)
+
+    m_i = tl.full([GROUP_PAD], EMPTY_MAX, tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    bi_row = block_index_ptr + seq.to(tl.int64) * stride_bi
+    for tile in range(first, last):
+        offset, pos, death, in_range = live_key_tile(bt_row, bi_row, death_ptr, num_live, tile,
+                                                     stride_kb, stride_ks, BLOCK_SIZE, TILE_N)
+        visible = in_range & (pos <= q_pos) & (q_pos < death)  # [TILE_N]
+        k = tl.load(k_ptr + offset[:, None] + kv_head * stride_kh + d[None, :],
+                    mask=in_range[:, None] & d_ok[None, :], other=0.0)
+        # a dead slot may hold anything, even NaN: never let it into p @ v
+        v = tl.load(v_ptr + offset[:, None] + kv_head * stride_kh + d[None, :],
+                    mask=visible[:, None] & d_ok[None, :], other=0.0)
+        s = matmul(q, tl.trans(k), PRECISION, UPCAST) * scale_log2  # [GROUP_PAD, TILE_N]
+        s = tl.where(visible[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + matmul(p.to(v.dtype), v, PRECISION, UPCAST)
+        m_i = m_new
+
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        out_ptrs = out_ptr + row64 * stride_on + head[:, None] * stride_oh + d[None, :]
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+    else:
+        part = (row64 * num_q_heads + head) * NUM_SPLITS + split  # [GROUP_PAD]
+        tl.store(part_acc_ptr + part[:, None] * DIM_PAD + d[None, :], acc, mask=row_ok[:, None])
+        tl.store(part_max_ptr + part, m_i, mask=row_ok)
+        tl.store(part_sum_ptr + part, l_i, mask=row_ok)
+
+
+@triton.jit
+def _combine_splits_kernel(part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr, stride_on, stride_oh, num_q_heads,
+                           HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+                           NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    j = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, DIM_PAD)
+    j_ok = j < NUM_SPLITS
+    part = (row * num_q_heads + head) * NUM_SPLITS + j
+    m = tl.load(part_max_ptr + part, mask=j_ok, other=EMPTY_MAX)
+    l = tl.load(part_sum_ptr + part, mask=j_ok, other=0.0)
+    acc = tl.load(part_acc_ptr + part[:, None] * DIM_PAD + d[None, :], mask=j_ok[:, None], other=0.0)
+    w = tl.exp2(m - tl.max(m, 0))  # [SPLITS_PAD]
+    total = tl.sum(w * l, 0)
+    out = tl.sum(acc * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + row * stride_on + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Launch shape of the decode kernel: keys per tile, splits per sequence, warps, pipeline depth."""
+
+    tile_n: int
+    num_splits: int
+    num_warps: int
+    num_stages: int
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device; a small stand-in under the interpreter keeps grids small."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def choose_num_splits(programs: int, max_tiles: int, sms: int, programs_per_sm: int = 2,
+                      min_tiles_per_split: int = 2, max_splits: int = 64) -> int:
+    """Splits per sequence so ``programs * splits`` fills whole waves of ``sms * programs_per_sm`` slots.
+
+    ``programs`` = sequences x KV heads. Efficiency of n splits = waves / ceil(waves); the smallest n
+    within 90% of the best wins (fewer splits, less combine work). Each split keeps at least
+    ``min_tiles_per_split`` tiles of the longest sequence.
+    """
+    slots = sms * programs_per_sm
+    if programs >= slots or max_tiles <= 1:
+        return 1
+    cap = max(1, min(max_splits, max_tiles // min_tiles_per_split))
+    efficiency = []
+    for n in range(1, cap + 1):
+        waves = programs * n / slots
+        efficiency.append(waves / math.ceil(waves))
+    best = max(efficiency)
+    return next(n for n, e in enumerate(efficiency, start=1) if e >= 0.9 * best)
+
+
+def decode_config(num_seqs: int, num_kv_heads: int, block_size: int, max_live_blocks: int, head_dim: int,
+                  dtype: torch.dtype, device: torch.device) -> DecodeConfig:
+    """Default launch shape: ~16 KB K tiles, 4 warps, 3 stages (2 for fp32), splits from SM count."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    tile_n = min(128, max(16, next_pow2(16384 // (next_pow2(head_dim) * elem))))
+    max_tiles = triton.cdiv(max_live_blocks * block_size, tile_n)
+    splits = choose_num_splits(num_seqs * num_kv_heads, max_tiles, num_sms(device))
+    return DecodeConfig(tile_n=tile_n, num_splits=splits, num_warps=4, num_stages=2 if elem == 4 else 3)
+
+
+def decode_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: AttentionMetadata, scale: float,
+                     config: DecodeConfig | None = None) -> torch.Tensor:
+    """Attention of ``q [S, H_q, D]`` (one token per sequence) over live blocks; returns ``[S, H_q, D]``.
+
+    ``config`` overrides the launch shape; pass a fixed ``num_splits`` when capturing a CUDA graph
+    (the default split count depends on ``meta.max_live_blocks``). A query with no visible key gets 0.
+    """
+    k, v = check_attention(q, cache, layer, meta)
+    if not meta.is_decode:
+        raise ValueError(f"decode_attention needs one query per sequence, got max_query_len={meta.max_query_len}")
+    n, h_q, dim = q.shape
+    _, block_size, h_kv, _ = k.shape
+    cfg = config or decode_config(meta.num_seqs, h_kv, block_size, meta.max_live_blocks, dim, q.dtype, q.device)
+    _check_config(cfg)
+    out = torch.empty_like(q)
+    if n == 0 or meta.num_seqs == 0:
+        return out
+    group = h_q // h_kv
+    dim_pad = max(16, next_pow2(dim))
+    splits = cfg.num_splits
+    part_acc = torch.empty((n, h_q, splits, dim_pad) if splits > 1 else (1,), dtype=torch.float32, device=q.device)
+    part_max = torch.empty((n, h_q, splits) if splits > 1 else (1,), dtype=torch.float32, device=q.device)
+    part_sum = torch.empty_like(part_max)
+    _decode_kernel[(meta.num_seqs, h_kv, splits)](
+        q, k, v, cache.death, meta.block_tables, meta.block_index, meta.num_live_blocks,
+        meta.query_start, meta.query_pos, out, part_acc, part_max, part_sum,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
+        meta.block_tables.stride(0), meta.block_index.stride(0), out.stride(0), out.stride(1), h_q, scale * LOG2E,
+        GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=dim, DIM_PAD=dim_pad,
+        BLOCK_SIZE=block_size, TILE_N=cfg.tile_n, NUM_SPLITS=splits,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=interpreting(),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if splits > 1:
+        _combine_splits_kernel[(n, h_q)](
+            part_acc, part_max, part_sum, out, out.stride(0), out.stride(1), h_q,
+            HEAD_DIM=dim, DIM_PAD=dim_pad, NUM_SPLITS=splits, SPLITS_PAD=next_pow2(splits), num_warps=4)
+    return out
+
+
+def _check_config(cfg: DecodeConfig) -> None:
+    if cfg.tile_n < 16 or cfg.tile_n & (cfg.tile_n - 1):
+        raise ValueError(f"decode tile_n must be a power of two >= 16 (tl.dot minimum), got {cfg.tile_n}")
+    if cfg.num_splits < 1:
+        raise ValueError(f"decode num_splits must be >= 1, got {cfg.num_splits}")

@@ -1,0 +1,266 @@
+"""The offline generation engine: ``LLM(model, kv=...).generate(prompts, SamplingParams(...))``."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from rollout.block_manager import BlockManager
+from rollout.kv_policy import KVPolicy, register_tokens
+from rollout.loader import load_model, load_tokenizer
+from rollout.model_runner import ModelRunner
+from rollout.sampling import SamplingParams, logprobs_at, sample
+from rollout.scheduler import ScheduledBatch, Scheduler
+from rollout.sequence import RequestOutput, Sequence, Status
+from kernels.metadata import PagedKVCache
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    preemptions: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    seconds: float = 0.0
+
+
+class LLM:
+    """Paged-KV generation under a KV retention policy (see ``rollout.kv_policy``).
+
+    ``kv``: ``full``, ``prefix_sliding:W``, ``sliding_window:W``, ``streaming:S:W`` or ``registers:N``.
+    The pool holds ``num_blocks`` blocks of ``block_size`` tokens (or as many as ``kv_cache_gb`` allows).
+    """
+
+    def __init__(self, model: str, kv: str = "full", *, device: str = "cpu", dtype: str = "float32",
+                 block_size: int = 16, num_blocks: int | None = None, kv_cache_gb: float | None = None,
+                 max_num_seqs: int = 64, max_num_batched_tokens: int = 1024, max_model_len: int | None = None,
+                 seed: int = 0):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype {dtype!r} is not supported; valid: {sorted(DTYPES)}")
+        for name, value in (("block_size", block_size), ("max_num_seqs", max_num_seqs),
+                            ("max_num_batched_tokens", max_num_batched_tokens)):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        self.device = torch.device(device)
+        self.policy = KVPolicy.parse(kv)
+        self.tokenizer = load_tokenizer(model)
+        self.policy = self._bind_policy(self.policy)
+        self.model = load_model(model, dtype=DTYPES[dtype], device=self.device)
+        if len(self.tokenizer) > self.model.config.vocab_size:
+            self.model.resize_vocab(len(self.tokenizer))
+        cfg = self.model.config
+        self.max_model_len = max_model_len or cfg.max_position_embeddings
+        self.block_size = block_size
+        num_blocks = num_blocks or self._blocks_for_memory(kv_cache_gb, DTYPES[dtype])
+        self.runner = ModelRunner(self.model, num_blocks, block_size, self.device, DTYPES[dtype])
+        self.scheduler = Scheduler(BlockManager(num_blocks), max_num_seqs, max_num_batched_tokens)
+        self.eos_ids = self._eos_ids(model)
+        self.seed = seed
+        self.stats = EngineStats()
+        self._next_id = 0
+
+    # ---- set-up -------------------------------------------------------------------------------
+    def _bind_policy(self, policy: KVPolicy) -> KVPolicy:
+        vocab = self.tokenizer.get_vocab()
+        end_think = vocab.get("</think>")
+        if policy.kind != "registers":
+            return policy.bind(end_think_id=end_think)
+        missing = [t for t in register_tokens(policy.num_registers) if t not in vocab]
+        if missing:
+            self.tokenizer.add_tokens(missing, special_tokens=True)
+        ids = self.tokenizer.convert_tokens_to_ids(register_tokens(policy.num_registers))
+        return policy.bind(ids, end_think)
+
+    def _blocks_for_memory(self, kv_cache_gb: float | None, dtype: torch.dtype) -> int:
+        cfg = self.model.config
+        per_block = PagedKVCache.bytes_per_block(cfg.num_layers, self.block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
+        if kv_cache_gb is None:
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                return int(free * 0.85) // per_block
+            kv_cache_gb = 1.0
+        if kv_cache_gb <= 0:
+            raise ValueError(f"kv_cache_gb must be > 0, got {kv_cache_gb}")
+        return max(1, int(kv_cache_gb * 2**30) // per_block)
+
+    def _eos_ids(self, model: str) -> set[int]:
+        ids = {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set()
+        try:
+            from transformers import GenerationConfig
+            eos = GenerationConfig.from_pretrained(model, local_files_only=True).eos_token_id
+            ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        except OSError:
+            pass
+        return ids
+
+    # ---- public API ---------------------------------------------------------------------------
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Generate for each prompt (text or token ids); outputs come back in prompt order."""
+        prompts = [prompts] if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)) else prompts
+        params = params or SamplingParams()
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams")
+        seqs = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        bar = _progress(len(seqs)) if use_tqdm else None
+        while any(s.status is not Status.FINISHED for s in seqs):
+            for seq in self.step():
+                bar and bar.update(1)
+        bar and bar.close()
+        return [self._output(s) for s in seqs]
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams) -> Sequence:
+        ids = self.tokenizer(prompt).input_ids if isinstance(prompt, str) else list(prompt)
+        self._check_prompt(ids)
+        rid = self._next_id
+        self._next_id += 1
+        seed = params.seed if params.seed is not None else (self.seed * 1_000_003 + rid) % (2**31)
+        seq = Sequence(rid, ids, params, seed, self.policy.tracker(len(ids)), self.block_size, time.perf_counter())
+        self.scheduler.add(seq)
+        return seq
+
+    def load_weights(self, weights) -> None:
+        """Replace the model's weights in place (a state dict or ``(name, tensor)`` pairs)."""
+        self.model.load_weights(weights)
+
+    def _check_prompt(self, ids: list[int]) -> None:
+        if not ids:
+            raise ValueError("empty prompt: a prompt needs at least one token")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt of {len(ids)} tokens does not fit max_model_len={self.max_model_len} "
+                             "(it must leave room for at least one generated token)")
+        bad = [t for t in ids if not 0 <= t < self.model.config.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.model.config.vocab_size})")
+
+    # ---- one engine step: schedule, run, postprocess -------------------------------------------
+    def step(self) -> list[Sequence]:
+        """Run one forward over the scheduled batch; returns the sequences that finished."""
+        t0 = time.perf_counter()
+        batch = self.scheduler.schedule()
+        rows = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_tokens)) if s.num_computed + n == len(s.token_ids)]
+        logits = self.runner.run(batch, rows)
+        finished = self._postprocess(batch, rows, logits)
+        self._count(batch, rows, time.perf_counter() - t0)
+        return finished
+
+    def _count(self, batch: ScheduledBatch, rows: list[int], seconds: float) -> None:
+        self.stats.steps += 1
+        self.stats.seconds += seconds
+        self.stats.preemptions = self.scheduler.num_preemptions
+        decode = sum(1 for n in batch.num_tokens if n == 1)
+        self.stats.decode_tokens += decode
+        self.stats.prefill_tokens += sum(batch.num_tokens) - decode
+
+    def _postprocess(self, batch: ScheduledBatch, rows: list[int], logits: torch.Tensor) -> list[Sequence]:
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            self._mark_computed(seq, n)
+        sampling = [batch.seqs[i] for i in rows]
+        tokens, logprobs = self._sample(sampling, logits)
+        finished = []
+        for row, seq in enumerate(sampling):
+            self._append(seq, tokens[row], logprobs[row], logits[row])
+            if self._check_finish(seq):
+                self._finish(seq)
+                finished.append(seq)
+        for seq in batch.seqs:
+            if seq.status is Status.RUNNING:
+                self.scheduler.free_dead_blocks(seq)
+        return finished
+
+    def _mark_computed(self, seq: Sequence, n: int) -> None:
+        bs = self.block_size
+        before, seq.num_computed = seq.num_computed, seq.num_computed + n
+        for j in range(before // bs, seq.num_computed // bs):
+            seq.block_completed(j)
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[int], list[float]]:
+        if not seqs:
+            return [], []
+        dev = logits.device
+        col = lambda values, dtype: torch.tensor(values, dtype=dtype, device=dev)  # noqa: E731
+        tokens, logprobs = sample(
+            logits,
+            col([s.params.temperature for s in seqs], torch.float32),
+            col([s.params.top_p for s in seqs], torch.float32),
+            col([s.params.top_k for s in seqs], torch.int64),
+            col([s.seed for s in seqs], torch.int64),
+            col([s.num_output for s in seqs], torch.int64),
+        )
+        return tokens.tolist(), logprobs.tolist()
+
+    def _append(self, seq: Sequence, token: int, logprob: float, logits: torch.Tensor) -> None:
+        p = seq.params
+        if p.max_thinking_tokens is not None and not seq.thinking_done and not seq.pending_forced \
+                and seq.num_output >= p.max_thinking_tokens:
+            seq.pending_forced = self.tokenizer.encode(p.think_end, add_special_tokens=False)
+        forced = bool(seq.pending_forced)
+        if forced:
+            token = seq.pending_forced.pop(0)
+            temp = torch.tensor([p.temperature], device=logits.device)
+            logprob = float(logprobs_at(logits[None], torch.tensor([token], device=logits.device), temp)[0])
+        killed = seq.append_token(token, logprob, forced)
+        if p.max_thinking_tokens is not None and not seq.thinking_done:
+            end = self.tokenizer.encode(p.think_end, add_special_tokens=False)
+            seq.thinking_done = seq.output_token_ids[-len(end):] == end
+        if killed:
+            self._kill(seq, killed)
+
+    def _kill(self, seq: Sequence, ranges: list[tuple[int, int]]) -> None:
+        """Registers: cached keys of a dead step get their death; complete blocks may now be freed."""
+        bs, r = self.block_size, len(seq.token_ids) - 1
+        slots, touched = [], set()
+        for start, end in ranges:
+            for p in range(start, min(end, seq.num_computed)):
+                if p // bs in seq.blocks:
+                    slots.append(seq.blocks[p // bs] * bs + p % bs)
+                    touched.add(p // bs)
+        if slots:
+            self.runner.set_death(slots, r)
+        for j in touched:
+            if (j + 1) * bs <= seq.num_computed:
+                seq.push_free_candidate(j)
+
+    def _check_finish(self, seq: Sequence) -> bool:
+        p, token = seq.params, seq.token_ids[-1]
+        if not seq.forced[-1] and ((token in self.eos_ids and not p.ignore_eos) or token in (p.stop_token_ids or ())):
+            seq.finish_reason = "stop"
+        elif p.stop and self._stop_string(seq) is not None:
+            seq.finish_reason = "stop"
+        elif seq.num_output >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
+            seq.finish_reason = "length"
+        return seq.finish_reason is not None
+
+    def _stop_string(self, seq: Sequence, text: str | None = None) -> int | None:
+        """Index in ``text`` (default: the decoded tail) where the earliest stop string starts."""
+        if text is None:
+            tail = max(len(s) for s in seq.params.stop) + 4
+            text = self.tokenizer.decode(seq.output_token_ids[-tail:])
+        hits = [text.find(s) for s in seq.params.stop if s in text]
+        return min(hits) if hits else None
+
+    def _finish(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq)
+        n = max(seq.num_output, 1)
+        seq.kv.mean_visible_tokens = seq.visible_sum / n
+        seq.finished_at = time.perf_counter()
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        out = seq.output_token_ids
+        shown = out[:-1] if out and out[-1] in self.eos_ids and seq.finish_reason == "stop" else out
+        text = self.tokenizer.decode(shown)
+        if seq.params.stop:
+            cut = self._stop_string(seq, text)
+            text = text if cut is None else text[:cut]
+        return RequestOutput(seq.request_id, seq.prompt_token_ids, out, seq.logprobs, text, seq.finish_reason,
+                             seq.kv, seq.forced, seq.num_preemptions, seq.finished_at - seq.arrival)
+
+
+def _progress(total: int):
+    from tqdm import tqdm
+    return tqdm(total=total, desc="generate", unit="req")
