@@ -39,11 +39,12 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     generate = commands.add_parser(
         "generate", help="sample completions with the paged-KV engine and report KV usage",
+        usage="%(prog)s [-h] [CONFIG] [key=value ...]",
         description="Sample n completions per prompt; write config.yaml and completions.jsonl to output_dir.",
         epilog="config keys (override with key=value):\n  " + "\n  ".join(config_reference(GenerateConfig)),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    generate.add_argument("args", nargs="*", metavar="[CONFIG] [key=value ...]",
+    generate.add_argument("args", nargs="*", metavar="CONFIG | key=value",
                           help="an optional YAML file, then overrides such as engine.kv=full sampling.max_tokens=16")
     generate.set_defaults(run=run_generate)
     return parser

@@ -19,18 +19,19 @@ import torch
 from kernels.metadata import AttentionMetadata, PagedKVCache
 
 
-def paged_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def paged_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: AttentionMetadata, scale: float,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of ``q [N, H_q, D]`` over each sequence's live blocks with the Triton kernels; ``[N, H_q, D]``.
 
     Decode batches (``meta.is_decode``) use the split-K decode kernel, all others the prefill kernel.
     Same function as ``kernels.reference.paged_attention`` except that a query with no visible key
-    gets 0 instead of NaN.
+    gets 0 instead of NaN. ``out`` (like q) receives the result when given.
     """
     if meta.is_decode:
         from kernels.decode import decode_attention
-        return decode_attention(q, cache, layer, meta, scale)
+        return decode_attention(q, cache, layer, meta, scale, out=out)
     from kernels.prefill import prefill_attention
-    return prefill_attention(q, cache, layer, meta, scale)
+    return prefill_attention(q, cache, layer, meta, scale, out=out)
 
 
 def write_kv(cache: PagedKVCache, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:

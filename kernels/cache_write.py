@@ -54,6 +54,7 @@ def write_kv(cache: PagedKVCache, layer: int, k: torch.Tensor, v: torch.Tensor, 
         raise ValueError(f"meta.slot_mapping/slot_death must be on the cache device {k_cache.device}")
     if n == 0:
         return
+    k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)  # torch's rounding, as the reference (a no-op when equal)
     _write_kv_kernel[(n,)](
         k, v, slots, deaths, k_cache, v_cache, cache.death,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),

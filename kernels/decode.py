@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from kernels.key_tile import live_key_tile, matmul
-from kernels.launch_checks import check_attention, interpreting, next_pow2
+from kernels.launch_checks import check_attention, interpreting, next_pow2, output_buffer
 from kernels.metadata import AttentionMetadata, PagedKVCache
 
 LOG2E = 1.4426950408889634
@@ -146,20 +146,23 @@ def choose_num_splits(programs: int, max_tiles: int, sms: int, programs_per_sm: 
 
 def decode_config(num_seqs: int, num_kv_heads: int, block_size: int, max_live_blocks: int, head_dim: int,
                   dtype: torch.dtype, device: torch.device) -> DecodeConfig:
-    """Default launch shape: ~16 KB K tiles, 4 warps, 3 stages (2 for fp32), splits from SM count."""
+    """Default launch shape: ~16 KB K tiles, 4 warps, 3 stages; fp32 (exact dot, register-hungry) 8 warps, 2 stages."""
     elem = torch.empty((), dtype=dtype).element_size()
     tile_n = min(128, max(16, next_pow2(16384 // (next_pow2(head_dim) * elem))))
     max_tiles = triton.cdiv(max_live_blocks * block_size, tile_n)
     splits = choose_num_splits(num_seqs * num_kv_heads, max_tiles, num_sms(device))
-    return DecodeConfig(tile_n=tile_n, num_splits=splits, num_warps=4, num_stages=2 if elem == 4 else 3)
+    if elem == 4:
+        return DecodeConfig(tile_n=tile_n, num_splits=splits, num_warps=8, num_stages=2)
+    return DecodeConfig(tile_n=tile_n, num_splits=splits, num_warps=4, num_stages=3)
 
 
 def decode_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: AttentionMetadata, scale: float,
-                     config: DecodeConfig | None = None) -> torch.Tensor:
+                     config: DecodeConfig | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of ``q [S, H_q, D]`` (one token per sequence) over live blocks; returns ``[S, H_q, D]``.
 
     ``config`` overrides the launch shape; pass a fixed ``num_splits`` when capturing a CUDA graph
-    (the default split count depends on ``meta.max_live_blocks``). A query with no visible key gets 0.
+    (the default split count depends on ``meta.max_live_blocks``). ``out`` receives the result when
+    given. A query with no visible key gets 0.
     """
     k, v = check_attention(q, cache, layer, meta)
     if not meta.is_decode:
@@ -168,7 +171,7 @@ def decode_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: Att
     _, block_size, h_kv, _ = k.shape
     cfg = config or decode_config(meta.num_seqs, h_kv, block_size, meta.max_live_blocks, dim, q.dtype, q.device)
     _check_config(cfg)
-    out = torch.empty_like(q)
+    out = output_buffer(q, out)
     if n == 0 or meta.num_seqs == 0:
         return out
     group = h_q // h_kv
@@ -184,7 +187,7 @@ def decode_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: Att
         meta.block_tables.stride(0), meta.block_index.stride(0), out.stride(0), out.stride(1), h_q, scale * LOG2E,
         GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=dim, DIM_PAD=dim_pad,
         BLOCK_SIZE=block_size, TILE_N=cfg.tile_n, NUM_SPLITS=splits,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=interpreting(),
+        PRECISION="ieee" if q.dtype == torch.float32 else None, UPCAST=interpreting(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if splits > 1:
         _combine_splits_kernel[(n, h_q)](

@@ -93,6 +93,16 @@ def check_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: Atte
     return k, v
 
 
+def output_buffer(q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """``out`` checked to match q (shape, dtype, device, contiguous head dim), or a fresh one."""
+    if out is None:
+        return torch.empty_like(q)
+    if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device or out.stride(-1) != 1:
+        raise ValueError(f"out must match q: {q.dtype} {tuple(q.shape)} on {q.device} with a contiguous head dim, "
+                         f"got {out.dtype} {tuple(out.shape)} on {out.device} with strides {out.stride()}")
+    return out
+
+
 def _same_device(what: str, tensors: list[torch.Tensor]) -> None:
     devices = {t.device for t in tensors}
     if len(devices) != 1:

@@ -17,7 +17,7 @@ import triton.language as tl
 
 from kernels.decode import EMPTY_MAX, LOG2E
 from kernels.key_tile import live_key_tile, matmul
-from kernels.launch_checks import check_attention, interpreting, next_pow2
+from kernels.launch_checks import check_attention, interpreting, next_pow2, output_buffer
 from kernels.metadata import AttentionMetadata, PagedKVCache
 
 INT32_MAX = tl.constexpr(2**31 - 1)
@@ -92,21 +92,24 @@ class PrefillConfig:
 
 
 def prefill_config(max_query_len: int, group: int, head_dim: int, dtype: torch.dtype) -> PrefillConfig:
-    """Default: 64 rows (query tokens x padded group, at least 16 for ``tl.dot``), 64 keys (32 for fp32/D>128)."""
+    """Default: 64 rows (query tokens x padded group, >= 16 for ``tl.dot``) x 64 keys, 4 warps.
+
+    fp32 (exact dot, no tensor cores, register-hungry): 32 rows x 32 keys on 8 warps. D > 128: 32 keys.
+    """
     group_pad = next_pow2(group)
-    rows = 64 if group_pad <= 64 else group_pad
-    block_q = max(1, min(rows // group_pad, next_pow2(max_query_len)))
-    block_q = max(block_q, triton.cdiv(16, group_pad))
-    elem = torch.empty((), dtype=dtype).element_size()
-    tile_n = 32 if elem == 4 or head_dim > 128 else 64
-    return PrefillConfig(block_q=block_q, tile_n=tile_n, num_warps=4, num_stages=2)
+    fp32 = dtype == torch.float32
+    rows = max(32 if fp32 else 64, group_pad)
+    block_q = max(min(rows // group_pad, next_pow2(max_query_len)), triton.cdiv(16, group_pad))
+    tile_n = 32 if fp32 or head_dim > 128 else 64
+    return PrefillConfig(block_q=block_q, tile_n=tile_n, num_warps=8 if fp32 else 4, num_stages=2)
 
 
 def prefill_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: AttentionMetadata, scale: float,
-                      config: PrefillConfig | None = None) -> torch.Tensor:
+                      config: PrefillConfig | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of ``q [N, H_q, D]`` (varlen tokens per sequence) over live blocks; returns ``[N, H_q, D]``.
 
-    Works for any ``max_query_len`` (decode included). A query with no visible key gets 0.
+    Works for any ``max_query_len`` (decode included). ``out`` receives the result when given. A query
+    with no visible key gets 0.
     """
     k, v = check_attention(q, cache, layer, meta)
     n, h_q, dim = q.shape
@@ -114,7 +117,7 @@ def prefill_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: At
     group = h_q // h_kv
     cfg = config or prefill_config(meta.max_query_len, group, dim, q.dtype)
     _check_config(cfg, group)
-    out = torch.empty_like(q)
+    out = output_buffer(q, out)
     if n == 0 or meta.num_seqs == 0 or meta.max_query_len == 0:
         return out
     grid = (meta.num_seqs, triton.cdiv(meta.max_query_len, cfg.block_q), h_kv)
@@ -125,7 +128,7 @@ def prefill_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: At
         meta.block_tables.stride(0), meta.block_index.stride(0), out.stride(0), out.stride(1), scale * LOG2E,
         GROUP=group, GROUP_PAD=next_pow2(group), BLOCK_Q=cfg.block_q, HEAD_DIM=dim, DIM_PAD=max(16, next_pow2(dim)),
         BLOCK_SIZE=block_size, TILE_N=cfg.tile_n,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", UPCAST=interpreting(),
+        PRECISION="ieee" if q.dtype == torch.float32 else None, UPCAST=interpreting(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 

@@ -1,4 +1,4 @@
-"""Pasta-Lang annotations and the decode schedule the Pasta runtime gives them (thesis §3.2–3.4).
+"""Pasta-Lang annotations and the decode schedule the Pasta runtime gives them (thesis, Pasta chapter).
 
 Tags: ``<promise .../>`` declares an asynchronous chunk and forks a thread for it; the chunk itself
 is the next ``<async ...>…</async>`` block of the same thread; ``<sync/>`` makes the thread wait
@@ -27,6 +27,9 @@ from dataclasses import dataclass, field
 TAG = re.compile(
     r"(?P<promise><promise\b[^>]*?/>)|(?P<open><async\b[^>]*>)|(?P<close></async\s*>)|(?P<sync><sync\s*/>)"
 )
+
+
+MAX_NESTING = 64  # deeper <async> blocks count as malformed plain tags (keeps degenerate text from recursing)
 
 
 def whitespace_tokens(text: str) -> int:
@@ -65,7 +68,7 @@ class PastaSchedule:
 def schedule(text: str, count_tokens: Callable[[str], int] = whitespace_tokens) -> PastaSchedule:
     """Parse Pasta-Lang ``text`` and time it; ``count_tokens`` turns a text span into its token count."""
     pieces = _pieces(text, count_tokens)
-    root, _, malformed = _parse_thread(pieces, 0, inside_fork=False)
+    root, _, malformed = _parse_thread(pieces, 0, depth=0)
     path, forks, unpaired = _finish(root, 0)
     return PastaSchedule(
         num_tokens=sum(cost for _, cost in pieces),
@@ -89,17 +92,19 @@ def _pieces(text: str, count_tokens: Callable[[str], int]) -> list[tuple[str, in
     return pieces
 
 
-def _parse_thread(pieces: list[tuple[str, int]], i: int, inside_fork: bool) -> tuple[Thread, int, int]:
-    """Read one thread from pieces[i:] -> (thread, index after it, malformed count).
+def _parse_thread(pieces: list[tuple[str, int]], i: int, depth: int) -> tuple[Thread, int, int]:
+    """Read one thread (``depth`` 0: the main thread) from pieces[i:] -> (thread, index after it, malformed).
 
     A fork's thread starts after its ``<async>`` (whose cost the caller puts first) and ends at its
     ``</async>``.
     """
-    thread, malformed = Thread(), 0
+    thread, malformed, inside_fork = Thread(), 0, depth > 0
     while i < len(pieces):
         kind, cost = pieces[i]
+        if kind == "open" and depth >= MAX_NESTING:
+            malformed, kind = malformed + 1, "tag"
         if kind == "open":
-            child, i, bad = _parse_thread(pieces, i + 1, inside_fork=True)
+            child, i, bad = _parse_thread(pieces, i + 1, depth + 1)
             child.steps.insert(0, ("tag", cost))
             thread.steps.append(child)
             malformed += bad

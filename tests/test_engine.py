@@ -71,12 +71,14 @@ def reference_logprobs(model, tokens: list[int], visible: torch.Tensor) -> torch
 
 
 def assert_matches_reference(model, out, visible):
-    """Every generated token is the reference's argmax given the same prefix, and logprobs agree."""
+    """Every sampled (not forced) token is the reference's argmax given the same prefix, and logprobs agree."""
     tokens = out.prompt_token_ids + out.token_ids
     ref = reference_logprobs(model, tokens, visible)
     p = len(out.prompt_token_ids)
     rows = ref[p - 1:len(tokens) - 1]
-    assert rows.argmax(-1).tolist() == out.token_ids
+    argmax = rows.argmax(-1).tolist()
+    forced = out.forced or [False] * len(out.token_ids)
+    assert [a if not f else t for a, t, f in zip(argmax, out.token_ids, forced)] == out.token_ids
     picked = rows.gather(1, torch.tensor(out.token_ids)[:, None])[:, 0]
     assert (picked - torch.tensor(out.logprobs, dtype=torch.float64)).abs().max() < 1e-4
 
@@ -142,3 +144,190 @@ def test_prefix_sliding_memory_is_bounded(tiny_model_factory):
         expected = sum(min(q + 1, p + w) for q in range(p - 1, p - 1 + 20 * w)) / (20 * w)
         assert out.kv.mean_visible_tokens == pytest.approx(expected)
     assert llm.scheduler.blocks.num_free == 64  # everything returned at the end
+
+
+# ---- registers (TIP) --------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def register_model(tiny_model_factory, tmp_path_factory):
+    """A tiny untied model whose lm_head rows for <reg_0..2> are boosted so greedy decoding emits
+    registers often (about one token in five), giving steps that are killed and evicted."""
+    from safetensors.torch import load_file, save_file
+
+    from rollout.kv_policy import register_tokens
+    from rollout.tiny import make_tiny_model
+
+    path = make_tiny_model(tmp_path_factory.mktemp("reg") / "m", "qwen3", tie_word_embeddings=False,
+                           extra_special_tokens=tuple(register_tokens(3)))
+    weights = load_file(path / "model.safetensors")
+    head = weights["lm_head.weight"].clone()
+    gen = torch.Generator().manual_seed(1)
+    head[-3:] = torch.randn(3, head.shape[1], generator=gen) * head.std() * 2.0
+    weights["lm_head.weight"] = head
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
+def test_registers_match_dense_reference_and_free_dead_blocks(register_model):
+    bs = 4
+    llm = LLM(register_model, kv="registers:3", block_size=bs, num_blocks=256)
+    reg_ids, end_think = llm.policy.register_ids, llm.tokenizer.convert_tokens_to_ids("</think>")
+    params = SamplingParams(max_tokens=80, max_thinking_tokens=50, **GREEDY)  # forces </think> at token 50
+    seqs = [llm.add_request(p, params) for p in ([5, 6, 7], [90, 91, 92, 93, 94])]
+    while llm.scheduler.has_unfinished():
+        llm.step()
+        for seq in seqs:  # after every step: no held block is wholly dead for the next query
+            if seq.blocks:
+                tokens, nxt = seq.token_ids, seq.num_computed
+                vis = dense_visibility("registers", seq.prompt_len, tokens, reg_ids, end_think)
+                alive = vis[min(nxt, len(tokens) - 1)]  # what the next query (or the last token) may see
+                for j in seq.blocks:
+                    positions = range(j * bs, min((j + 1) * bs, nxt))
+                    if len(positions) == bs:
+                        assert any(alive[p] for p in positions), f"block {j} is wholly dead but still held"
+        held = sum(len(s.blocks) for s in seqs)
+        assert llm.scheduler.blocks.num_free + held == 256
+    model = hf_model(register_model)
+    for seq in seqs:
+        out = llm._output(seq)
+        tokens = out.prompt_token_ids + out.token_ids
+        dead = dead_steps(len(out.prompt_token_ids), tokens, reg_ids, end_think)
+        assert len(dead) >= 5, "the test needs register reuse to mean anything"
+        assert out.token_ids[50] == end_think and out.forced[50]
+        assert_matches_reference(model, out, dense_visibility("registers", len(out.prompt_token_ids), tokens,
+                                                              reg_ids, end_think))
+        assert out.kv.peak_visible_tokens < len(tokens) - 1
+    assert llm.scheduler.blocks.num_free == 256
+
+
+def test_registers_added_to_tokenizer_when_missing(tiny_model_factory):
+    path = tiny_model_factory(arch="qwen3")
+    llm = LLM(path, kv="registers:4", block_size=4, num_blocks=64)
+    ids = llm.tokenizer.convert_tokens_to_ids([f"<reg_{i}>" for i in range(4)])
+    assert list(llm.policy.register_ids) == ids and len(set(ids)) == 4
+    assert llm.tokenizer.decode([ids[2]]) == "<reg_2>" and llm.tokenizer.encode("<reg_3>", add_special_tokens=False) == [ids[3]]
+    assert llm.model.config.vocab_size >= max(ids) + 1
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8, **GREEDY))[0]
+    assert len(out.token_ids) == 8
+
+
+# ---- continuous batching and preemption -------------------------------------------------------
+def test_continuous_batching_with_preemption_equals_running_alone(tiny_model_factory):
+    path = tiny_model_factory(arch="qwen3")
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 256, (int(n),), generator=gen).tolist() for n in torch.randint(1, 30, (64,), generator=gen)]
+    params = [SamplingParams(max_tokens=int(m), **GREEDY) for m in torch.randint(1, 40, (64,), generator=gen)]
+    # 24 blocks of 4 = 96 token slots, far less than 64 requests need together
+    llm = LLM(path, kv="full", block_size=4, num_blocks=24, max_num_seqs=32, max_num_batched_tokens=64)
+    outs = llm.generate(prompts, params)
+    assert llm.stats.preemptions > 0
+    assert sum(o.num_preemptions for o in outs) == llm.stats.preemptions
+    alone = LLM(path, kv="full", block_size=4, num_blocks=64)
+    for prompt, sp, out in zip(prompts, params, outs):
+        ref = alone.generate([prompt], sp)[0]
+        assert out.token_ids == ref.token_ids and len(out.token_ids) == sp.max_tokens
+        assert out.logprobs == pytest.approx(ref.logprobs, abs=1e-5)
+    assert llm.scheduler.blocks.num_free == 24
+
+
+def test_chunked_prefill_equals_one_shot(tiny_model_factory):
+    path = tiny_model_factory(arch="qwen3")
+    prompt = list(range(1, 200))
+    a = LLM(path, kv="prefix_sliding:16", block_size=4, num_blocks=256, max_num_batched_tokens=13)
+    b = LLM(path, kv="prefix_sliding:16", block_size=4, num_blocks=256, max_num_batched_tokens=4096)
+    sp = SamplingParams(max_tokens=40, **GREEDY)
+    oa, ob = a.generate([prompt], sp)[0], b.generate([prompt], sp)[0]
+    assert oa.token_ids == ob.token_ids and oa.logprobs == pytest.approx(ob.logprobs, abs=1e-5)
+
+
+# ---- sampling through the engine --------------------------------------------------------------
+def test_seeded_sampling_is_reproducible_and_batch_independent(tiny_model_factory):
+    path = tiny_model_factory(arch="qwen3")
+    llm = LLM(path, kv="prefix_sliding:8", block_size=4, num_blocks=128)
+    sp = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.95, top_k=50, seed=7, ignore_eos=True)
+    alone = llm.generate([[4, 5, 6]], sp)[0]
+    crowd = llm.generate([[9, 9], [4, 5, 6], [1]], [SamplingParams(max_tokens=5, seed=1), sp, sp])[1]
+    assert alone.token_ids == crowd.token_ids
+    other = llm.generate([[4, 5, 6]], SamplingParams(max_tokens=24, temperature=0.9, seed=8, ignore_eos=True))[0]
+    assert other.token_ids != alone.token_ids
+
+
+def test_temperature_one_logprobs_are_model_log_softmax(tiny_model_factory):
+    path = tiny_model_factory(arch="llama")
+    llm = LLM(path, kv="full", block_size=4, num_blocks=64)
+    out = llm.generate([[3, 1, 4, 1, 5]], SamplingParams(max_tokens=20, temperature=1.0, seed=3, ignore_eos=True))[0]
+    ref = reference_logprobs(hf_model(path), out.prompt_token_ids + out.token_ids,
+                             dense_visibility("full", 0, out.prompt_token_ids + out.token_ids))
+    picked = ref[4:-1].gather(1, torch.tensor(out.token_ids)[:, None])[:, 0]
+    assert (picked - torch.tensor(out.logprobs, dtype=torch.float64)).abs().max() < 1e-4
+
+
+# ---- stopping ---------------------------------------------------------------------------------
+def test_stop_strings_and_stop_tokens(tiny_model_factory):
+    path = tiny_model_factory(arch="qwen3")
+    llm = LLM(path, kv="full", block_size=4, num_blocks=64)
+    free = llm.generate([[10, 20, 30]], SamplingParams(max_tokens=40, **GREEDY))[0]
+    stop_tok = free.token_ids[12]
+    first = free.token_ids.index(stop_tok)
+    by_token = llm.generate([[10, 20, 30]], SamplingParams(max_tokens=40, stop_token_ids=[stop_tok], **GREEDY))[0]
+    assert by_token.token_ids == free.token_ids[:first + 1] and by_token.finish_reason == "stop"
+    text = free.text
+    needle = text[len(text) // 2:len(text) // 2 + 2]
+    by_string = llm.generate([[10, 20, 30]], SamplingParams(max_tokens=40, stop=[needle], **GREEDY))[0]
+    assert by_string.finish_reason == "stop" and by_string.text == text[:text.index(needle)]
+
+
+def test_budget_forcing_ends_thinking(tiny_model_factory):
+    path = tiny_model_factory(arch="qwen3")
+    llm = LLM(path, kv="prefix_sliding:8", block_size=4, num_blocks=64)
+    end = llm.tokenizer.convert_tokens_to_ids("</think>")
+    free = llm.generate([[p, p + 1] for p in range(1, 40)], SamplingParams(max_tokens=13, **GREEDY))
+    prompt = next(o.prompt_token_ids for o in free if end not in o.token_ids)  # never ends thinking alone
+    out = llm.generate([prompt], SamplingParams(max_tokens=30, max_thinking_tokens=12, **GREEDY))[0]
+    assert out.token_ids[:12] == free[prompt[0] - 1].token_ids[:12]
+    assert out.token_ids[12] == end and out.forced == [False] * 12 + [True] + [False] * 17
+    assert "</think>" in out.text and len(out.token_ids) == 30
+
+
+# ---- weights ----------------------------------------------------------------------------------
+def test_load_weights_changes_generation_like_transformers(tiny_model_factory):
+    path = tiny_model_factory(arch="qwen2")
+    llm = LLM(path, kv="full", block_size=4, num_blocks=64)
+    model = hf_model(path)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for param in model.parameters():  # tied embeddings are one parameter: perturbed once
+            param.add_(0.05 * torch.randn(param.shape, generator=gen))
+    llm.load_weights(model.state_dict())
+    out = llm.generate([[8, 9, 10]], SamplingParams(max_tokens=32, **GREEDY))[0]
+    ref = model.generate(torch.tensor([[8, 9, 10]]), do_sample=False, max_new_tokens=32, min_new_tokens=32,
+                         eos_token_id=None, pad_token_id=0)
+    assert out.token_ids == ref[0, 3:].tolist()
+
+
+# ---- bad input --------------------------------------------------------------------------------
+@pytest.mark.parametrize("spec, message", [
+    ("lru:4", "unknown KV policy 'lru'"),
+    ("prefix_sliding", "takes 1 integer argument"),
+    ("prefix_sliding:abc", "non-integer"),
+    ("sliding_window:0", "window must be >= 1, got 0"),
+    ("prefix_sliding:-5", "window must be >= 1, got -5"),
+    ("streaming:4", "takes 2 integer argument"),
+    ("registers:0", "number of registers must be >= 1"),
+])
+def test_bad_policy_specs_are_rejected(tiny_model_factory, spec, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(tiny_model_factory(arch="qwen3"), kv=spec)
+
+
+def test_bad_requests_are_rejected(tiny_model_factory, tmp_path):
+    path = tiny_model_factory(arch="qwen3", max_position_embeddings=64)
+    llm = LLM(path, kv="full", block_size=4, num_blocks=64)
+    with pytest.raises(ValueError, match="prompt of 64 tokens does not fit max_model_len=64"):
+        llm.generate([[1] * 64], SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match="max_tokens must be >= 1, got 0"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises((FileNotFoundError, ValueError), match="does-not-exist"):
+        LLM(tmp_path / "does-not-exist")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises((FileNotFoundError, ValueError), match="config.json"):
+        LLM(tmp_path / "empty")

@@ -48,6 +48,7 @@ def test_unparseable_completions_score_zero_and_are_counted():
         record = reward(text, "5")
         assert record.total == 0.0 and record.parsed is None and record.info["unparseable"] == 1.0
     assert reward.num_unparseable == 3 and reward.num_errors == 0
+    assert reward(None, "5").total == 0.0 and reward.num_errors == 1  # a failure scores 0, counted, no raise
 
 
 def test_only_the_text_after_think_is_graded():
@@ -162,6 +163,8 @@ def test_malformed_pasta_is_scored_leniently_and_counted():
     # second block starts at 7: <async> u = 2 -> ends 9; end of text joins -> 9
     assert plan.critical_path == 9 and plan.num_malformed == 2
     assert schedule("a </async> b").num_malformed == 1  # stray close: a plain token
+    deep = schedule("<async> " * 5000)  # degenerate output: nesting is capped, nothing recurses 5000 deep
+    assert deep.num_tokens == 5000 and deep.num_malformed > 0
 
 
 # --------------------------------------------------------------------------- composite

@@ -70,12 +70,12 @@ def group_advantages(
         raise ValueError(f"rewards are empty (shape {tuple(r.shape)}); advantages need at least one sample")
     if r.dim() == 2 and group_ids is None:
         num_groups, n = r.shape
-        ids = torch.arange(num_groups).repeat_interleave(n)
+        ids = torch.arange(num_groups, device=r.device).repeat_interleave(n)
         _check_finite_grid(r)
         adv, zero = _centre_groups(r.reshape(-1).double(), ids, scale_by_std, eps)
         return GroupAdvantages(adv.reshape(num_groups, n).float(), zero, num_groups)
     if r.dim() == 1 and group_ids is not None:
-        ids = torch.as_tensor(group_ids)
+        ids = torch.as_tensor(group_ids, device=r.device)
         if ids.shape != r.shape:
             raise ValueError(f"group_ids shape {tuple(ids.shape)} must match rewards shape {tuple(r.shape)}")
         _check_finite_flat(r, ids)
@@ -107,13 +107,16 @@ def _centre_groups(r: torch.Tensor, inverse: torch.Tensor, scale_by_std: bool, e
     """r: [B] float64, inverse: [B] group index in 0..G-1 -> (advantages [B], zero-variance groups)."""
     num_groups = int(inverse.max()) + 1
     counts = torch.bincount(inverse, minlength=num_groups).double()  # [G]
-    mean = torch.zeros(num_groups, dtype=r.dtype).index_add_(0, inverse, r) / counts
-    hi = torch.full((num_groups,), -math.inf, dtype=r.dtype).scatter_reduce(0, inverse, r, "amax")
-    lo = torch.full((num_groups,), math.inf, dtype=r.dtype).scatter_reduce(0, inverse, r, "amin")
-    constant = hi == lo  # [G]
+
+    def per_group(init: float, values: torch.Tensor, reduce: str) -> torch.Tensor:  # [B] -> [G]
+        out = torch.full((num_groups,), init, dtype=r.dtype, device=r.device)
+        return out.scatter_reduce(0, inverse, values, reduce)
+
+    mean = per_group(0.0, r, "sum") / counts
+    constant = per_group(-math.inf, r, "amax") == per_group(math.inf, r, "amin")  # [G]
     adv = torch.where(constant[inverse], torch.zeros_like(r), r - mean[inverse])
     if scale_by_std:
-        std = (torch.zeros(num_groups, dtype=r.dtype).index_add_(0, inverse, adv**2) / counts).sqrt()  # [G]
+        std = (per_group(0.0, adv**2, "sum") / counts).sqrt()  # [G] population std
         adv = torch.where(constant[inverse], adv, adv / (std[inverse] + eps))
     return adv, int(constant.sum())
 
@@ -319,7 +322,8 @@ def bonbon_loss(
     sft = sft_loss(chosen_logprobs, chosen_mask)
     ipo = ipo_loss(pi_chosen, ref_chosen_seq, pi_rejected, ref_rejected_seq, beta)
     loss = alpha * sft.loss + (1.0 - alpha) * ipo.loss
-    metrics = {"loss": loss.item(), **_prefixed("sft", sft.metrics), **_prefixed("ipo", ipo.metrics)}
+    metrics = {"loss": loss.item()}
+    metrics.update({f"{name}/{k}": v for name, part in (("sft", sft), ("ipo", ipo)) for k, v in part.metrics.items()})
     return LossOutput(loss, metrics)
 
 
@@ -327,10 +331,6 @@ def _sequence_sum(logprobs: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tens
     """[P, T] -> [P] masked sum."""
     mask = _mask(loss_mask, logprobs.shape)
     return (_masked(logprobs, mask > 0) * mask).sum(dim=1)
-
-
-def _prefixed(prefix: str, metrics: dict[str, float]) -> dict[str, float]:
-    return {f"{prefix}/{k}": v for k, v in metrics.items()}
 
 
 # --------------------------------------------------------------------------- preference pairs
