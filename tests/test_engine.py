@@ -324,7 +324,7 @@ def test_bad_requests_are_rejected(tiny_model_factory, tmp_path):
     llm = LLM(path, kv="full", block_size=4, num_blocks=64)
     with pytest.raises(ValueError, match="prompt of 64 tokens does not fit max_model_len=64"):
         llm.generate([[1] * 64], SamplingParams(max_tokens=4))
-    with pytest.raises(ValueError, match="max_tokens must be >= 1, got 0"):
+    with pytest.raises(ValueError, match="max_tokens must be an integer >= 1, got 0"):
         SamplingParams(max_tokens=0)
     with pytest.raises((FileNotFoundError, ValueError), match="does-not-exist"):
         LLM(tmp_path / "does-not-exist")
