@@ -61,7 +61,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, death_ptr, block_tables_ptr, block_index
     for tile in range(first, last):
         offset, pos, death, in_range = live_key_tile(bt_row, bi_row, death_ptr, num_live, tile,
                                                      stride_kb, stride_ks, BLOCK_SIZE, TILE_N)
-        visible = in_range & (pos <= q_pos)  # [TILE_N]
+        visible = in_range & (pos <= q_pos) & (q_pos < death)  # [TILE_N]
         k = tl.load(k_ptr + offset[:, None] + kv_head * stride_kh + d[None, :],
                     mask=in_range[:, None] & d_ok[None, :], other=0.0)
         # a dead slot may hold anything, even NaN: never let it into p @ v

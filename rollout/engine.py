@@ -47,9 +47,9 @@ class LLM:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         self.device = torch.device(device)
         self.policy = KVPolicy.parse(kv)
+        self.model = load_model(model, dtype=DTYPES[dtype], device=self.device)
         self.tokenizer = load_tokenizer(model)
         self.policy = self._bind_policy(self.policy)
-        self.model = load_model(model, dtype=DTYPES[dtype], device=self.device)
         if len(self.tokenizer) > self.model.config.vocab_size:
             self.model.resize_vocab(len(self.tokenizer))
         cfg = self.model.config
