@@ -61,7 +61,7 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, death_ptr, block_tables_ptr, block_inde
     for tile in range(0, num_tiles):
         offset, pos, death, in_range = live_key_tile(bt_row, bi_row, death_ptr, num_live, tile,
                                                      stride_kb, stride_ks, BLOCK_SIZE, TILE_N)
-        reachable = in_range & (pos <= q_hi) & (death > q_hi)  # [TILE_N]: some row of the tile may see it
+        reachable = in_range & (pos <= q_hi) & (death > q_lo)  # [TILE_N]: some row of the tile may see it
         if tl.max(reachable.to(tl.int32), 0) > 0:
             kv_mask = reachable[:, None] & d_ok[None, :]
             k = tl.load(k_ptr + offset[:, None] + kv_head * stride_kh + d[None, :], mask=kv_mask, other=0.0)
