@@ -1,7 +1,8 @@
-"""The ``sliderl`` command line: ``sliderl generate [CONFIG] [key=value ...]``.
+"""The ``sliderl`` command line: ``generate``, ``train`` and ``eval``, each ``[CONFIG] [key=value ...]``.
 
 A subcommand loads its config (optional YAML file, then ``key.sub=value`` overrides), prints and
-saves the resolved config, and runs. Errors the user causes print one line and exit with code 2.
+saves the resolved config, and runs. Errors the user causes print one line and exit with code 2;
+a training run that cannot continue prints why and exits with code 1.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from cluster.config import ConfigError, GenerateConfig, config_reference, load_config, save_config, to_yaml
+from cluster.train_config import TrainConfig
 
+RUN_FAILED = 1
 USER_ERROR = 2
 DISPLAY_CHARS = 120
 
@@ -47,6 +50,29 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("args", nargs="*", metavar="CONFIG | key=value",
                           help="an optional YAML file, then overrides such as engine.kv=full sampling.max_tokens=16")
     generate.set_defaults(run=run_generate)
+    train = commands.add_parser(
+        "train", help="RL on Ray with bounded-KV rollouts (no arguments: the tiny-arith job)",
+        usage="%(prog)s [-h] [CONFIG] [key=value ...]",
+        description="Train a policy with GRPO/BoNBoN on a local Ray instance or, under `ray job submit` "
+                    "(RAY_ADDRESS set), on the cluster. Writes config.yaml, traces/, checkpoints/, "
+                    "metrics.jsonl, plots and summary.txt to run_dir. resume=true continues a run.",
+        epilog="config keys (override with key=value):\n  " + "\n  ".join(config_reference(TrainConfig)),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    train.add_argument("args", nargs="*", metavar="CONFIG | key=value",
+                       help="an optional YAML file, then overrides such as train.steps=5 rollout.num_workers=2")
+    train.set_defaults(run=run_train)
+    evaluate = commands.add_parser(
+        "eval", help="score a checkpoint on the task's eval split with the engine",
+        usage="%(prog)s [-h] CHECKPOINT [key=value ...]",
+        description="Greedy accuracy and KV use of CHECKPOINT (a Hugging Face directory, e.g. "
+                    "run_dir/checkpoints/step_000020) on eval.num_problems eval problems. The run's "
+                    "config.yaml (two folders up) is used when present; overrides apply on top.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    evaluate.add_argument("args", nargs="*", metavar="CHECKPOINT | key=value",
+                          help="the checkpoint directory, then overrides such as engine.kv=sliding_window:32")
+    evaluate.set_defaults(run=run_eval)
     return parser
 
 
@@ -141,6 +167,62 @@ def print_summary(summary: dict[str, Any], out_dir: Path) -> None:
     for key, value in summary.items():
         print(f"{key.replace('_', ' '):<{width}}  {value}")
     print(f"\nwrote {out_dir / 'config.yaml'}, {out_dir / 'completions.jsonl'}, {out_dir / 'summary.json'}")
+
+
+# --------------------------------------------------------------------------------------- train
+
+
+def run_train(config_path: str | None, overrides: list[str]) -> int:
+    """``sliderl train``: load the config, run the job, print the summary."""
+    from cluster.driver import train
+    from cluster.worker_pool import RunError
+
+    cfg = load_config(TrainConfig, config_path, overrides)
+    print(to_yaml(cfg), end="", flush=True)
+    try:
+        result = train(cfg)
+    except RunError as err:
+        print(f"sliderl train: run failed: {' '.join(str(err).split())}", file=sys.stderr)
+        return RUN_FAILED
+    print()
+    print(result.summary, end="")
+    for label, evaluation in (("before", result.eval_before), ("after", result.eval_after)):
+        if evaluation is not None:
+            print(f"  eval {label:<7}     {evaluation.line()}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------- eval
+
+
+def run_eval(checkpoint: str | None, overrides: list[str]) -> int:
+    """``sliderl eval CHECKPOINT``: accuracy and KV numbers of a checkpoint on the eval split."""
+    import tempfile
+
+    from cluster.data import data_sources, load_split
+    from cluster.evaluation import eval_sampling, score
+    from rollout import LLM, SamplingParams
+
+    if checkpoint is None:
+        raise ConfigError("sliderl eval needs a CHECKPOINT directory (e.g. runs/x/checkpoints/step_000020)")
+    path = Path(checkpoint).expanduser()
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"checkpoint {checkpoint!r} is not a Hugging Face model directory (no config.json)")
+    run_config = path.resolve().parent.parent / "config.yaml"
+    cfg = load_config(TrainConfig, str(run_config) if run_config.is_file() else None, overrides)
+    with tempfile.TemporaryDirectory() as scratch:
+        _, eval_source = data_sources(cfg, scratch)
+        problems = load_split(cfg, eval_source, cfg.eval.num_problems)
+    llm = LLM(model=str(path), **cfg.engine.llm_kwargs())
+    sampling = cfg.sampling.model_dump()
+    sampling.pop("seed")
+    params = SamplingParams(**eval_sampling(sampling, cfg.eval.temperature, cfg.max_tokens_eval(), cfg.train.seed))
+    start = time.perf_counter()
+    outputs = llm.generate([p.prompt for p in problems], params)
+    result = score(outputs, problems, cfg.task.verifier(), cfg.engine.kv)
+    print(f"{path}: {result.line()} | {time.perf_counter() - start:.1f} s")
+    print(json.dumps({"checkpoint": str(path), **result.__dict__}))
+    return 0
 
 
 if __name__ == "__main__":

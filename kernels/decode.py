@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.key_tile import live_key_tile, matmul
+from kernels.key_tile import live_key_tile
 from kernels.launch_checks import check_attention, interpreting, next_pow2, output_buffer
 from kernels.metadata import AttentionMetadata, PagedKVCache
 
@@ -52,6 +52,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, death_ptr, block_tables_ptr, block_index
     row64 = row.to(tl.int64)
     q_mask = row_ok[:, None] & d_ok[None, :]
     q = tl.load(q_ptr + row64 * stride_qn + head[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0)
+    if UPCAST:  # the interpreter multiplies bf16 as integers: run its dots in fp32
+        q = q.to(tl.float32)
 
     m_i = tl.full([GROUP_PAD], EMPTY_MAX, tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
@@ -67,13 +69,16 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, death_ptr, block_tables_ptr, block_index
         # a dead slot may hold anything, even NaN: never let it into p @ v
         v = tl.load(v_ptr + offset[:, None] + kv_head * stride_kh + d[None, :],
                     mask=visible[:, None] & d_ok[None, :], other=0.0)
-        s = matmul(q, tl.trans(k), PRECISION, UPCAST) * scale_log2  # [GROUP_PAD, TILE_N]
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [GROUP_PAD, TILE_N]
         s = tl.where(visible[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + matmul(p.to(v.dtype), v, PRECISION, UPCAST)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
     if NUM_SPLITS == 1:

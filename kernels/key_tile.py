@@ -1,4 +1,4 @@
-"""Device helpers shared by the attention kernels: one tile of a sequence's live keys, and the matmul.
+"""Device helper shared by the attention kernels: one tile of a sequence's live keys.
 
 A sequence's live keys are its live blocks laid end to end: live key i sits in live block
 ``i // block_size`` (``block_tables[s, i // block_size]``) at slot ``i % block_size``. A tile is
@@ -27,10 +27,3 @@ def live_key_tile(block_table_row, block_index_row, death_ptr, num_live, tile,
     offset = block * stride_block + slot.to(tl.int64) * stride_slot
     return offset, pos, death, in_range
 
-
-@triton.jit
-def matmul(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """``a @ b`` accumulated in fp32. UPCAST (interpreter only) works around its integer bf16 matmul."""
-    if UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=PRECISION)
-    return tl.dot(a, b, input_precision=PRECISION)

@@ -25,7 +25,7 @@ class AttentionMetadata:
     query_pos: torch.Tensor  # [N] int32, true position of each query token (Continue PE)
     slot_mapping: torch.Tensor  # [N] int64, cache slot that receives each query token's K/V
     slot_death: torch.Tensor  # [N] int32, death position written beside each new K/V
-    block_tables: torch.Tensor  # [S, M] int32, physical ids of live blocks, ascending position, -1 pad
+    block_tables: torch.Tensor  # [S, M] int32, physical ids of live blocks (any order), -1 pad
     block_index: torch.Tensor  # [S, M] int32, logical block index of each live block, -1 pad
     num_live_blocks: torch.Tensor  # [S] int32
     max_query_len: int

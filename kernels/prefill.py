@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from kernels.decode import EMPTY_MAX, LOG2E
-from kernels.key_tile import live_key_tile, matmul
+from kernels.key_tile import live_key_tile
 from kernels.launch_checks import check_attention, interpreting, next_pow2, output_buffer
 from kernels.metadata import AttentionMetadata, PagedKVCache
 
@@ -47,6 +47,8 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, death_ptr, block_tables_ptr, block_inde
     d_ok = d < HEAD_DIM
     q_mask = row_ok[:, None] & d_ok[None, :]
     q = tl.load(q_ptr + row[:, None] * stride_qn + head[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0)
+    if UPCAST:  # the interpreter multiplies bf16 as integers: run its dots in fp32
+        q = q.to(tl.float32)
     q_pos = tl.load(query_pos_ptr + row, mask=row_ok, other=0)
     q_lo = tl.min(tl.where(row_ok, q_pos, INT32_MAX), 0)
     q_hi = tl.max(tl.where(row_ok, q_pos, -1), 0)
@@ -66,14 +68,17 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, death_ptr, block_tables_ptr, block_inde
             kv_mask = reachable[:, None] & d_ok[None, :]
             k = tl.load(k_ptr + offset[:, None] + kv_head * stride_kh + d[None, :], mask=kv_mask, other=0.0)
             v = tl.load(v_ptr + offset[:, None] + kv_head * stride_kh + d[None, :], mask=kv_mask, other=0.0)
+            if UPCAST:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
             visible = reachable[None, :] & (pos[None, :] <= q_pos[:, None]) & (q_pos[:, None] < death[None, :])
-            s = matmul(q, tl.trans(k), PRECISION, UPCAST) * scale_log2  # [BLOCK_M, TILE_N]
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [BLOCK_M, TILE_N]
             s = tl.where(visible, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + matmul(p.to(v.dtype), v, PRECISION, UPCAST)
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
             m_i = m_new
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]

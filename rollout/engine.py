@@ -33,12 +33,13 @@ class LLM:
 
     ``kv``: ``full``, ``prefix_sliding:W``, ``sliding_window:W``, ``streaming:S:W`` or ``registers:N``.
     The pool holds ``num_blocks`` blocks of ``block_size`` tokens (or as many as ``kv_cache_gb`` allows).
+    On CUDA, decode steps replay CUDA graphs unless ``cuda_graphs=False``.
     """
 
     def __init__(self, model: str, kv: str = "full", *, device: str = "cpu", dtype: str = "float32",
                  block_size: int = 16, num_blocks: int | None = None, kv_cache_gb: float | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 1024, max_model_len: int | None = None,
-                 seed: int = 0):
+                 seed: int = 0, cuda_graphs: bool = True):
         if dtype not in DTYPES:
             raise ValueError(f"dtype {dtype!r} is not supported; valid: {sorted(DTYPES)}")
         for name, value in (("block_size", block_size), ("max_num_seqs", max_num_seqs),
@@ -56,7 +57,8 @@ class LLM:
         self.max_model_len = max_model_len or cfg.max_position_embeddings
         self.block_size = block_size
         num_blocks = num_blocks or self._blocks_for_memory(kv_cache_gb, DTYPES[dtype])
-        self.runner = ModelRunner(self.model, num_blocks, block_size, self.device, DTYPES[dtype])
+        self.runner = ModelRunner(self.model, num_blocks, block_size, self.device, DTYPES[dtype], max_num_seqs,
+                                  self.max_model_len, cuda_graphs)
         self.scheduler = Scheduler(BlockManager(num_blocks), max_num_seqs, max_num_batched_tokens)
         self.eos_ids = self._eos_ids(model)
         self.seed = seed
@@ -79,9 +81,9 @@ class LLM:
         cfg = self.model.config
         per_block = PagedKVCache.bytes_per_block(cfg.num_layers, self.block_size, cfg.num_kv_heads, cfg.head_dim, dtype)
         if kv_cache_gb is None:
-            if self.device.type == "cuda":
+            if self.device.type == "cuda":  # leave room for activations, logits and graphs
                 free, _ = torch.cuda.mem_get_info(self.device)
-                return int(free * 0.85) // per_block
+                return max(1, int(free * 0.9 - 4 * 2**30) // per_block)
             kv_cache_gb = 1.0
         if kv_cache_gb <= 0:
             raise ValueError(f"kv_cache_gb must be > 0, got {kv_cache_gb}")

@@ -100,7 +100,7 @@ class Scheduler:
         bs = seq.block_size
         for j in range(seq.num_computed // bs, (seq.num_computed + n - 1) // bs + 1):
             if j not in seq.blocks:
-                seq.blocks[j] = self.blocks.allocate()
+                seq.add_block(j, self.blocks.allocate())
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -115,7 +115,6 @@ class Scheduler:
 
     def finish(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        for block in seq.blocks.values():
+        for block in seq.release_blocks():
             self.blocks.free(block)
-        seq.blocks.clear()
         seq.status = Status.FINISHED

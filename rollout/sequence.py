@@ -6,6 +6,8 @@ import heapq
 from dataclasses import dataclass, field
 from enum import Enum, auto
 
+import numpy as np
+
 from rollout.kv_policy import DeathTracker
 from rollout.sampling import SamplingParams
 
@@ -45,7 +47,9 @@ class Sequence:
     """Tokens, KV blocks and visibility of one request.
 
     ``num_computed`` tokens have their K/V in the cache; the next query position is ``num_computed``.
-    ``blocks`` maps logical block index -> physical block for live blocks only, in ascending order.
+    ``blocks`` maps logical block index -> physical block for live blocks only. ``block_table`` /
+    ``block_index`` mirror it as arrays (first ``len(blocks)`` entries, in no particular order:
+    attention masks by position, so a freed block is swap-removed in O(1)).
     """
 
     def __init__(self, request_id: int, prompt_token_ids: list[int], params: SamplingParams, seed: int,
@@ -61,12 +65,16 @@ class Sequence:
         self.status = Status.WAITING
         self.num_computed = 0
         self.blocks: dict[int, int] = {}
+        self.block_table = np.full(16, -1, dtype=np.int32)
+        self.block_index = np.full(16, -1, dtype=np.int32)
+        self._column: dict[int, int] = {}  # logical block -> its column in the arrays
         self._free_heap: list[tuple[int, int]] = []  # (max death, logical block) of complete blocks
         self.logprobs: list[float] = []
         self.forced: list[bool] = []
         self.pending_forced: list[int] = []
         self.thinking_done = False
         self.finish_reason: str | None = None
+        self.finished_at = 0.0
         self.num_preemptions = 0
         self.visible_sum = 0
         self.kv = KVUsage()
@@ -94,6 +102,24 @@ class Sequence:
         first, last = self.num_computed // self.block_size, (self.num_computed + n_tokens - 1) // self.block_size
         return sum(1 for j in range(first, last + 1) if j not in self.blocks)
 
+    def add_block(self, j: int, block: int) -> None:
+        col = len(self.blocks)
+        if col == len(self.block_table):
+            self.block_table = np.concatenate([self.block_table, np.full(col, -1, dtype=np.int32)])
+            self.block_index = np.concatenate([self.block_index, np.full(col, -1, dtype=np.int32)])
+        self.blocks[j] = block
+        self._column[j] = col
+        self.block_table[col], self.block_index[col] = block, j
+
+    def remove_block(self, j: int) -> int:
+        block, col, last = self.blocks.pop(j), self._column.pop(j), len(self.blocks)
+        if col != last:  # move the last column into the hole
+            moved = int(self.block_index[last])
+            self.block_table[col], self.block_index[col] = self.block_table[last], moved
+            self._column[moved] = col
+        self.block_table[last] = self.block_index[last] = -1
+        return block
+
     def append_token(self, token: int, logprob: float, forced: bool) -> list[tuple[int, int]]:
         """Record a sampled (or forced) token; returns position ranges its arrival killed."""
         self.visible_sum += self.tracker.visible
@@ -119,15 +145,20 @@ class Sequence:
             _, j = heapq.heappop(self._free_heap)
             bs = self.block_size
             if j in self.blocks and max(self.tracker.death[j * bs:(j + 1) * bs]) <= self.num_computed:
-                dead.append(self.blocks.pop(j))
+                dead.append(self.remove_block(j))
         return dead
+
+    def release_blocks(self) -> list[int]:
+        """Drop every block (finish or preemption); returns the physical ids to free."""
+        freed = list(self.blocks.values())
+        for j in list(self.blocks):
+            self.remove_block(j)
+        self._free_heap.clear()
+        return freed
 
     def reset_for_recompute(self) -> list[int]:
         """Preemption: drop every block; the tokens stay and are prefilled again later."""
-        freed = list(self.blocks.values())
-        self.blocks.clear()
-        self._free_heap.clear()
         self.num_computed = 0
         self.num_preemptions += 1
         self.status = Status.WAITING
-        return freed
+        return self.release_blocks()

@@ -81,10 +81,14 @@ def random_seq(gen: torch.Generator, length: int, num_queries: int, window: int,
 
 
 def seen_by_any_query(seq: Seq) -> list[bool]:
-    """Whether some query position q of the step sees k (``k <= q < d(k)``), per position k."""
-    n = len(seq.death)
-    queries = range(n - seq.num_queries, n)
-    return [any(k <= q < seq.death[k] for q in queries) for k in range(n)]
+    """Whether some query q of the step sees k (``k <= q < d(k)``), per position k.
+
+    The queries are the contiguous positions ``first..last``, so some q qualifies exactly when
+    the smallest candidate ``max(k, first)`` is ``<= last`` and ``< d(k)``.
+    """
+    last = len(seq.death) - 1
+    first = last + 1 - seq.num_queries
+    return [max(k, first) <= last and max(k, first) < d for k, d in enumerate(seq.death)]
 
 
 def build_case(seqs: list[Seq], block_size: int, num_kv_heads: int, group: int, head_dim: int,
@@ -104,16 +108,16 @@ def build_case(seqs: list[Seq], block_size: int, num_kv_heads: int, group: int, 
         n = len(s.death)
         keys.append(torch.randn((n, num_kv_heads, head_dim), generator=gen).to(dtype))
         values.append(torch.randn((n, num_kv_heads, head_dim), generator=gen).to(dtype))
-        seen = seen_by_any_query(s)
+        seen = torch.tensor(seen_by_any_query(s))
         table, index = [], []
         for i in range(n_blocks):
             b = physical.pop()
             lo, hi = i * block_size, min(n, (i + 1) * block_size)
             death_pool[b, : hi - lo] = torch.tensor(s.death[lo:hi], dtype=torch.int32)
-            for k in range(lo, hi):
-                if seen[k]:
-                    k_pool[b, k - lo], v_pool[b, k - lo] = keys[-1][k], values[-1][k]
-            if any(seen[lo:hi]) or float(torch.rand((), generator=gen)) < keep_dead:
+            used = seen[lo:hi]
+            k_pool[b, : hi - lo][used] = keys[-1][lo:hi][used]
+            v_pool[b, : hi - lo][used] = values[-1][lo:hi][used]
+            if used.any() or float(torch.rand((), generator=gen)) < keep_dead:
                 table.append(b)
                 index.append(i)
         tables.append(table)
@@ -151,22 +155,23 @@ def make_metadata(seqs: list[Seq], tables: list[list[int]], indices: list[list[i
 
 
 def dense_reference(case: Case, scale: float) -> torch.Tensor:
-    """Float64 softmax per query over the keys it sees, from positions and deaths; ``[N, H_q, D]``."""
+    """Float64 softmax of each query over the keys it sees (``k <= q < d(k)``); ``[N, H_q, D]``."""
     q = case.q.double().cpu()
     out = torch.zeros_like(q)
     group = q.shape[1] // case.keys[0].shape[1]
     row = 0
     for s, k, v in zip(case.seqs, case.keys, case.values):
         n = len(s.death)
-        death = torch.tensor(s.death, dtype=torch.float64)
+        keys = torch.arange(n)
+        queries = torch.arange(n - s.num_queries, n)
+        seen = (keys[None, :] <= queries[:, None]) & (queries[:, None] < torch.tensor(s.death)[None, :])  # [nq, T]
         k = k.double().repeat_interleave(group, dim=1)  # [T, H_q, D]
         v = v.double().repeat_interleave(group, dim=1)
-        for p in range(n - s.num_queries, n):
-            keys = torch.arange(n, dtype=torch.float64)
-            seen = (keys <= p) & (p < death)
-            scores = torch.einsum("hd,khd->hk", q[row], k[seen]) * scale
-            out[row] = torch.einsum("hk,khd->hd", torch.softmax(scores, dim=-1), v[seen])
-            row += 1
+        k, v = k.nan_to_num(0.0), v.nan_to_num(0.0)  # unseen keys are masked; keep them out of 0 * NaN
+        scores = torch.einsum("qhd,khd->qhk", q[row:row + s.num_queries], k) * scale
+        probs = scores.masked_fill(~seen[:, None, :], float("-inf")).softmax(-1)
+        out[row:row + s.num_queries] = torch.einsum("qhk,khd->qhd", probs, v)
+        row += s.num_queries
     return out
 
 
@@ -215,7 +220,7 @@ def test_decode_matches_dense_reference(block_size, group, dtype, splits, tile_n
 
 
 def test_decode_default_config_and_dispatch():
-    """``kernels.paged_attention`` picks the decode kernel; the default plan runs (several splits here)."""
+    """``kernels.paged_attention`` picks the decode kernel and runs it with the default launch shape."""
     gen = torch.Generator().manual_seed(7)
     seqs = [random_seq(gen, 90, 1, window=31, prefix=3, spans=2) for _ in range(2)]
     case = build_case(seqs, 8, num_kv_heads=1, group=2, head_dim=16, dtype=torch.float32, gen=gen)
@@ -235,6 +240,21 @@ def test_decode_with_more_splits_than_tiles_and_an_empty_sequence():
     assert torch.equal(out[1].cpu(), torch.zeros_like(out[1].cpu()))
     ref = dense_reference(case, 0.3)
     assert_close(out[:1], ref[:1], torch.float32)
+
+
+def test_group_and_head_dim_not_powers_of_two():
+    """Group 3 (e.g. 24 query / 8 KV heads) and head dim 24 are padded inside both kernels."""
+    gen = torch.Generator().manual_seed(17)
+    seqs = [random_seq(gen, 33, 1, window=10, prefix=2, spans=2), random_seq(gen, 20, 1, window=6, prefix=0, spans=0)]
+    case = build_case(seqs, 8, num_kv_heads=2, group=3, head_dim=24, dtype=torch.float32, gen=gen)
+    decoded = decode_attention(case.q, case.cache, 0, case.meta, 0.2,
+                               config=DecodeConfig(tile_n=16, num_splits=2, num_warps=4, num_stages=2),
+                               out=poisoned_like(case.q))
+    assert_close(decoded, dense_reference(case, 0.2), torch.float32)
+    seqs = [random_seq(gen, 30, 9, window=10, prefix=2, spans=2), random_seq(gen, 20, 1, window=6, prefix=0, spans=0)]
+    case = build_case(seqs, 8, num_kv_heads=2, group=3, head_dim=24, dtype=torch.float32, gen=gen)
+    prefilled = prefill_attention(case.q, case.cache, 0, case.meta, 0.2, out=poisoned_like(case.q))
+    assert_close(prefilled, dense_reference(case, 0.2), torch.float32)
 
 
 def test_choose_num_splits_fills_whole_waves():
@@ -258,9 +278,9 @@ PREFILL_CASES = [
     # block, group, dtype, block_q, tile_n
     (4, 1, torch.float32, 16, 16),
     (8, 2, torch.bfloat16, 8, 32),
-    (16, 4, torch.float32, 4, 16),
+    (16, 4, torch.float32, 8, 16),
     (16, 2, torch.bfloat16, 16, 16),
-    (32, 4, torch.bfloat16, 8, 16),  # a tile covers half a block
+    (32, 4, torch.bfloat16, 4, 16),  # a tile covers half a block; 16 rows
 ]
 
 
@@ -268,8 +288,8 @@ PREFILL_CASES = [
 def test_prefill_matches_dense_reference(block_size, group, dtype, block_q, tile_n):
     gen = torch.Generator().manual_seed(2000 * block_size + 10 * group + block_q)
     seqs = [
-        random_seq(gen, 37, 37, window=11, prefix=6, spans=2),  # a whole prompt, window inside it
-        random_seq(gen, 64, 19, window=13, prefix=4, spans=4),  # a chunk after 45 cached tokens
+        random_seq(gen, 29, 29, window=11, prefix=6, spans=2),  # a whole prompt, window inside it
+        random_seq(gen, 54, 13, window=13, prefix=4, spans=4),  # a chunk after 41 cached tokens
         random_seq(gen, 50, 1, window=17, prefix=2, spans=1),  # a decode token in the same batch
         random_seq(gen, 5, 5, window=3, prefix=0, spans=0),  # a single block
     ]

@@ -1,0 +1,190 @@
+"""Steady-state decode throughput of the engine on a Qwen3-1.7B-config model (random bf16 weights).
+
+    python benchmarks/engine_gpu.py [--positions 8192 32768 131072] [--window 4096] [--steps 48] [--out F]
+
+How the cache reaches a position X: each sequence has a 100-token prompt; its history up to X is
+synthesised instead of generated — the token ids are a filler token (registers: a register token every
+256 tokens, cycling over 16 registers), the KV policy's tracker is run over them, and only the blocks
+some future query can still see are allocated and filled with random K/V with their true death
+positions. Dead blocks are never allocated (they would never be read). Then the engine decodes
+``--steps`` real steps (CUDA graphs, Triton kernels, sampling on the GPU) and we time the last
+``steps - warmup`` of them. The batch is sized to the KV memory budget (at most 256 sequences).
+transformers' ``generate`` (static cache, greedy) on the same model is the peer row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+from rollout import LLM, SamplingParams  # noqa: E402
+from rollout.sequence import Status  # noqa: E402
+
+PROMPT = 100
+
+
+def build_model(root: Path) -> Path:
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from rollout.tiny import build_tokenizer
+    cfg = Qwen3Config(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                      num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                      rms_norm_eps=1e-6, tie_word_embeddings=True, rope_theta=1_000_000)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    model.save_pretrained(root)
+    build_tokenizer().save_pretrained(root)
+    return root
+
+
+def history(llm: LLM, position: int) -> tuple[list[int], object]:
+    """Token ids up to ``position`` and a tracker that has followed them (shared by all sequences)."""
+    filler = 65
+    ids = [filler] * position
+    if llm.policy.kind == "registers":
+        regs = llm.policy.register_ids
+        for i, p in enumerate(range(PROMPT, position, 256)):
+            ids[p] = regs[i % len(regs)]
+    tracker = llm.policy.tracker(PROMPT)
+    for p in range(position):
+        tracker.append(p, ids[p])
+    return ids, tracker
+
+
+def place(llm: LLM, n: int, position: int, max_new: int) -> None:
+    """Put ``n`` running sequences at ``position`` (see the module docstring)."""
+    ids, tracker = history(llm, position)
+    bs = llm.block_size
+    live = [j for j in range(position // bs + 1)
+            if j == position // bs or max(tracker.death[j * bs:(j + 1) * bs]) > position]
+    death_rows = torch.tensor([tracker.death[j * bs:(j + 1) * bs] + [0] * (bs - len(tracker.death[j * bs:(j + 1) * bs]))
+                               for j in live], dtype=torch.int32)
+    params = SamplingParams(max_tokens=position - PROMPT + 1 + max_new, temperature=0.0, ignore_eos=True)
+    for _ in range(n):
+        seq = llm.add_request(ids[:PROMPT], params)
+        llm.scheduler.waiting.remove(seq)
+        seq.tracker = copy.deepcopy(tracker)
+        seq.tracker.append(position, ids[-1])
+        seq.token_ids = list(ids) + [ids[-1]]
+        blocks = [llm.scheduler.blocks.allocate() for _ in live]
+        for j, b in zip(live, blocks):
+            seq.add_block(j, b)
+        llm.runner.cache.death[torch.tensor(blocks, device=llm.device)] = death_rows.to(llm.device)
+        seq.num_computed = position
+        for j in live[:-1]:
+            seq.block_completed(j)
+        seq.status = Status.RUNNING
+        llm.scheduler.running.append(seq)
+
+
+def decode_rate(llm: LLM, steps: int, warmup: int) -> float:
+    for _ in range(warmup):
+        llm.step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    tokens = 0
+    for _ in range(steps - warmup):
+        tokens += len(llm.scheduler.running)
+        llm.step()
+    torch.cuda.synchronize()
+    return tokens / (time.perf_counter() - t0)
+
+
+def live_tokens(spec: str, position: int) -> int:
+    kind, *a = spec.split(":")
+    if kind == "full":
+        return position
+    if kind == "registers":
+        return PROMPT + 16 * 256
+    w = int(a[-1])
+    return {"prefix_sliding": PROMPT, "streaming": int(a[0]), "sliding_window": 0}[kind] + w
+
+
+def bench_engine(path: Path, spec: str, position: int, steps: int, kv_gb: float, max_seqs: int) -> dict:
+    per_token = 2 * 28 * 8 * 128 * 2
+    n = max(1, min(max_seqs, int(kv_gb * 2**30 / (per_token * (live_tokens(spec, position) + 64 + steps)))))
+    llm = LLM(str(path), kv=spec, device="cuda", dtype="bfloat16", block_size=16, max_num_seqs=n,
+              kv_cache_gb=kv_gb, max_model_len=position + 4096)
+    for k, v in zip(llm.runner.cache.k, llm.runner.cache.v):  # random K/V, never zeros
+        k.normal_()
+        v.normal_()
+    place(llm, n, position, steps + 8)
+    rate = decode_rate(llm, steps, warmup=8)
+    seqs = llm.scheduler.running
+    row = {"policy": spec, "position": position, "batch": n, "tokens_per_s": rate,
+           "live_kv_tokens_per_seq": sum(s.tracker.visible for s in seqs) / len(seqs)}
+    del llm
+    torch.cuda.empty_cache()
+    return row
+
+
+def bench_transformers(path: Path, prompt_len: int, batch: int, new: int) -> dict:
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    ids = torch.full((batch, prompt_len), 65, device="cuda")
+    kw = dict(do_sample=False, min_new_tokens=new, max_new_tokens=new, pad_token_id=0, eos_token_id=None)
+    with torch.no_grad():
+        model.generate(ids, **{**kw, "min_new_tokens": 2, "max_new_tokens": 2})
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        model.generate(ids, **{**kw, "min_new_tokens": 1, "max_new_tokens": 1})
+        torch.cuda.synchronize()
+        t_prefill = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        model.generate(ids, **kw)
+        torch.cuda.synchronize()
+        total = time.perf_counter() - t0
+    del model
+    torch.cuda.empty_cache()
+    return {"policy": "transformers generate (full)", "position": prompt_len, "batch": batch,
+            "tokens_per_s": batch * (new - 1) / max(total - t_prefill, 1e-9), "live_kv_tokens_per_seq": prompt_len}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--positions", type=int, nargs="+", default=[8192, 32768, 131072])
+    parser.add_argument("--window", type=int, default=4096)
+    parser.add_argument("--policies", nargs="+", default=None)
+    parser.add_argument("--steps", type=int, default=48)
+    parser.add_argument("--kv-gb", type=float, default=100.0)
+    parser.add_argument("--max-seqs", type=int, default=256)
+    parser.add_argument("--hf-batch", type=int, default=16)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    w = args.window
+    policies = args.policies or ["full", f"prefix_sliding:{w}", f"sliding_window:{w}", "registers:16"]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        path = build_model(Path(tmp) / "qwen3-1.7b-random")
+        for position in args.positions:
+            for spec in policies:
+                rows.append(bench_engine(path, spec, position, args.steps, args.kv_gb, args.max_seqs))
+                print(json.dumps(rows[-1]), flush=True)
+        if args.hf_batch:
+            rows.append(bench_transformers(path, min(args.positions), args.hf_batch, 64))
+            print(json.dumps(rows[-1]), flush=True)
+    full = {r["position"]: r["tokens_per_s"] for r in rows if r["policy"] == "full"}
+    print(f"\n{'policy':<30}{'position':>9}{'batch':>7}{'tok/s':>10}{'vs full':>9}{'live KV/seq':>12}")
+    for r in rows:
+        ratio = r["tokens_per_s"] / full[r["position"]] if r["position"] in full else math.nan
+        print(f"{r['policy']:<30}{r['position']:>9}{r['batch']:>7}{r['tokens_per_s']:>10.0f}{ratio:>8.2f}x"
+              f"{r['live_kv_tokens_per_seq']:>12.0f}")
+    if args.out:
+        args.out.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,283 @@
+"""Warm start by SFT: a tiny Qwen3 trained on a task's reference solutions, saved as a HF checkpoint.
+
+``warm_start(out_dir, task, ...)`` builds a random tiny model (``rollout.tiny.make_tiny_model``),
+trains it with ``trainer.losses.sft_loss`` on completion tokens only, running the model's own
+forward (``DecoderLM``) under the visibility of a KV policy (``train_kv``: ``full`` is the causal
+mask; ``prefix_sliding:W`` adapts the model to the bounded KV the engine will use), and writes a
+Hugging Face directory that ``rollout.LLM`` and ``transformers`` both load.
+
+The checkpoint lands in ``out_dir/warmstart-<hash of the settings>``. The marker file
+``warmstart.json`` (settings, loss curve, seconds) is written last and the directory is renamed
+into place atomically, so a directory with a marker is a finished checkpoint for exactly those
+settings: a second call returns it without training.
+
+    python -m trainer.warmstart OUT_DIR --steps 300 --eval 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from rewards.arith import ArithTask, ArithVerifier
+from rollout.kv_policy import KVPolicy, visible_mask
+from trainer.losses import sft_loss
+
+MARKER = "warmstart.json"
+WEIGHTS = "model.safetensors"
+
+
+@dataclass(frozen=True)
+class WarmStartSettings:
+    """Everything that changes the warm-started weights; hashed into the checkpoint's folder name."""
+
+    arch: str = "qwen3"
+    hidden_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 512
+    steps: int = 300
+    lr: float = 3e-3
+    batch_size: int = 32
+    warmup_steps: int = 20
+    weight_decay: float = 0.01
+    train_kv: str = "full"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "hidden_size", "num_layers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"warm start {name} must be >= 1, got {getattr(self, name)}")
+        if not self.lr > 0:
+            raise ValueError(f"warm start lr must be > 0, got {self.lr}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"warm start warmup_steps must be >= 0, got {self.warmup_steps}")
+        object.__setattr__(self, "train_kv", KVPolicy.parse(self.train_kv).spec)
+        if KVPolicy.parse(self.train_kv).kind == "registers":
+            raise ValueError(f"warm start train_kv {self.train_kv!r} is not supported; the arithmetic task has no "
+                             "register tokens (use full, prefix_sliding:W, sliding_window:W or streaming:S:W)")
+
+    def fingerprint(self, task: ArithTask) -> str:
+        """12 hex digits identifying (task, settings)."""
+        blob = json.dumps({"task": dataclasses.asdict(task), "warmstart": dataclasses.asdict(self)}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def warm_start(out_dir: str | Path, task: ArithTask, *, device: str = "cpu", log_every: int = 0,
+               **settings) -> Path:
+    """The warm-started checkpoint for ``task`` under ``out_dir``; trains it only when it is not there yet.
+
+    ``settings``: the fields of ``WarmStartSettings`` (arch, hidden_size, num_layers, num_heads,
+    num_kv_heads, intermediate_size, steps, lr, batch_size, warmup_steps, weight_decay, train_kv,
+    seed). ``log_every`` > 0 prints the loss every that many steps. Returns the checkpoint directory.
+    """
+    known = {f.name for f in dataclasses.fields(WarmStartSettings)}
+    unknown = sorted(set(settings) - known)
+    if unknown:
+        raise ValueError(f"unknown warm start setting(s) {unknown}; valid: {', '.join(sorted(known))}")
+    cfg = WarmStartSettings(**settings)
+    path = Path(out_dir).expanduser() / f"warmstart-{cfg.fingerprint(task)}"
+    if (path / MARKER).is_file():
+        return path
+    staging = path.parent / f".{path.name}.training-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    record = train(staging, task, cfg, device=device, log_every=log_every)
+    (staging / MARKER).write_text(json.dumps(record, indent=1) + "\n")
+    publish(staging, path)
+    return path
+
+
+def publish(staging: Path, path: Path) -> None:
+    """Rename the finished ``staging`` folder to ``path``; a finished copy already there wins."""
+    try:
+        staging.rename(path)
+    except OSError:
+        if not (path / MARKER).is_file():
+            shutil.rmtree(path, ignore_errors=True)  # an unfinished leftover without its marker
+            staging.rename(path)
+        else:
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def train(model_dir: Path, task: ArithTask, cfg: WarmStartSettings, *, device: str = "cpu",
+          log_every: int = 0) -> dict:
+    """Write a random tiny model to ``model_dir``, SFT it in place; return the marker record."""
+    from rollout.loader import load_model, load_tokenizer
+    from rollout.tiny import make_tiny_model
+
+    t0 = time.perf_counter()
+    make_tiny_model(model_dir, cfg.arch, hidden_size=cfg.hidden_size, num_layers=cfg.num_layers,
+                    num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+                    intermediate_size=cfg.intermediate_size, seed=cfg.seed,
+                    max_position_embeddings=max(512, 2 * max_sequence_tokens(task)))
+    model = load_model(model_dir, device=device).train()
+    tokenizer = load_tokenizer(model_dir)
+    problems = task.problems(cfg.steps * cfg.batch_size, "train")
+    policy = KVPolicy.parse(cfg.train_kv)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.98))
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, cfg.warmup_steps, cfg.steps))
+    torch.manual_seed(cfg.seed)
+    losses = []
+    for step in range(cfg.steps):
+        rows = problems[step * cfg.batch_size:(step + 1) * cfg.batch_size]
+        batch = make_batch(tokenizer, rows, policy, device)
+        out = sft_loss(token_logprobs(model, batch), batch.loss_mask)
+        optimizer.zero_grad(set_to_none=True)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        losses.append(round(out.metrics["loss"], 5))
+        if log_every and (step % log_every == 0 or step == cfg.steps - 1):
+            print(f"warm start step {step + 1}/{cfg.steps}  loss {losses[-1]:.4f}  {time.perf_counter() - t0:.0f}s",
+                  flush=True)
+    save_weights(model, model_dir)
+    return {"task": dataclasses.asdict(task), "warmstart": dataclasses.asdict(cfg), "losses": losses,
+            "seconds": round(time.perf_counter() - t0, 2)}
+
+
+def lr_factor(step: int, warmup: int, total: int) -> float:
+    """Linear warm-up to 1 over ``warmup`` steps, then cosine decay to 0.1 at ``total``."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def max_sequence_tokens(task: ArithTask) -> int:
+    """An upper bound on prompt + completion tokens of any problem (byte-level: one token per char)."""
+    prompt = 24 + task.num_steps[1] * (4 + len(str(task.max_operand))) + len(str(task.max_value))
+    return prompt + task.max_completion_chars() + 1
+
+
+# --------------------------------------------------------------------------- batches and forward
+
+
+@dataclass
+class SFTBatch:
+    """B right-padded sequences of length T, flattened for the model's token-stream forward.
+
+    input_ids, positions: [B*T]; targets, loss_mask: [B, T] (the target at t is token t+1, and the
+    mask is on where that target is a completion token); visible: [B, T, T] bool.
+    """
+
+    input_ids: Tensor
+    positions: Tensor
+    targets: Tensor
+    loss_mask: Tensor
+    visible: Tensor
+
+
+def make_batch(tokenizer, rows: list[dict], policy: KVPolicy, device: str | torch.device = "cpu") -> SFTBatch:
+    """Tokenise ``prompt`` and ``solution`` + eos of each row; mask and visibility per row."""
+    eos = tokenizer.eos_token_id
+    seqs = [(tokenizer(r["prompt"]).input_ids, tokenizer(r["solution"]).input_ids + [eos]) for r in rows]
+    width = max(len(p) + len(c) for p, c in seqs)
+    ids = torch.full((len(rows), width), eos, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.bool)
+    visible = torch.zeros(len(rows), width, width, dtype=torch.bool)
+    pos = torch.arange(width)
+    for b, (prompt, completion) in enumerate(seqs):
+        tokens = prompt + completion
+        ids[b, :len(tokens)] = torch.tensor(tokens)
+        mask[b, len(prompt) - 1:len(tokens) - 1] = True  # predictions of the completion tokens
+        death = policy.death_positions(len(prompt), tokens + [eos] * (width - len(tokens)))
+        visible[b] = visible_mask(pos, pos, death)
+    targets = torch.cat([ids[:, 1:], torch.full((len(rows), 1), eos)], dim=1)
+    return SFTBatch(ids.reshape(-1).to(device), pos.repeat(len(rows)).to(device), targets.to(device),
+                    mask.to(device), visible.to(device))
+
+
+class PaddedAttention:
+    """An ``AttentionBackend`` over B equal-length rows of a flat stream, with a per-row mask.
+
+    visible: [B, T, T] bool (query row sees key column). Uses SDPA with GQA.
+    """
+
+    def __init__(self, visible: Tensor):
+        self.visible = visible[:, None]  # [B, 1, T, T]
+        self.batch, self.width = visible.shape[0], visible.shape[1]
+
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        b, t = self.batch, self.width
+
+        def heads(x: Tensor) -> Tensor:  # [B*T, H, D] -> [B, H, T, D]
+            return x.view(b, t, x.shape[1], x.shape[2]).transpose(1, 2)
+
+        o = F.scaled_dot_product_attention(heads(q), heads(k), heads(v), attn_mask=self.visible, enable_gqa=True)
+        return o.transpose(1, 2).reshape(b * t, q.shape[1], q.shape[2])  # [B*T, H_q, D]
+
+
+def token_logprobs(model, batch: SFTBatch) -> Tensor:
+    """log p(target) at every position: [B, T] float32."""
+    hidden = model(batch.input_ids, batch.positions, PaddedAttention(batch.visible))  # [B*T, hidden]
+    logits = model.compute_logits(hidden).view(*batch.targets.shape, -1)  # [B, T, V]
+    return logits.log_softmax(-1).gather(-1, batch.targets[..., None]).squeeze(-1)
+
+
+def save_weights(model, model_dir: Path) -> None:
+    """Overwrite ``model_dir/model.safetensors`` with the model's weights under Hugging Face names."""
+    from safetensors.torch import save_file
+
+    tensors = {name: p.detach().contiguous().cpu() for name, p in model.named_parameters()}
+    if model.config.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)  # shared with the embedding; transformers re-ties it
+    save_file(tensors, str(model_dir / WEIGHTS), metadata={"format": "pt"})
+
+
+# --------------------------------------------------------------------------- evaluation
+
+
+def evaluate(model_dir: str | Path, problems: list[dict], kv: str, *, max_num_seqs: int = 64,
+             max_tokens: int | None = None) -> dict:
+    """Greedy accuracy of ``model_dir`` on ``problems`` with ``rollout.LLM`` under the KV policy ``kv``.
+
+    Returns ``{kv, accuracy, unparseable, mean_visible_kv, seconds}``.
+    """
+    from rollout import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(str(model_dir), kv=kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=4096, num_blocks=4096)
+    params = SamplingParams(max_tokens=max_tokens or 256, temperature=0.0)
+    outs = llm.generate([p["prompt"] for p in problems], params)
+    verifier = ArithVerifier()
+    correct = sum(verifier(o.text, p["answer"]).total for o, p in zip(outs, problems))
+    return {"kv": kv, "accuracy": correct / len(problems), "unparseable": verifier.num_unparseable / len(problems),
+            "mean_visible_kv": sum(o.kv.mean_visible_tokens for o in outs) / len(outs),
+            "seconds": round(time.perf_counter() - t0, 2)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Warm-start a tiny model on the arithmetic task by SFT.")
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--min-steps", type=int, default=8, help="fewest steps per problem")
+    parser.add_argument("--max-steps", type=int, default=12, help="most steps per problem")
+    parser.add_argument("--eval", type=int, default=0, help="eval problems to score after training (0: none)")
+    parser.add_argument("--eval-kv", nargs="*", default=["prefix_sliding:32", "sliding_window:32", "full"])
+    for f in dataclasses.fields(WarmStartSettings):
+        parser.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)
+    args = parser.parse_args(argv)
+    task = ArithTask(num_steps=(args.min_steps, args.max_steps))
+    settings = {f.name: getattr(args, f.name) for f in dataclasses.fields(WarmStartSettings)}
+    path = warm_start(args.out_dir, task, log_every=25, **settings)
+    print(path)
+    problems = task.problems(args.eval, "eval")
+    for kv in args.eval_kv if problems else []:
+        print(json.dumps(evaluate(path, problems, kv, max_tokens=task.max_completion_chars() + 8)))
+
+
+if __name__ == "__main__":
+    main()
