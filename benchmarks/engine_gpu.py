@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import math
 import os
@@ -103,6 +104,28 @@ def decode_rate(llm: LLM, steps: int, warmup: int) -> float:
     return tokens / (time.perf_counter() - t0)
 
 
+def step_breakdown(llm: LLM, steps: int) -> dict:
+    """Milliseconds per step spent in the model forward (synchronised) and around it (host work)."""
+    run, inside = llm.runner.run, []
+
+    def timed_run(*args, **kwargs):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        out = run(*args, **kwargs)
+        torch.cuda.synchronize()
+        inside.append(time.perf_counter() - t)
+        return out
+
+    llm.runner.run = timed_run
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        llm.step()
+    total = (time.perf_counter() - t0) / steps
+    llm.runner.run = run
+    forward = sum(inside) / steps
+    return {"step_ms": 1e3 * total, "forward_ms": 1e3 * forward, "host_ms": 1e3 * (total - forward)}
+
+
 def live_tokens(spec: str, position: int) -> int:
     kind, *a = spec.split(":")
     if kind == "full":
@@ -121,12 +144,13 @@ def bench_engine(path: Path, spec: str, position: int, steps: int, kv_gb: float,
     for k, v in zip(llm.runner.cache.k, llm.runner.cache.v):  # random K/V, never zeros
         k.normal_()
         v.normal_()
-    place(llm, n, position, steps + 8)
+    place(llm, n, position, steps + 16)
     rate = decode_rate(llm, steps, warmup=8)
     seqs = llm.scheduler.running
     row = {"policy": spec, "position": position, "batch": n, "tokens_per_s": rate,
-           "live_kv_tokens_per_seq": sum(s.tracker.visible for s in seqs) / len(seqs)}
-    del llm
+           "live_kv_tokens_per_seq": sum(s.tracker.visible for s in seqs) / len(seqs), **step_breakdown(llm, 8)}
+    del llm, seqs
+    gc.collect()  # the runner and its CUDA graphs hold each other
     torch.cuda.empty_cache()
     return row
 

@@ -163,6 +163,9 @@ class Session:
         self.awaiting_weights: set[int] = set()
         self._step_counters = _Counters()
         self._learner_busy = False
+        self._extra_metrics: dict[str, float] = {}  # merged into the next logged step
+        self.eval_before: EvalResult | None = None
+        self.eval_after: EvalResult | None = None
 
     # ---- the run -------------------------------------------------------------------------------
     def run(self) -> RunResult:
@@ -174,22 +177,18 @@ class Session:
                                config_dict=self.cfg.model_dump(mode="json"))
         if self.plan.resume is not None:
             self._publish()  # workers start from the initial model: give them the checkpoint's weights
-        before = self._evaluate("before") if self.cfg.eval.before and self.state.step == 0 else None
+        if self.cfg.eval.before and self.state.step == 0:
+            self.eval_before = self._evaluate("before")
+            self._extra_metrics.update(self.eval_before.as_metrics("eval_before"))
         stopped = False
         while self.state.step < self.cfg.train.steps and not stopped:
             metrics = self._step()
             stopped = self.on_step is not None and self.on_step(self, self.state.step, metrics) is False
-        if not stopped and self.state.step >= self.cfg.train.steps:
-            if self.state.published_version != self.state.version:
-                self._publish()
-            if not (self.checkpoints.path(self.state.step) / "COMPLETE").is_file():
-                self._checkpoint()
-        after = self._evaluate("after") if self.cfg.eval.after and not stopped else None
-        if after is not None:
-            self.monitor.log(self.state.step, after.as_metrics("eval_after"))
+        if not stopped and not (self.checkpoints.path(self.state.step) / "COMPLETE").is_file():
+            self._checkpoint()
         (self.plan.run_dir / STATE_FILE).write_text(self._snapshot().to_json())
         summary = self.monitor.finish()
-        return RunResult(self.plan.run_dir, self._snapshot(), before, after, summary, stopped)
+        return RunResult(self.plan.run_dir, self._snapshot(), self.eval_before, self.eval_after, summary, stopped)
 
     def close(self) -> None:
         """Stop every actor of this session (the placement group stays for the next one)."""
@@ -217,9 +216,15 @@ class Session:
         due = self.state.step % self.cfg.train.sync_every == 0 or self.state.step == self.cfg.train.steps
         if due and self.state.version != self.state.published_version:  # a step without signal changes nothing
             sync_seconds = self._publish()
-        if self.cfg.checkpoint.every and self.state.step % self.cfg.checkpoint.every == 0:
+        last = self.state.step == self.cfg.train.steps
+        if last or (self.cfg.checkpoint.every and self.state.step % self.cfg.checkpoint.every == 0):
             self._checkpoint()
+        if last and self.cfg.eval.after:
+            self.eval_after = self._evaluate("after")
+            self._extra_metrics.update(self.eval_after.as_metrics("eval_after"))
         metrics = self._metrics(batch, trained_at, learner_metrics, sync_seconds)
+        metrics.update(self._extra_metrics)
+        self._extra_metrics = {}
         self.monitor.log(self.state.step, metrics)
         self.learner.record.remote(staleness=metrics["staleness_mean"], weight_sync_seconds=sync_seconds,
                                    queue_depth=metrics["queue_depth"], reward=metrics["reward"])

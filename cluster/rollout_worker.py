@@ -328,9 +328,13 @@ class RolloutWorker:
 
 def _restarted() -> bool:
     """True in an actor process that Ray started again after the previous one died."""
+    import warnings
+
     import ray
 
-    return ray.is_initialized() and ray.get_runtime_context().was_current_actor_reconstructed
+    with warnings.catch_warnings():  # Ray's own property trips its deprecated actor_id internally
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return ray.is_initialized() and ray.get_runtime_context().was_current_actor_reconstructed
 
 
 def _rollout_metrics(worker_id: int):

@@ -167,7 +167,6 @@ def dense_reference(case: Case, scale: float) -> torch.Tensor:
         seen = (keys[None, :] <= queries[:, None]) & (queries[:, None] < torch.tensor(s.death)[None, :])  # [nq, T]
         k = k.double().repeat_interleave(group, dim=1)  # [T, H_q, D]
         v = v.double().repeat_interleave(group, dim=1)
-        k, v = k.nan_to_num(0.0), v.nan_to_num(0.0)  # unseen keys are masked; keep them out of 0 * NaN
         scores = torch.einsum("qhd,khd->qhk", q[row:row + s.num_queries], k) * scale
         probs = scores.masked_fill(~seen[:, None, :], float("-inf")).softmax(-1)
         out[row:row + s.num_queries] = torch.einsum("qhk,khd->qhd", probs, v)

@@ -63,7 +63,7 @@ class Totals:
 
     num_loss_tokens: int
     num_traces: int  # traces with at least one loss token
-    num_units: int  # BoNBoN: pairs
+    num_units: int  # micro-batch units: BoNBoN pairs, else windows
     trace_loss_tokens: dict[int, int]  # trace index -> its loss tokens over all its windows
 
 

@@ -97,7 +97,7 @@ class Learner:
                  attention: str = "auto", reference_model_path: str | None = None):
         self.config = LearnerConfig(algo, lr, weight_decay, max_grad_norm, window_mode, multiplier,
                                     micro_batch_tokens, device, dtype, gradient_checkpointing, seed, grpo, bonbon,
-                                    kv_policy, window, attention, reference_model_path)
+                                    kv_policy, window, attention, reference_model_path or str(model_path))
         self.config.check()
         self.algorithm: Algorithm = make_algorithm(algo, grpo, bonbon)
         if self.algorithm.uses_pairs and window_mode == "chunked":
@@ -118,8 +118,7 @@ class Learner:
 
     # ---- set-up -------------------------------------------------------------------------------
     def _load_reference(self):
-        path = self.config.reference_model_path or self.model_path
-        reference = load_model(path, dtype=DTYPES[self.config.dtype], device=self.device)
+        reference = load_model(self.config.reference_model_path, dtype=DTYPES[self.config.dtype], device=self.device)
         if len(self.tokenizer) > reference.config.vocab_size:
             reference.resize_vocab(len(self.tokenizer))
         return reference.eval().requires_grad_(False)
@@ -183,15 +182,17 @@ class Learner:
         return self._finish(metrics, start, stepped=True)
 
     def _units(self, selection: Selection) -> tuple[list[list[Row]], dict[int, WindowInput], int]:
-        """Rows of every selected trace grouped by unit, each row's packable input (keyed by ``id(row)``),
-        and how many traces had no loss token (their unit is dropped: a pair needs both sides)."""
+        """Rows that must share a micro-batch (a BoNBoN pair; else one window), each row's packable input
+        (keyed by ``id(row)``), and how many traces had no loss token (their unit is dropped: a pair needs both)."""
         per_trace = [self._trace_rows(i, trace, selection) for i, trace in enumerate(selection.traces)]
         units, skipped = [], 0
         for unit in selection.units:
-            if all(per_trace[i] for i in unit):
-                units.append([row for i in unit for row, _ in per_trace[i]])
-            else:
+            if not all(per_trace[i] for i in unit):
                 skipped += sum(1 for i in unit if not per_trace[i])
+            elif self.algorithm.uses_pairs:
+                units.append([row for i in unit for row, _ in per_trace[i]])
+            else:  # token-linear losses: every window may go to its own micro-batch
+                units += [[row] for i in unit for row, _ in per_trace[i]]
         inputs = {id(row): item for pairs in per_trace for row, item in pairs}
         return units, inputs, skipped
 
@@ -327,10 +328,8 @@ class Learner:
     def save_checkpoint(self, path) -> None:
         """The model in HF layout in ``path`` plus ``trainer_state.pt`` (optimizer, version, RNG, settings)."""
         save_hf_model(self.model, self.tokenizer, self.model_path, path)
-        config = asdict(self.config)
-        config["reference_model_path"] = self.config.reference_model_path or self.model_path
         save_trainer_state(path, {"version": self.version, "optimizer": self.optimizer.state_dict(),
-                                  "rng": rng_state(), "config": config})
+                                  "rng": rng_state(), "config": asdict(self.config)})
 
     @classmethod
     def from_checkpoint(cls, path, **kwargs) -> Learner:

@@ -118,7 +118,7 @@ def train(model_dir: Path, task: ArithTask, cfg: WarmStartSettings, *, device: s
     from rollout.loader import load_model, load_tokenizer
     from rollout.tiny import make_tiny_model
 
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     make_tiny_model(model_dir, cfg.arch, hidden_size=cfg.hidden_size, num_layers=cfg.num_layers,
                     num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
                     intermediate_size=cfg.intermediate_size, seed=cfg.seed,
@@ -142,11 +142,12 @@ def train(model_dir: Path, task: ArithTask, cfg: WarmStartSettings, *, device: s
         schedule.step()
         losses.append(round(out.metrics["loss"], 5))
         if log_every and (step % log_every == 0 or step == cfg.steps - 1):
-            print(f"warm start step {step + 1}/{cfg.steps}  loss {losses[-1]:.4f}  {time.perf_counter() - t0:.0f}s",
+            print(f"warm start step {step + 1}/{cfg.steps}  loss {losses[-1]:.4f}  "
+                  f"{time.perf_counter() - t0:.0f}s ({time.process_time() - cpu0:.0f} cpu-s)",
                   flush=True)
     save_weights(model, model_dir)
     return {"task": dataclasses.asdict(task), "warmstart": dataclasses.asdict(cfg), "losses": losses,
-            "seconds": round(time.perf_counter() - t0, 2)}
+            "seconds": round(time.perf_counter() - t0, 2), "cpu_seconds": round(time.process_time() - cpu0, 2)}
 
 
 def lr_factor(step: int, warmup: int, total: int) -> float:
@@ -245,11 +246,11 @@ def evaluate(model_dir: str | Path, problems: list[dict], kv: str, *, max_num_se
              max_tokens: int | None = None) -> dict:
     """Greedy accuracy of ``model_dir`` on ``problems`` with ``rollout.LLM`` under the KV policy ``kv``.
 
-    Returns ``{kv, accuracy, unparseable, mean_visible_kv, seconds}``.
+    Returns ``{kv, accuracy, unparseable, mean_visible_kv, seconds, cpu_seconds}``.
     """
     from rollout import LLM, SamplingParams
 
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     llm = LLM(str(model_dir), kv=kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=4096, num_blocks=4096)
     params = SamplingParams(max_tokens=max_tokens or 256, temperature=0.0)
     outs = llm.generate([p["prompt"] for p in problems], params)
@@ -257,7 +258,7 @@ def evaluate(model_dir: str | Path, problems: list[dict], kv: str, *, max_num_se
     correct = sum(verifier(o.text, p["answer"]).total for o, p in zip(outs, problems))
     return {"kv": kv, "accuracy": correct / len(problems), "unparseable": verifier.num_unparseable / len(problems),
             "mean_visible_kv": sum(o.kv.mean_visible_tokens for o in outs) / len(outs),
-            "seconds": round(time.perf_counter() - t0, 2)}
+            "seconds": round(time.perf_counter() - t0, 2), "cpu_seconds": round(time.process_time() - cpu0, 2)}
 
 
 def main(argv: list[str] | None = None) -> None:
