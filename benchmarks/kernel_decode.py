@@ -3,17 +3,22 @@
 Shape: Qwen3-1.7B attention (16 query heads, 8 KV heads, head dim 128, bf16), prefix_sliding with a
 100-token prefix, one query per sequence at position ``pos``. Rows: batch x window x position.
 
-- ``triton``: ``kernels.paged_attention`` over a pool holding only live blocks, shuffled.
+- ``triton``: ``kernels.decode.decode_attention`` (what ``kernels.paged_attention`` runs for decode)
+  over a pool holding only live blocks, shuffled; default launch shape (``--sweep`` tries others).
 - ``sdpa``: ``F.scaled_dot_product_attention`` on a contiguous cache of exactly the visible keys
   (no mask; the GQA group rides in the query-length dim, so K/V are read once per KV head).
 - ``flex``: compiled ``flex_attention`` over a full-length cache with the prefix_sliding mask as a
-  block mask (skipped when that cache exceeds ``--mem-gb``).
+  block mask (skipped when that cache exceeds half of ``--mem-gb``).
 
 Times are medians of ``triton.testing.do_bench`` over CUDA-graph replays that cycle through enough
 input sets to exceed 4x the L2 cache. Bandwidth counts the bytes that must move: visible K/V + q + o.
 The copy ceiling is a large device-to-device copy (read + write) measured in the same run.
 
     python benchmarks/kernel_decode.py [--quick] [--check] [--sweep] [--out table.json]
+
+FlexAttention compiles once per row (different mask constants and lengths): the full 27-row table
+may not fit one 10-minute call; split it with ``--batch`` / ``--window`` / ``--pos``, or ``--no-flex``.
+Rows are appended to ``--out`` as they finish.
 """
 
 from __future__ import annotations
@@ -250,14 +255,14 @@ def bench_row(shape: Shape, args, copy_bw: float, l2: int) -> dict:
                         shape.head_dim, DTYPE, DEVICE)
     row = {**asdict(shape), "visible_keys": shape.visible().numel(), "sets": n_sets, "must_read_MB": must / 1e6,
            "config": asdict(cfg)}
+    sdpa_sets = sdpa_inputs(shape, cache, sets) if not args.no_sdpa or not args.no_flex else None
+    if args.check:
+        row.update(check_row(shape, cache, sets[0], sdpa_sets[0] if sdpa_sets else None, scale))
     ms, graphed = bench_triton(shape, cache, sets, scale)
     row.update(triton_us=ms * 1e3, triton_graph=graphed, triton_bw=must / (ms * 1e-3) / copy_bw)
-    sdpa_sets = sdpa_inputs(shape, cache, sets) if not args.no_sdpa or not args.no_flex else None
     if not args.no_sdpa:
         ms, graphed = time_calls([lambda s=s: run_sdpa(*s, scale) for s in sdpa_sets])
         row.update(sdpa_us=ms * 1e3, sdpa_bw=must / (ms * 1e-3) / copy_bw)
-    if args.check:
-        row.update(check_row(shape, cache, sets[0], sdpa_sets[0] if sdpa_sets else None, scale))
     if not args.no_flex:
         row.update(bench_flex(shape, cache, sets, sdpa_sets, scale, args, must, copy_bw))
     del cache, sets, sdpa_sets
@@ -312,7 +317,8 @@ def sweep(shapes: list[Shape], args, copy_bw: float, l2: int) -> list[dict]:
         must = shape.must_read_bytes()
         base = decode_config(shape.batch, shape.kv_heads, shape.block_size, sets[0].meta.max_live_blocks,
                              shape.head_dim, DTYPE, DEVICE)
-        configs = [DecodeConfig(t, base.num_splits, w, s) for t in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4)]
+        # K/V get num_stages - 1 shared-memory buffers (see decode_config)
+        configs = [DecodeConfig(t, base.num_splits, w, s) for t in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4, 5)]
         results = [_sweep_one(shape, cache, sets, scale, c, must, copy_bw) for c in configs]
         best = min((r for r in results if "us" in r), key=lambda r: r["us"])
         b = DecodeConfig(**best["config"])

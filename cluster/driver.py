@@ -334,6 +334,7 @@ class Session:
             self._publish()
 
     def _publish(self) -> float:
+        self._learner_call(self.learner.version.remote())  # a dead learner is LearnerLost, not a worker failure
         report = self.sync.publish(self.state.version, self.learner, self.pool.live())
         self.state.published_version = self.state.version
         self.awaiting_weights -= set(self.pool.live()) - set(report.failed)
@@ -365,14 +366,14 @@ class Session:
 
         problems = self.plan.eval_problems
         wid, worker = next(iter(self.pool.live().items()))
-        sampling = eval_sampling(self.pool_sampling(), self.cfg.eval.temperature, self.cfg.max_tokens_eval(),
+        sampling = eval_sampling(self._rollout_sampling(), self.cfg.eval.temperature, self.cfg.max_tokens_eval(),
                                  self.cfg.train.seed)
         outputs = ray.get(worker.evaluate.remote([p.prompt for p in problems], sampling))
         result = score(outputs, problems, self.cfg.task.verifier(), self.cfg.engine.kv)
         print(f"sliderl: eval {label} (version {self.state.version}, worker {wid}): {result.line()}", flush=True)
         return result
 
-    def pool_sampling(self) -> dict:
+    def _rollout_sampling(self) -> dict:
         sampling = self.cfg.sampling.model_dump()
         sampling.pop("seed")
         return sampling

@@ -42,8 +42,9 @@ def connect(cfg: TrainConfig) -> bool:
     if ray.is_initialized():
         return False
     address = cluster_address(cfg)
-    if address is None:
-        ray.init(num_cpus=cfg.ray.num_cpus, num_gpus=cfg.ray.num_gpus, **cfg.monitor.ray_init_kwargs())
+    if address is None:  # "local": a new instance, never a `ray start` cluster found on this machine
+        ray.init(address="local", num_cpus=cfg.ray.num_cpus, num_gpus=cfg.ray.num_gpus,
+                 **cfg.monitor.ray_init_kwargs())
         return True
     check_reachable(address)
     try:

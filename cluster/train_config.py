@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from cluster.config import EngineConfig, HFModel, ModelSource, SamplingConfig, Section, TinyModel
+from cluster.config import EngineConfig, ModelSource, SamplingConfig, Section, TinyModel
 from cluster.metrics import MonitorConfig
 
 DEFAULT_CACHE = "~/.cache/sliderl"
@@ -112,15 +112,15 @@ class WarmStartConfig(Section):
     """Width of the MLP."""
     steps: int = Field(300, ge=1)
     """SFT optimizer steps."""
-    lr: float = Field(3e-3, gt=0)
+    lr: float = Field(5e-3, gt=0)
     """Peak learning rate (linear warm-up, cosine decay)."""
-    batch_size: int = Field(32, ge=1)
+    batch_size: int = Field(16, ge=1)
     """Problems per SFT step."""
     warmup_steps: int = Field(20, ge=0)
     """Linear warm-up steps."""
     weight_decay: float = Field(0.01, ge=0)
     """AdamW weight decay."""
-    train_kv: str = "full"
+    train_kv: str = "prefix_sliding:32"
     """Visibility the SFT forward uses (full, or the rollout policy to adapt the model to it)."""
     seed: int = Field(0, ge=0)
     """Seed of the random init and the SFT batches."""
@@ -283,6 +283,12 @@ def _default_model() -> TinyModel:
     return TinyModel()
 
 
+# The job's own defaults for the sections it shares with ``sliderl generate``; a partial section in
+# a file or override keeps these for the keys it leaves out.
+ENGINE_DEFAULTS: dict[str, Any] = {"kv": "prefix_sliding:32", "num_blocks": 2048}
+SAMPLING_DEFAULTS: dict[str, Any] = {"max_tokens": 160}
+
+
 class TrainConfig(Section):
     """``sliderl train``: RL with bounded-KV rollouts on Ray. The defaults are configs/tiny-arith.yaml."""
 
@@ -294,9 +300,9 @@ class TrainConfig(Section):
     """Initial weights when warmstart.enabled is false: type tiny (random) or hf (a local directory)."""
     warmstart: WarmStartConfig = Field(default_factory=WarmStartConfig)
     """SFT warm start on the task (arith) that provides the initial weights."""
-    engine: EngineConfig = Field(default_factory=lambda: EngineConfig(kv="prefix_sliding:32", num_blocks=2048))
+    engine: EngineConfig = Field(default_factory=lambda: EngineConfig(**ENGINE_DEFAULTS))
     """Rollout engine construction arguments (one engine per worker)."""
-    sampling: SamplingConfig = Field(default_factory=lambda: SamplingConfig(max_tokens=160))
+    sampling: SamplingConfig = Field(default_factory=lambda: SamplingConfig(**SAMPLING_DEFAULTS))
     """How rollouts are sampled (sample j of a group gets its own seed)."""
     reward: dict[str, float | dict[str, Any]] = {"correctness": 1.0}
     """Reward terms and weights: correctness is the task's verifier; kv_penalty, thinking_penalty,
@@ -322,6 +328,16 @@ class TrainConfig(Section):
     path under ``ray job submit``: the job's working directory is a temporary copy)."""
     resume: bool = False
     """Continue from the latest complete checkpoint in run_dir (its step, data cursor, weights)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _job_defaults(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            data = dict(data)
+            for key, defaults in (("engine", ENGINE_DEFAULTS), ("sampling", SAMPLING_DEFAULTS)):
+                if isinstance(data.get(key), dict):
+                    data[key] = {**defaults, **data[key]}
+        return data
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainConfig:
@@ -354,12 +370,6 @@ class TrainConfig(Section):
                 self.learner.device.startswith("cuda") and self.engine.device.startswith("cuda")):
             raise ValueError("weight_sync.backend=cuda_ipc shares GPU memory: it needs learner.device=cuda and "
                              "engine.device=cuda (use object_store or broadcast on CPU)")
-
-    def model_path_hint(self) -> str:
-        """Human-readable origin of the initial weights, for logs."""
-        if self.warmstart.enabled:
-            return f"warm start in {self.warmstart.cache_dir}"
-        return self.model.path if isinstance(self.model, HFModel) else f"tiny model {self.model.name}"
 
     def max_tokens_eval(self) -> int:
         """Longest eval completion."""

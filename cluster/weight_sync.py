@@ -22,6 +22,7 @@ torch); ``WeightSync`` is the driver's side, the only one here that talks to Ray
 from __future__ import annotations
 
 import datetime
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -269,25 +270,26 @@ class WeightSync:
         self.last_payload = None  # object_store: the ref of the last published state dict
 
     def publish(self, version: int, learner, workers: dict[int, Any]) -> SyncReport:
-        """Send the learner's weights (version ``version``) to every worker in ``workers``."""
-        import ray
+        """Send the learner's weights (version ``version``) to every worker in ``workers``.
 
+        A worker that fails to take them (dead, restarting, or out of a broadcast group) is listed
+        in the report; the driver's health check recovers it. A failed broadcast also rebuilds
+        the group at the next publish.
+        """
         start = time.perf_counter()
         if self.backend == "broadcast":
             self._ensure_group(learner, workers)
             sent = learner.publish_weights.remote(version)
             notice = BroadcastNotice(version, self._layout)
-            refs = {wid: w.update_weights.remote(version, notice) for wid, w in workers.items()}
-            failed = self._wait(refs, also=[sent])
+            failed = self._wait({wid: w.update_weights.remote(version, notice) for wid, w in workers.items()})
+            failed += self._wait({-1: sent})
+            if failed:
+                self._members = None
         else:
             payload = learner.publish_weights.remote(version)
             self.last_payload = payload if self.backend == "object_store" else None
-            refs = {wid: w.update_weights.remote(version, payload) for wid, w in workers.items()}
-            failed = self._wait(refs)
-        if failed and self.backend == "broadcast":
-            self._members = None  # a member failed mid-collective: rebuild the group next time
-        _ = ray  # imported for the errors _wait catches
-        return SyncReport(version, time.perf_counter() - start, failed)
+            failed = self._wait({wid: w.update_weights.remote(version, payload) for wid, w in workers.items()})
+        return SyncReport(version, time.perf_counter() - start, [wid for wid in failed if wid >= 0])
 
     def catch_up(self, version: int, worker) -> bool:
         """Give one (restarted) worker the last published weights now; False when only a full
@@ -296,26 +298,27 @@ class WeightSync:
             self._members = None
             return False
         import ray
+        from ray.exceptions import GetTimeoutError, RayError
 
-        ray.get(worker.update_weights.remote(version, self.last_payload, True), timeout=self.timeout_s)
+        try:
+            ray.get(worker.update_weights.remote(version, self.last_payload, True), timeout=self.timeout_s)
+        except (RayError, GetTimeoutError):  # down again: the next health check sees it
+            return False
         return True
 
-    def _wait(self, refs: dict[int, Any], also: list | None = None) -> list[int]:
+    def _wait(self, refs: dict[int, Any]) -> list[int]:
+        """Ids whose call failed or did not finish within the timeout."""
         import ray
-        from ray.exceptions import GetTimeoutError, RayActorError
+        from ray.exceptions import GetTimeoutError, RayError
 
         failed = []
         for wid, ref in refs.items():
             try:
                 ray.get(ref, timeout=self.timeout_s)
-            except (RayActorError, GetTimeoutError):
+            except (RayError, GetTimeoutError) as err:
                 failed.append(wid)
-        if also:
-            try:
-                ray.get(also, timeout=self.timeout_s)
-            except (RayActorError, GetTimeoutError, ray.exceptions.RayTaskError):
-                if not failed:
-                    raise
+                print(f"sliderl: weight sync to {'the learner' if wid < 0 else f'worker {wid}'} failed: "
+                      f"{' '.join(str(err).split())[:300]}", file=sys.stderr)
         return failed
 
     def _ensure_group(self, learner, workers: dict[int, Any]) -> None:

@@ -16,12 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.key_tile import live_key_tile
+from kernels.key_tile import EMPTY_MAX, LOG2E, live_key_tile
 from kernels.launch_checks import check_attention, interpreting, next_pow2, output_buffer
 from kernels.metadata import AttentionMetadata, PagedKVCache
-
-LOG2E = 1.4426950408889634
-EMPTY_MAX = tl.constexpr(-1.0e30)  # running max before any visible key: finite, so exp2 never sees (-inf) - (-inf)
 
 
 @triton.jit
@@ -60,9 +57,14 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, death_ptr, block_tables_ptr, block_index
     acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     bi_row = block_index_ptr + seq.to(tl.int64) * stride_bi
+    # The next tile's slots are fetched one iteration early so that K/V addresses are loop-carried:
+    # Triton's pipeliner then keeps num_stages - 1 K/V tiles in flight (an in-loop table -> K/V load
+    # chain would get only (num_stages - 1) // 2).
+    offset, pos, death, in_range = live_key_tile(bt_row, bi_row, death_ptr, num_live, first,
+                                                 stride_kb, stride_ks, BLOCK_SIZE, TILE_N)
     for tile in range(first, last):
-        offset, pos, death, in_range = live_key_tile(bt_row, bi_row, death_ptr, num_live, tile,
-                                                     stride_kb, stride_ks, BLOCK_SIZE, TILE_N)
+        next_tile = live_key_tile(bt_row, bi_row, death_ptr, num_live, tile + 1,
+                                  stride_kb, stride_ks, BLOCK_SIZE, TILE_N)
         visible = in_range & (pos <= q_pos) & (q_pos < death)  # [TILE_N]
         k = tl.load(k_ptr + offset[:, None] + kv_head * stride_kh + d[None, :],
                     mask=in_range[:, None] & d_ok[None, :], other=0.0)
@@ -80,6 +82,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, death_ptr, block_tables_ptr, block_index
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
         m_i = m_new
+        offset, pos, death, in_range = next_tile
 
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -102,11 +105,11 @@ def _combine_splits_kernel(part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr, st
     d = tl.arange(0, DIM_PAD)
     j_ok = j < NUM_SPLITS
     part = (row * num_q_heads + head) * NUM_SPLITS + j
-    m = tl.load(part_max_ptr + part, mask=j_ok, other=EMPTY_MAX)
-    l = tl.load(part_sum_ptr + part, mask=j_ok, other=0.0)
+    maxes = tl.load(part_max_ptr + part, mask=j_ok, other=EMPTY_MAX)
+    sums = tl.load(part_sum_ptr + part, mask=j_ok, other=0.0)
     acc = tl.load(part_acc_ptr + part[:, None] * DIM_PAD + d[None, :], mask=j_ok[:, None], other=0.0)
-    w = tl.exp2(m - tl.max(m, 0))  # [SPLITS_PAD]
-    total = tl.sum(w * l, 0)
+    w = tl.exp2(maxes - tl.max(maxes, 0))  # [SPLITS_PAD]
+    total = tl.sum(w * sums, 0)
     out = tl.sum(acc * w[:, None], 0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + row * stride_on + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
@@ -151,7 +154,10 @@ def choose_num_splits(programs: int, max_tiles: int, sms: int, programs_per_sm: 
 
 def decode_config(num_seqs: int, num_kv_heads: int, block_size: int, max_live_blocks: int, head_dim: int,
                   dtype: torch.dtype, device: torch.device) -> DecodeConfig:
-    """Default launch shape: ~16 KB K tiles, 4 warps, 3 stages; fp32 (exact dot, register-hungry) 8 warps, 2 stages."""
+    """Default launch shape: ~16 KB K tiles, 4 warps, 3 stages; fp32 (exact dot, register-hungry) 8 warps, 2 stages.
+
+    K/V get ``num_stages - 1`` shared-memory buffers: 3 stages keep one tile in flight during the math.
+    """
     elem = torch.empty((), dtype=dtype).element_size()
     tile_n = min(128, max(16, next_pow2(16384 // (next_pow2(head_dim) * elem))))
     max_tiles = triton.cdiv(max_live_blocks * block_size, tile_n)
@@ -167,7 +173,8 @@ def decode_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: Att
 
     ``config`` overrides the launch shape; pass a fixed ``num_splits`` when capturing a CUDA graph
     (the default split count depends on ``meta.max_live_blocks``). ``out`` receives the result when
-    given. A query with no visible key gets 0.
+    given. A query with no visible key gets 0; rows no sequence owns (past ``query_start[S]``, e.g.
+    padding of a captured batch) are left unwritten.
     """
     k, v = check_attention(q, cache, layer, meta)
     if not meta.is_decode:

@@ -1,4 +1,4 @@
-"""Device helper shared by the attention kernels: one tile of a sequence's live keys.
+"""Device pieces shared by the attention kernels: one tile of a sequence's live keys, softmax constants.
 
 A sequence's live keys are its live blocks laid end to end: live key i sits in live block
 ``i // block_size`` (``block_tables[s, i // block_size]``) at slot ``i % block_size``. A tile is
@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+LOG2E = 1.4426950408889634  # softmax runs in base 2: exp(x * scale) = exp2(x * scale * LOG2E)
+EMPTY_MAX = tl.constexpr(-1.0e30)  # running max before any visible key: finite, so exp2 never sees (-inf) - (-inf)
 
 
 @triton.jit

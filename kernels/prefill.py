@@ -15,8 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.decode import EMPTY_MAX, LOG2E
-from kernels.key_tile import live_key_tile
+from kernels.key_tile import EMPTY_MAX, LOG2E, live_key_tile
 from kernels.launch_checks import check_attention, interpreting, next_pow2, output_buffer
 from kernels.metadata import AttentionMetadata, PagedKVCache
 
@@ -99,11 +98,11 @@ class PrefillConfig:
 def prefill_config(max_query_len: int, group: int, head_dim: int, dtype: torch.dtype) -> PrefillConfig:
     """Default: 64 rows (query tokens x padded group, >= 16 for ``tl.dot``) x 64 keys, 4 warps.
 
-    fp32 (exact dot, no tensor cores, register-hungry): 32 rows x 32 keys on 8 warps. D > 128: 32 keys.
+    fp32 (exact dot, no tensor cores, register-hungry): 16 rows x 32 keys on 8 warps. D > 128: 32 keys.
     """
     group_pad = next_pow2(group)
     fp32 = dtype == torch.float32
-    rows = max(32 if fp32 else 64, group_pad)
+    rows = max(16 if fp32 else 64, group_pad)
     block_q = max(min(rows // group_pad, next_pow2(max_query_len)), triton.cdiv(16, group_pad))
     tile_n = 32 if fp32 or head_dim > 128 else 64
     return PrefillConfig(block_q=block_q, tile_n=tile_n, num_warps=8 if fp32 else 4, num_stages=2)
@@ -114,7 +113,7 @@ def prefill_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: At
     """Attention of ``q [N, H_q, D]`` (varlen tokens per sequence) over live blocks; returns ``[N, H_q, D]``.
 
     Works for any ``max_query_len`` (decode included). ``out`` receives the result when given. A query
-    with no visible key gets 0.
+    with no visible key gets 0; rows no sequence owns are left unwritten.
     """
     k, v = check_attention(q, cache, layer, meta)
     n, h_q, dim = q.shape

@@ -8,12 +8,13 @@ from dataclasses import dataclass
 import torch
 
 from rollout.block_manager import BlockManager
-from rollout.kv_policy import KVPolicy, register_tokens
+from rollout.kv_policy import KVPolicy
 from rollout.loader import load_model, load_tokenizer
 from rollout.model_runner import ModelRunner
 from rollout.sampling import SamplingParams, logprobs_at, sample
 from rollout.scheduler import ScheduledBatch, Scheduler
 from rollout.sequence import RequestOutput, Sequence, Status
+from rollout.vocab import bind_policy_vocab
 from kernels.metadata import PagedKVCache
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -50,9 +51,7 @@ class LLM:
         self.policy = KVPolicy.parse(kv)
         self.model = load_model(model, dtype=DTYPES[dtype], device=self.device)
         self.tokenizer = load_tokenizer(model)
-        self.policy = self._bind_policy(self.policy)
-        if len(self.tokenizer) > self.model.config.vocab_size:
-            self.model.resize_vocab(len(self.tokenizer))
+        self.policy = bind_policy_vocab(self.policy, self.tokenizer, self.model)
         cfg = self.model.config
         self.max_model_len = max_model_len or cfg.max_position_embeddings
         self.block_size = block_size
@@ -66,17 +65,6 @@ class LLM:
         self._next_id = 0
 
     # ---- set-up -------------------------------------------------------------------------------
-    def _bind_policy(self, policy: KVPolicy) -> KVPolicy:
-        vocab = self.tokenizer.get_vocab()
-        end_think = vocab.get("</think>")
-        if policy.kind != "registers":
-            return policy.bind(end_think_id=end_think)
-        missing = [t for t in register_tokens(policy.num_registers) if t not in vocab]
-        if missing:
-            self.tokenizer.add_tokens(missing, special_tokens=True)
-        ids = self.tokenizer.convert_tokens_to_ids(register_tokens(policy.num_registers))
-        return policy.bind(ids, end_think)
-
     def _blocks_for_memory(self, kv_cache_gb: float | None, dtype: torch.dtype) -> int:
         cfg = self.model.config
         per_block = PagedKVCache.bytes_per_block(cfg.num_layers, self.block_size, cfg.num_kv_heads, cfg.head_dim, dtype)

@@ -32,7 +32,7 @@ WEIGHT = "model.layers.0.mlp.down_proj.weight"
 def ray_session():
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
 
@@ -170,6 +170,35 @@ def test_async_bonbon_run(ray_session, model_dir, tmp_path):
     traces = logged_traces(result.run_dir)
     assert {t["group_id"] for t in traces} >= set(result.state.trained_group_ids)
     assert len(result.state.trained_group_ids) == 4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend, group, gpus", [("cuda_ipc", "auto", 0.5), ("broadcast", "nccl", 1.0)])
+def test_gpu_weight_sync_backends(ray_session, model_dir, tmp_path, backend, group, gpus):
+    """Learner and worker on CUDA: after a 2-step run the worker holds the learner's weights (by value)."""
+    from cluster.driver import train
+
+    if gpus == 1.0 and torch.cuda.device_count() < 2:
+        pytest.skip("NCCL broadcast needs a GPU per rank (2 GPUs)")
+    seen = {}
+
+    def read_weights(session, step, metrics):
+        if step == 2:
+            seen["worker"] = ray_session.get(session.pool.handles[0].parameter.remote(WEIGHT))
+            seen["learner"] = ray_session.get(session.learner.parameter.remote(WEIGHT))
+
+    cfg = tiny_job(model_dir, tmp_path / "run", "train.mode=sync", "train.steps=2", f"weight_sync.backend={backend}",
+                   f"weight_sync.broadcast_backend={group}", "engine.device=cuda", "learner.device=cuda",
+                   f"rollout.num_gpus={gpus}", f"learner.num_gpus={gpus}")
+    result = train(cfg, on_step=read_weights)
+    assert result.state.version >= 1
+    assert torch.allclose(torch.tensor(seen["worker"]), torch.tensor(seen["learner"]), rtol=0, atol=0)
+    assert seen["worker"] != initial_weight(model_dir, WEIGHT)
+
+
+def test_default_config_is_the_tiny_arith_file():
+    from_file = load_config(TrainConfig, str(ROOT / "configs" / "tiny-arith.yaml"))
+    assert from_file.model_dump(exclude={"run_dir"}) == TrainConfig().model_dump(exclude={"run_dir"})
 
 
 # ------------------------------------------------------------------------------- bad input

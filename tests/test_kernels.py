@@ -430,6 +430,37 @@ def test_prefill_full_shape(dtype):
 
 
 @pytest.mark.gpu
+def test_decode_replays_in_a_cuda_graph():
+    """Captured once, replayed after the metadata and queries change in place (the engine's decode path)."""
+    gen = torch.Generator().manual_seed(8)
+    cases = [build_case([random_seq(gen, 3000, 1, window=1024, prefix=50, spans=5) for _ in range(4)],
+                        16, num_kv_heads=8, group=2, head_dim=128, dtype=torch.bfloat16, gen=gen) for _ in range(2)]
+    width = max(c.meta.block_tables.shape[1] for c in cases)
+    for c in cases:  # same table width so one set of static buffers serves both
+        pad = torch.full((4, width - c.meta.block_tables.shape[1]), -1, dtype=torch.int32, device="cuda")
+        c.meta.block_tables = torch.cat([c.meta.block_tables, pad], 1)
+        c.meta.block_index = torch.cat([c.meta.block_index, pad], 1)
+    static = cases[0]
+    num_blocks = max(c.cache.num_blocks for c in cases)
+    cache = PagedKVCache.allocate(1, num_blocks, 16, 8, 128, torch.bfloat16, "cuda")
+    out = poisoned_like(static.q)
+    cfg = DecodeConfig(tile_n=64, num_splits=3, num_warps=4, num_stages=3)
+    decode_attention(static.q, cache, 0, static.meta, 0.1, config=cfg, out=out)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        decode_attention(static.q, cache, 0, static.meta, 0.1, config=cfg, out=out)
+    for c in cases:
+        for name in ("block_tables", "block_index", "num_live_blocks", "query_pos"):
+            getattr(static.meta, name).copy_(getattr(c.meta, name))
+        static.q.copy_(c.q)
+        for dst, src in ((cache.k[0], c.cache.k[0]), (cache.v[0], c.cache.v[0]), (cache.death, c.cache.death)):
+            dst[: src.shape[0]].copy_(src)
+        out.fill_(float("nan"))
+        graph.replay()
+        assert_close(out, dense_reference(c, 0.1), torch.bfloat16)
+
+
+@pytest.mark.gpu
 def test_decode_offsets_past_int32():
     """Live blocks at the top of a pool whose element offsets exceed 2**31 (int64 pointer math)."""
     block_size, h_kv, dim = 16, 8, 128

@@ -108,17 +108,20 @@ def test_chunked_accumulation_equals_full_backprop_when_context_covers_the_recep
     """Chunks of W = 8 loss tokens with 24 tokens of context see everything 2 layers of window 8 can reach,
     so summing the chunks' gradients gives the whole-trace gradient (seq_mean_token_mean weights per trace)."""
     path = tiny_model_factory(arch="qwen3")
-    traces = [with_model_logprobs(path, make_trace(i, 70 + 9 * i, reward=float(i))) for i in (0, 1)]  # ceil(T/8): 9, 10 chunks
+    traces = [with_model_logprobs(path, make_trace(i, 70 + 9 * i, reward=float(i))) for i in (0, 1)]  # 9, 10 chunks
     grpo = dict(aggregation="seq_mean_token_mean")
     chunked = Learner(str(path), window_mode="chunked", micro_batch_tokens=40, max_grad_norm=1e9, grpo=grpo)
     full = Learner(str(path), window_mode="full", max_grad_norm=1e9, grpo=grpo)
+    checkpointed = Learner(str(path), window_mode="full", max_grad_norm=1e9, grpo=grpo, gradient_checkpointing=True)
     mc, mf = chunked.step([traces]), full.step([traces])
+    checkpointed.step([traces])
     assert mc["num_windows"] == 9 + 10 and mc["num_micro_batches"] > 5 and mf["num_windows"] == 2
     assert mc["num_loss_tokens"] == mf["num_loss_tokens"] == 70 + 79
     assert mc["loss"] == pytest.approx(mf["loss"], abs=1e-6)
-    gc, gf = grads(chunked.model), grads(full.model)
+    gc, gf, gk = grads(chunked.model), grads(full.model), grads(checkpointed.model)
     for name in gf:
         assert torch.allclose(gc[name], gf[name], atol=1e-6, rtol=1e-4), name
+        assert torch.allclose(gk[name], gf[name], atol=1e-7), name  # recomputing layers in backward changes nothing
 
 
 # ---- algorithms -----------------------------------------------------------------------------------
@@ -156,6 +159,18 @@ def test_sft_loss_is_the_token_mean_nll_over_non_forced_tokens(tiny_model_factor
         nll += [-x for x, f in zip(picked.tolist(), trace.forced or [False] * 5) if not f]
     assert m["num_loss_tokens"] == 11 + 5
     assert m["loss"] == pytest.approx(sum(nll) / 16, abs=1e-5)
+
+
+def test_grpo_against_recomputed_logprobs_with_tis_and_reference_kl(tiny_model_factory):
+    path = tiny_model_factory(arch="qwen3")
+    traces = [make_trace(i, 30, reward=float(i)) for i in (0, 1)]  # sampler logprobs -5.0 everywhere
+    learner = Learner(str(path), lr=1e-2, grpo=dict(old_logprobs="recomputed", tis_cap=2.0, kl_coef=0.1))
+    m = learner.step([traces])
+    # old = the trainer's own detached logprobs: every ratio is exactly 1, nothing clips; the policy
+    # equals the frozen reference at the first step, so k3 KL is 0; the sampler's -5.0 only feeds TIS
+    assert m["ratio_mean"] == 1.0 and m["clip_frac_low"] == m["clip_frac_high"] == 0.0 and m["kl"] == 0.0
+    assert 0 < m["tis_weight_mean"] <= 2.0 and m["mismatch_kl"] > 0
+    assert learner.step([traces])["kl"] > 0  # the policy moved away from the reference
 
 
 # ---- bad input ------------------------------------------------------------------------------------

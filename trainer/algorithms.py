@@ -124,12 +124,14 @@ class GRPO(Algorithm):
 
     def __init__(self, options: dict | None = None):
         self.options = _options("grpo", options, self.DEFAULTS)
-        if self.options["aggregation"] not in AGGREGATIONS:
-            raise ValueError(f"unknown grpo aggregation {self.options['aggregation']!r}; valid: {', '.join(AGGREGATIONS)}")
+        aggregation = self.options["aggregation"]
+        if aggregation not in AGGREGATIONS:
+            raise ValueError(f"unknown grpo aggregation {aggregation!r}; valid: {', '.join(AGGREGATIONS)}")
         if self.options["old_logprobs"] not in OLD_LOGPROBS:
             raise ValueError(f"grpo old_logprobs must be one of {OLD_LOGPROBS}, got {self.options['old_logprobs']!r}")
-        if self.options["aggregation"] == "constant" and not (self.options["constant_norm"] or 0) > 0:
-            raise ValueError(f"grpo aggregation='constant' needs constant_norm > 0, got {self.options['constant_norm']}")
+        norm = self.options["constant_norm"]
+        if aggregation == "constant" and not (norm or 0) > 0:
+            raise ValueError(f"grpo aggregation='constant' needs constant_norm > 0, got {norm}")
         if self.options["tis_cap"] is not None and self.options["old_logprobs"] != "recomputed":
             raise ValueError("grpo tis_cap weights by exp(recomputed - sampler) and needs old_logprobs='recomputed'")
 
@@ -186,6 +188,7 @@ class BoNBoN(Algorithm):
     ``"correctness"``, the names ``rewards.SpeedupReward`` and ``MathReward`` give them;
     ``speedup_key=None`` scores by quality alone). A missing key is an error; groups with a
     non-finite score or all-equal scores give no pair and are skipped and counted.
+    The IPO margin uses sequence sums over each trace's loss tokens (under truncation, its last W).
     Options (``bonbon={...}``): alpha (0.005), beta (``bonbon_beta(10)``), quality_weight λ (1.0),
     speedup_key, quality_key. The SFT term is the token mean within a micro-batch; micro-batches
     are weighted by their share of the step's pairs (exact when all pairs fit in one micro-batch).

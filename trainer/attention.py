@@ -113,7 +113,8 @@ class MaskedSDPA:
 
     def __init__(self, mask: Tensor | None):
         if mask is not None and (mask.dim() != 2 or mask.shape[0] != mask.shape[1] or mask.dtype != torch.bool):
-            raise ValueError(f"MaskedSDPA mask must be a square [N, N] bool tensor, got {mask.dtype} {tuple(mask.shape)}")
+            raise ValueError(f"MaskedSDPA mask must be a square [N, N] bool tensor, "
+                             f"got {mask.dtype} {tuple(mask.shape)}")
         self.mask = mask
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -166,6 +167,9 @@ class FlexPolicyAttention:
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """q: [N, H_q, D], k/v: [N, H_kv, D] -> [N, H_q, D]."""
         n = q.shape[0]
+        if q.device.type == "cpu" and torch.is_grad_enabled() and q.requires_grad:
+            raise NotImplementedError("FlexAttention has no backward on CPU in this torch; train on CPU with "
+                                      "attention 'sdpa' (what 'auto' picks) or run flex under torch.no_grad()")
         if n != self.num_tokens:
             raise ValueError(f"FlexPolicyAttention was built for {self.num_tokens} tokens, got {n}")
         pad = lambda x: F.pad(x, (0, 0, 0, 0, 0, self.size - n))  # noqa: E731  [N, H, D] -> [size, H, D]

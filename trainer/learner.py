@@ -11,7 +11,6 @@ so the accumulated gradient is the gradient of one loss over the whole step, wha
 
 from __future__ import annotations
 
-import copy
 import math
 import time
 from dataclasses import asdict, dataclass
@@ -322,7 +321,8 @@ class Learner:
 
     # ---- weights and checkpoints ----------------------------------------------------------------
     def state_dict(self, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-        """HF-named weights (tied ``lm_head.weight`` omitted, as ``DecoderLM.load_weights`` expects), copied to ``device``."""
+        """HF-named weights copied to ``device`` (tied ``lm_head.weight`` omitted: ``DecoderLM.load_weights``
+        skips it anyway)."""
         return {name: p.detach().to(device, copy=True) for name, p in self.model.named_parameters()}
 
     def save_checkpoint(self, path) -> None:
