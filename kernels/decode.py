@@ -154,17 +154,18 @@ def choose_num_splits(programs: int, max_tiles: int, sms: int, programs_per_sm: 
 
 def decode_config(num_seqs: int, num_kv_heads: int, block_size: int, max_live_blocks: int, head_dim: int,
                   dtype: torch.dtype, device: torch.device) -> DecodeConfig:
-    """Default launch shape: ~16 KB K tiles, 4 warps, 3 stages; fp32 (exact dot, register-hungry) 8 warps, 2 stages.
-
-    K/V get ``num_stages - 1`` shared-memory buffers: 3 stages keep one tile in flight during the math.
+    """Default launch shape. bf16/fp16: ~32 KB K tiles (128 keys at head dim 128), 4 warps, 2 stages —
+    the H200 sweep's best at batch 16 and 256 (docs/benchmarks.md); fp32 (exact dot, register-hungry):
+    ~16 KB tiles, 8 warps, 2 stages.
     """
     elem = torch.empty((), dtype=dtype).element_size()
-    tile_n = min(128, max(16, next_pow2(16384 // (next_pow2(head_dim) * elem))))
+    tile_bytes = 16384 if elem == 4 else 32768
+    tile_n = min(128, max(16, next_pow2(tile_bytes // (next_pow2(head_dim) * elem))))
     max_tiles = triton.cdiv(max_live_blocks * block_size, tile_n)
     splits = choose_num_splits(num_seqs * num_kv_heads, max_tiles, num_sms(device))
     if elem == 4:
         return DecodeConfig(tile_n=tile_n, num_splits=splits, num_warps=8, num_stages=2)
-    return DecodeConfig(tile_n=tile_n, num_splits=splits, num_warps=4, num_stages=3)
+    return DecodeConfig(tile_n=tile_n, num_splits=splits, num_warps=4, num_stages=2)
 
 
 def decode_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: AttentionMetadata, scale: float,

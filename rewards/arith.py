@@ -1,27 +1,30 @@
 """The project's own task: multi-step arithmetic whose chain of steps outgrows the KV window.
 
-A problem names a start value and a list of lettered operations; the reference solution applies
-them one line per step and boxes the final value::
+A problem names a start value and a list of lettered operations; the reference solution restates
+the start value, then writes one line per step (its letter, its operation, the new value) and
+boxes the final value::
 
-    prompt:   Start at 47. Apply a:+5 b:-3 c:+8 d:-2 e:+7 f:+1 g:-9 h:+4.
+    prompt:   Start at 47. Apply a+5 b-3 c+8 d-2 e+7 f+1 g-9 h+4.
     solution: <think>
-              a:47+5=52
-              b:52-3=49
+              47
+              a+5=52
+              b-3=49
               ...
-              h:49+4=53
+              h+4=53
               </think>
               Answer: \\boxed{53}
 
-Each step line is about 10 byte-level tokens, so a window of ~32 tokens holds the last three
-lines: the running value and the step letter. The operation of the next step is only in the
-prompt (looked up by its letter), and so is the number of steps. Under ``prefix_sliding:W`` the
-prompt stays visible and the model can finish the chain; under ``sliding_window:W`` the prompt
-falls out of the window after the first few steps and the remaining operations are unknowable.
+With byte-level tokens a step line is 7 tokens (every value has two digits by default), so a
+window of 24 tokens holds the last three lines: the running value and the current step letter.
+The operation of the next step is only in the prompt, looked up by its letter, and so is the
+number of steps. Under ``prefix_sliding:W`` the prompt stays visible and the chain can be finished;
+under ``sliding_window:W`` the prompt leaves the window after the first few lines and the remaining
+operations are unknowable.
 
-Every value stays in ``[0, max_value]``: each step's operand is drawn first, then its sign among
-those that keep the value in range. Train and eval problems come from separate random streams and
-a problem belongs to the eval split exactly when a hash of its prompt says so, so the splits are
-disjoint whatever their sizes.
+Every value stays in ``[min_value, max_value]``: each step's operand is drawn first, then its sign
+among those that keep the value in range. Train and eval problems come from separate random
+streams and a problem belongs to the eval split exactly when a hash of its prompt says so, so the
+splits are disjoint whatever their sizes.
 """
 
 from __future__ import annotations
@@ -47,12 +50,14 @@ class ArithTask:
 
     num_steps: (fewest, most) steps per problem, inclusive; at most 26 (one letter per step).
     max_operand: operands are drawn from ``1..max_operand``.
-    max_value: the start value and every intermediate value lie in ``0..max_value``.
+    min_value, max_value: the start value and every later value lie in this range (10..99: every
+    value has two digits, so every step line has the same length).
     seed: problems are a pure function of (settings, seed, split, index).
     """
 
     num_steps: tuple[int, int] = (8, 12)
     max_operand: int = 9
+    min_value: int = 10
     max_value: int = 99
     seed: int = 0
 
@@ -62,8 +67,9 @@ class ArithTask:
             raise ValueError(f"num_steps must be (a, b) with 1 <= a <= b <= {len(STEP_LABELS)}, got {self.num_steps}")
         if self.max_operand < 1:
             raise ValueError(f"max_operand must be >= 1, got {self.max_operand}")
-        if self.max_value < self.max_operand:
-            raise ValueError(f"max_value must be >= max_operand ({self.max_operand}), got {self.max_value}")
+        if self.min_value < 0 or self.max_value - self.min_value < self.max_operand:
+            raise ValueError(f"need 0 <= min_value and max_value - min_value >= max_operand ({self.max_operand}), "
+                             f"got min_value={self.min_value}, max_value={self.max_value}")
         object.__setattr__(self, "num_steps", (int(lo), int(hi)))
 
     def problems(self, n: int, split: str = "train") -> list[dict]:
@@ -88,12 +94,13 @@ class ArithTask:
         return records
 
     def _draw(self, rng: random.Random) -> tuple[int, list[tuple[str, int]]]:
-        """A start value and ``[(sign, operand)]`` keeping every value in ``0..max_value``."""
-        value = rng.randint(0, self.max_value)
+        """A start value and ``[(sign, operand)]`` keeping every value in ``min_value..max_value``."""
+        lo, hi = self.min_value, self.max_value
+        value = rng.randint(lo, hi)
         start, ops = value, []
         for _ in range(rng.randint(*self.num_steps)):
             operand = rng.randint(1, self.max_operand)
-            signs = [s for s, v in (("+", value + operand), ("-", value - operand)) if 0 <= v <= self.max_value]
+            signs = [s for s, v in (("+", value + operand), ("-", value - operand)) if lo <= v <= hi]
             sign = rng.choice(signs)
             value = value + operand if sign == "+" else value - operand
             ops.append((sign, operand))
@@ -102,8 +109,8 @@ class ArithTask:
     def max_completion_chars(self) -> int:
         """An upper bound on the characters of any reference solution (tokens, for a byte-level tokenizer)."""
         digits = len(str(self.max_value))
-        line = 1 + 1 + digits + 1 + len(str(self.max_operand)) + 1 + digits + 1  # "a:47+5=52\n"
-        return len(format_solution(0, [])) - 1 + self.num_steps[1] * line + digits
+        line = 1 + 1 + len(str(self.max_operand)) + 1 + digits + 1  # "a+5=52\n"
+        return len(format_solution(0, [])) - 2 + 2 * digits + self.num_steps[1] * line
 
     def write_jsonl(self, path: str | Path, n: int, split: str = "train") -> Path:
         """Write ``problems(n, split)`` to ``path``, one JSON object per line; return the path."""
@@ -114,15 +121,15 @@ class ArithTask:
 
 
 def format_prompt(start: int, ops: list[tuple[str, int]]) -> str:
-    """``Start at 47. Apply a:+5 b:-3.`` followed by a newline."""
-    steps = " ".join(f"{STEP_LABELS[i]}:{sign}{operand}" for i, (sign, operand) in enumerate(ops))
+    """``Start at 47. Apply a+5 b-3.`` followed by a newline."""
+    steps = " ".join(f"{STEP_LABELS[i]}{sign}{operand}" for i, (sign, operand) in enumerate(ops))
     return f"Start at {start}. Apply {steps}.\n"
 
 
 def format_solution(start: int, ops: list[tuple[str, int]]) -> str:
-    """The reference completion: one ``a:47+5=52`` line per step, then the boxed final value."""
+    """The reference completion: the start value, one ``a+5=52`` line per step, the boxed final value."""
     values = run_chain(start, ops)
-    lines = [f"{STEP_LABELS[i]}:{values[i]}{sign}{operand}={values[i + 1]}" for i, (sign, operand) in enumerate(ops)]
+    lines = [str(start)] + [f"{STEP_LABELS[i]}{sign}{operand}={values[i + 1]}" for i, (sign, operand) in enumerate(ops)]
     body = "".join(line + "\n" for line in lines)
     return f"<think>\n{body}{END_THINK}\nAnswer: \\boxed{{{values[-1]}}}"
 

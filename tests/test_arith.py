@@ -12,15 +12,15 @@ from rollout.kv_policy import KVPolicy
 from rollout.tiny import build_tokenizer
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny-arith.yaml"
-PROMPT = re.compile(r"Start at (\d+)\. Apply ((?:[a-z]:[+-]\d+ ?)+)\.\n")
-LINE = re.compile(r"([a-z]):(\d+)([+-])(\d+)=(\d+)")
+PROMPT = re.compile(r"Start at (\d+)\. Apply ((?:[a-z][+-]\d+ ?)+)\.\n")
+LINE = re.compile(r"([a-z])([+-])(\d+)=(\d+)")
 
 
 def reparse(prompt: str) -> tuple[int, list[tuple[str, str, int]]]:
     """(start, [(letter, sign, operand)]) read back from the prompt text."""
     match = PROMPT.fullmatch(prompt)
     assert match, prompt
-    ops = [(s[0], s[2], int(s[3:])) for s in match.group(2).split()]
+    ops = [(s[0], s[1], int(s[2:])) for s in match.group(2).split()]
     return int(match.group(1)), ops
 
 
@@ -42,29 +42,31 @@ def test_train_and_eval_splits_are_disjoint():
 
 
 def test_reference_solutions_follow_the_prompt_and_the_arithmetic():
-    task = ArithTask(num_steps=(8, 16), max_operand=9, max_value=99, seed=1)
+    task = ArithTask(num_steps=(8, 16), max_operand=9, min_value=10, max_value=99, seed=1)
     for problem in task.problems(200) + task.problems(50, "eval"):
         start, ops = reparse(problem["prompt"])
-        assert 8 <= len(ops) <= 16 and 0 <= start <= 99
+        assert 8 <= len(ops) <= 16 and 10 <= start <= 99
+        assert [letter for letter, _, _ in ops] == list("abcdefghijklmnop"[:len(ops)])
         value = start
         for sign, operand in [(s, o) for _, s, o in ops]:  # independent re-computation: Python's eval
             value = eval(f"{value}{sign}{operand}")
-            assert 0 <= value <= 99 and 1 <= operand <= 9
+            assert 10 <= value <= 99 and 1 <= operand <= 9
         assert problem["answer"] == str(value)
         body, tail = problem["solution"].split("</think>")
+        assert body.startswith(f"<think>\n{start}\n")  # the start value restated
         lines = LINE.findall(body)
-        assert body.startswith("<think>\n") and len(lines) == len(ops) == body.count("\n") - 1
+        assert len(lines) == len(ops) == body.count("\n") - 2
         previous = start
-        for (letter, left, sign, operand, right), op in zip(lines, ops):
+        for (letter, sign, operand, result), op in zip(lines, ops):
             assert (letter, sign, int(operand)) == op  # the step names its letter and copies its operation
-            assert int(left) == previous and int(right) == eval(f"{left}{sign}{operand}")
-            previous = int(right)
+            assert int(result) == eval(f"{previous}{sign}{operand}")
+            previous = int(result)
         assert tail == f"\nAnswer: \\boxed{{{value}}}"
 
 
 def test_bad_settings_are_rejected():
     for kwargs in ({"num_steps": (0, 4)}, {"num_steps": (5, 4)}, {"num_steps": (8, 27)}, {"max_operand": 0},
-                   {"max_operand": 9, "max_value": 5}):
+                   {"max_value": 15}, {"min_value": -1}):
         with pytest.raises(ValueError, match=next(iter(kwargs))):
             ArithTask(**kwargs)
     with pytest.raises(ValueError, match="split"):
@@ -103,7 +105,7 @@ def test_default_config_chain_outgrows_the_window():
     tokenizer = build_tokenizer()
     for problem in task.problems(200, "eval"):
         completion = problem["solution"]
-        lines = completion.split("\n")[1:-2]  # the step lines
+        lines = completion.split("\n")[2:-2]  # the step lines
         longest_line = max(len(tokenizer(line + "\n").input_ids) for line in lines)
         assert policy.window >= 2 * longest_line
         last_line_start = len(tokenizer(completion.rpartition(lines[-1])[0]).input_ids)

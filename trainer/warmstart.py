@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from rewards.arith import ArithTask, ArithVerifier
+from rewards.arith import ArithTask, ArithVerifier, format_prompt
 from rollout.kv_policy import KVPolicy, visible_mask
 from trainer.losses import sft_loss
 
@@ -160,8 +160,8 @@ def lr_factor(step: int, warmup: int, total: int) -> float:
 
 def max_sequence_tokens(task: ArithTask) -> int:
     """An upper bound on prompt + completion tokens of any problem (byte-level: one token per char)."""
-    prompt = 24 + task.num_steps[1] * (4 + len(str(task.max_operand))) + len(str(task.max_value))
-    return prompt + task.max_completion_chars() + 1
+    prompt = format_prompt(task.max_value, [("+", task.max_operand)] * task.num_steps[1])
+    return len(prompt) + task.max_completion_chars() + 1
 
 
 # --------------------------------------------------------------------------- batches and forward
@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--min-steps", type=int, default=8, help="fewest steps per problem")
     parser.add_argument("--max-steps", type=int, default=12, help="most steps per problem")
     parser.add_argument("--eval", type=int, default=0, help="eval problems to score after training (0: none)")
-    parser.add_argument("--eval-kv", nargs="*", default=["prefix_sliding:32", "sliding_window:32", "full"])
+    parser.add_argument("--eval-kv", nargs="*", default=["prefix_sliding:24", "sliding_window:24", "full"])
     for f in dataclasses.fields(WarmStartSettings):
         parser.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)
     args = parser.parse_args(argv)
