@@ -24,11 +24,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from cluster.checkpoint import Checkpoints, DriverState
-from cluster.config import ConfigError, save_config
-from cluster.data import Problem, PromptGroup, PromptStream, data_sources, load_split
+from cluster.data import PromptGroup, PromptStream
 from cluster.evaluation import EvalResult, eval_sampling, score
 from cluster.ledger import GroupLedger
 from cluster.resources import check_resources, cluster_capacity, connect, make_learner, make_queue, release, reserve
+from cluster.run_plan import RunPlan, prepare
 from cluster.train_config import TrainConfig
 from cluster.weight_sync import WeightSync
 from cluster.worker_pool import Health, RunError, WorkerPool
@@ -38,17 +38,6 @@ STATE_FILE = "driver_state.json"  # the final driver state, beside the checkpoin
 
 class LearnerLost(RuntimeError):
     """The learner actor died; the run continues from the latest checkpoint when it can."""
-
-
-@dataclass
-class RunPlan:
-    """What a run starts from, checked before any actor exists."""
-
-    run_dir: Path
-    model_path: str
-    train_problems: list[Problem]
-    eval_problems: list[Problem]
-    resume: tuple[Path, DriverState] | None
 
 
 @dataclass
@@ -89,36 +78,6 @@ def train(cfg: TrainConfig, on_step: StepHook | None = None) -> RunResult:
             ray.shutdown()
 
 
-def prepare(cfg: TrainConfig) -> RunPlan:
-    """Run directory, resolved config, data (fields checked) and initial weights; no Ray yet."""
-    run_dir = Path(cfg.run_dir).expanduser().resolve()
-    checkpoints = Checkpoints(run_dir, cfg.checkpoint.keep)
-    resume = checkpoints.latest() if cfg.resume else None
-    if cfg.resume and resume is None:
-        raise ConfigError(f"resume=true but {run_dir / 'checkpoints'} holds no complete checkpoint")
-    if not cfg.resume and checkpoints.complete():
-        raise ConfigError(f"run_dir {str(run_dir)!r} already holds checkpoints of a run; pass resume=true to "
-                          "continue it, or choose another run_dir")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, run_dir / "config.yaml")
-    train_source, eval_source = data_sources(cfg, run_dir)
-    train_problems = load_split(cfg, train_source)
-    wants_eval = cfg.eval.before or cfg.eval.after
-    eval_problems = load_split(cfg, eval_source, cfg.eval.num_problems) if wants_eval else []
-    return RunPlan(run_dir, initial_model(cfg), train_problems, eval_problems, resume)
-
-
-def initial_model(cfg: TrainConfig) -> str:
-    """The warm-started checkpoint (trained now when not cached) or the configured model."""
-    if not cfg.warmstart.enabled:
-        return cfg.model.resolve()
-    from trainer.warmstart import warm_start
-
-    print(f"sliderl: warm start ({cfg.warmstart.steps} SFT steps, cached in {cfg.warmstart.cache_dir})", flush=True)
-    return str(warm_start(cfg.warmstart.cache_dir, cfg.task.arith(), device=cfg.learner.device,
-                          log_every=50, **cfg.warmstart.settings()))
-
-
 def _sessions(cfg: TrainConfig, plan: RunPlan, pg, on_step: StepHook | None) -> RunResult:
     """Run sessions until one finishes; a lost learner resumes from the latest checkpoint."""
     restarts = 0
@@ -129,8 +88,9 @@ def _sessions(cfg: TrainConfig, plan: RunPlan, pg, on_step: StepHook | None) -> 
         except LearnerLost as err:
             latest = Checkpoints(plan.run_dir, cfg.checkpoint.keep).latest()
             if latest is None or restarts >= cfg.train.max_learner_restarts:
-                raise RunError(f"the learner died ({err}) and {'no checkpoint exists' if latest is None else 'its restarts are used up'}; "
-                               f"checkpoints and traces are in {plan.run_dir}") from None
+                why = "no checkpoint exists" if latest is None else "its restarts are used up"
+                raise RunError(f"the learner died ({err}) and {why}; checkpoints and traces are in "
+                               f"{plan.run_dir}") from None
             restarts += 1
             print(f"sliderl: the learner died ({err}); resuming from {latest[0]}", flush=True)
             plan = replace(plan, resume=latest)
@@ -346,9 +306,9 @@ class Session:
                                      lambda path: self._learner_call(self.learner.save_checkpoint.remote(path)))
 
     def _snapshot(self) -> DriverState:
+        undealt = [int(g.group_id[1:]) for g in self.backlog if g.group_id not in self.ledger.outstanding]
         return replace(self.state, cursor=self.stream.cursor,
-                       outstanding=sorted(self.ledger.unresolved_numbers() + [int(g.group_id[1:]) for g in self.backlog
-                                                                               if g.group_id not in self.ledger.outstanding]),
+                       outstanding=sorted(self.ledger.unresolved_numbers() + undealt),
                        trained_group_ids=list(self.ledger.trained), stale_group_ids=list(self.ledger.stale),
                        duplicate_group_ids=list(self.ledger.duplicates), reissued_group_ids=list(self.ledger.reissued))
 

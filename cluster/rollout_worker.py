@@ -153,9 +153,9 @@ class RolloutWorker:
     def update_weights(self, version: int, payload: Any = None, force: bool = False) -> float:
         """Receive weights ``version`` and wait until the engine applied them between two steps.
 
-        payload is what the learner's ``WeightSender.publish`` returned (None for broadcast, whose
-        tensors arrive through the process group). Versions only grow unless ``force``. Returns
-        the seconds from the call to the applied update.
+        payload is what the learner's ``WeightSender.publish`` returned (a state dict, an
+        ``IpcPayload``, or a ``BroadcastNotice`` whose tensors arrive through the process group).
+        Versions only grow unless ``force``. Returns the seconds from the call to the applied update.
         """
         start = time.perf_counter()
         if version < self.version and not force:
@@ -164,6 +164,8 @@ class RolloutWorker:
         weights = self.receiver.receive(payload)
         done = threading.Event()
         with self._lock:
+            if self._pending is not None:  # superseded before the engine got to it: the newer one wins
+                self._pending[2].set()
             self._pending = (version, weights, done)
             self._lock.notify_all()
         while not done.wait(IDLE_WAIT_S):
@@ -264,7 +266,7 @@ class RolloutWorker:
 
     def _finished(self, seq) -> None:
         job, index = self._by_request.pop(seq.request_id)
-        output = self.llm._output(seq)  # the engine's RequestOutput for a finished sequence
+        output = self.llm.output(seq)
         job.outputs[index] = output
         if isinstance(job, _EvalJob):
             job.remaining -= 1

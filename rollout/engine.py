@@ -102,7 +102,7 @@ class LLM:
             for seq in self.step():
                 bar and bar.update(1)
         bar and bar.close()
-        return [self._output(s) for s in seqs]
+        return [self.output(s) for s in seqs]
 
     def add_request(self, prompt: str | list[int], params: SamplingParams) -> Sequence:
         ids = self.tokenizer(prompt).input_ids if isinstance(prompt, str) else list(prompt)
@@ -240,7 +240,8 @@ class LLM:
         seq.kv.mean_visible_tokens = seq.visible_sum / n
         seq.finished_at = time.perf_counter()
 
-    def _output(self, seq: Sequence) -> RequestOutput:
+    def output(self, seq: Sequence) -> RequestOutput:
+        """The output record of a finished request (from ``add_request``)."""
         out = seq.output_token_ids
         shown = out[:-1] if out and out[-1] in self.eos_ids and seq.finish_reason == "stop" else out
         text = self.tokenizer.decode(shown)

@@ -188,7 +188,7 @@ def test_registers_match_dense_reference_and_free_dead_blocks(register_model):
         assert llm.scheduler.blocks.num_free + held == 256
     model = hf_model(register_model)
     for seq in seqs:
-        out = llm._output(seq)
+        out = llm.output(seq)
         tokens = out.prompt_token_ids + out.token_ids
         dead = dead_steps(len(out.prompt_token_ids), tokens, reg_ids, end_think)
         assert len(dead) >= 5, "the test needs register reuse to mean anything"
