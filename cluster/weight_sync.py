@@ -113,6 +113,9 @@ class _Group:
         prefixed = dist.PrefixStore(name, store)
         self.backend, self.rank, self.device = backend, rank, device
         if backend == "nccl":
+            if device.index is None:  # "cuda": the actor's own GPU (Ray sets CUDA_VISIBLE_DEVICES)
+                device = torch.device("cuda", torch.cuda.current_device())
+                self.device = device
             torch.cuda.set_device(device)
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout

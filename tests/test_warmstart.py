@@ -11,11 +11,11 @@ from rollout.kv_policy import KVPolicy
 from rollout.loader import load_model
 from rollout.model import DenseAttention, causal_mask
 from rollout.tiny import build_tokenizer
-from trainer.warmstart import MARKER, make_batch, token_logprobs, warm_start
+from trainer.warmstart import CHECK_EVERY, MARKER, greedy_accuracy, make_batch, token_logprobs, warm_start
 
 TASK = ArithTask(num_steps=(3, 4), max_operand=5, max_value=20)
 TINY = dict(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64,
-            steps=30, lr=1e-2, batch_size=8, warmup_steps=3)
+            steps=30, lr=1e-2, batch_size=8, warmup_steps=3, target_accuracy=0.0, train_kv="prefix_sliding:8")
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +73,52 @@ def test_cache_returns_the_same_checkpoint_without_training(checkpoint, monkeypa
     assert warm_start(checkpoint.parent, TASK, **TINY) == checkpoint
     with pytest.raises(AssertionError, match="trained"):  # other settings: a different checkpoint
         warm_start(checkpoint.parent, TASK, **{**TINY, "lr": 2e-2})
+
+
+def test_training_stops_at_the_first_check_that_reaches_the_target(tmp_path, monkeypatch):
+    import trainer.warmstart as warmstart
+
+    scores = iter([0.0, 0.5, 0.9])
+    monkeypatch.setattr(warmstart, "greedy_accuracy", lambda model, batch: next(scores))
+    settings = {**TINY, "hidden_size": 16, "intermediate_size": 16, "batch_size": 2, "steps": 4 * CHECK_EVERY,
+                "target_accuracy": 0.4}
+    record = json.loads((warm_start(tmp_path, TASK, **settings) / MARKER).read_text())
+    # checks after steps 25 (0.0) and 50 (0.5 >= 0.4): training stops at step 50 of 100
+    assert record["steps_run"] == 2 * CHECK_EVERY and len(record["losses"]) == 2 * CHECK_EVERY
+    assert record["held_out_accuracy"] == 0.5
+
+
+class Oracle:
+    """A stand-in model whose logits put all mass on the batch's targets, except at ``wrong``."""
+
+    training = False
+
+    def __init__(self, batch, wrong: list[tuple[int, int]], vocab: int = 300):
+        logits = torch.nn.functional.one_hot(batch.targets, vocab).float()  # [B, T, V]
+        for b, t in wrong:
+            logits[b, t] = torch.nn.functional.one_hot((batch.targets[b, t] + 1) % vocab, vocab).float()
+        self.logits = logits.view(-1, vocab)
+
+    def __call__(self, input_ids, positions, attn):
+        return torch.arange(len(input_ids))
+
+    def compute_logits(self, hidden):
+        return self.logits[hidden]
+
+    def eval(self):
+        return self
+
+    def train(self, mode=True):
+        return self
+
+
+def test_greedy_accuracy_counts_rows_whose_completion_tokens_are_all_argmax():
+    tokenizer = build_tokenizer()
+    batch = make_batch(tokenizer, TASK.problems(4), KVPolicy.parse("full"))
+    assert greedy_accuracy(Oracle(batch, []), batch) == 1.0
+    # row 0 wrong at a completion position, row 1 wrong only at a prompt position (outside the loss mask)
+    completion_pos = int(batch.loss_mask[0].nonzero()[0])
+    assert greedy_accuracy(Oracle(batch, [(0, completion_pos), (1, 0)]), batch) == 0.75  # rows 1, 2, 3 pass
 
 
 def test_loss_mask_covers_completion_tokens_and_the_prefix_sliding_mask():
