@@ -51,7 +51,9 @@ class LearnerActor:
         """The weight-sync payload of the current weights, which must be ``version``."""
         if version != self.learner.version:
             raise ValueError(f"publish of version {version} asked, but the learner is at version {self.learner.version}")
-        return self.sender.publish(version, self.learner.state_dict())
+        # object_store ships CPU tensors; the GPU backends flatten on the learner's GPU (no host round trip)
+        device = "cpu" if self.sender.backend == "object_store" else self.sender.device
+        return self.sender.publish(version, self.learner.state_dict(device))
 
     def weight_layout(self) -> FlatLayout:
         """How the broadcast buffers are laid out (fixed for the model)."""

@@ -117,7 +117,8 @@ class Monitor:
         self.total_steps = total_steps
         self.metrics_path = self.run_dir / METRICS_FILE
         self.history, self._elapsed_before = _read_history(self.metrics_path)
-        self._run = _start_wandb(self.run_dir, cfg.wandb, config_dict)
+        # disabled: no W&B at all (not even the import), e.g. on machines without wandb installed
+        self._run = None if cfg.wandb.mode == "disabled" else _start_wandb(self.run_dir, cfg.wandb, config_dict)
         self._started = time.monotonic()
         self._file = _open_for_append(self.metrics_path)
         self._bar = _progress_bar(total_steps, max(self.history, default=0))
@@ -132,7 +133,7 @@ class Monitor:
         self.history.setdefault(row["step"], {}).update(row)
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
-        if row["step"] % self.cfg.log_every == 0 or row["step"] >= self.total_steps:
+        if self._run is not None and (row["step"] % self.cfg.log_every == 0 or row["step"] >= self.total_steps):
             self._run.log(values, step=row["step"])
         self._advance(self.history[row["step"]])
 
@@ -149,7 +150,8 @@ class Monitor:
         wall_s = self.elapsed()
         self._bar.close()
         self._file.close()
-        self._run.finish(exit_code=exit_code)
+        if self._run is not None:
+            self._run.finish(exit_code=exit_code)
         plots = write_plots(self.history, self.run_dir) if self.cfg.plots else []
         self._summary = format_summary(self.run_dir, self.history, self.total_steps, wall_s, plots,
                                        self._wandb_note())
