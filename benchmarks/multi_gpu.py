@@ -131,6 +131,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workers", type=int, default=None, help="rollout workers (default: GPUs - 1)")
     parser.add_argument("--skip-modes", action="store_true")
+    parser.add_argument("--skip-sync", action="store_true", help="skip part 1 (weight-sync timing)")
     parser.add_argument("--cpu-smoke", action="store_true", help="plumbing check on CPU with a tiny model")
     args = parser.parse_args()
 
@@ -147,7 +148,7 @@ def main() -> None:
     print(f"# multi_gpu {time.strftime('%Y-%m-%d %H:%M')} torch {torch.__version__} ray {ray.__version__} "
           f"gpus {gpus} x {torch.cuda.get_device_name() if gpus else 'none'}; rollout workers {args.workers}", flush=True)
     print("\n## weight sync per version (learner -> every worker)")
-    for backend in ("broadcast", "object_store"):
+    for backend in () if args.skip_sync else ("broadcast", "object_store"):
         r = time_sync(args, model, backend)
         print(f"{backend:<14} median {r['median_s']:.3f} s  (min {r['min_s']:.3f}, max {r['max_s']:.3f})", flush=True)
     if not args.skip_modes:
