@@ -13,6 +13,7 @@ Prints the SFT wall and CPU seconds, the final loss, and one accuracy row per po
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -36,9 +37,9 @@ DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny-arith.y
 def load(config: Path, overrides: list[str]) -> tuple[ArithTask, dict, int]:
     """(task, warm start settings without cache_dir, window W of the config's engine policy)."""
     data = yaml.safe_load(config.read_text())
-    task_cfg = dict(data["task"])
-    task = ArithTask(**{**task_cfg, "num_steps": tuple(task_cfg["num_steps"])})
-    settings = {k: v for k, v in data["warmstart"].items() if k != "cache_dir"}
+    task_fields = {f.name for f in dataclasses.fields(ArithTask)}
+    task = ArithTask(**{k: v for k, v in data["task"].items() if k in task_fields})
+    settings = {k: v for k, v in data["warmstart"].items() if k not in ("cache_dir", "enabled")}
     for item in overrides:
         key, _, value = item.partition("=")
         settings[key] = yaml.safe_load(value)

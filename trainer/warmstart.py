@@ -6,12 +6,15 @@ forward (``DecoderLM``) under the visibility of a KV policy (``train_kv``: ``ful
 mask; ``prefix_sliding:W`` adapts the model to the bounded KV the engine will use), and writes a
 Hugging Face directory that ``rollout.LLM`` and ``transformers`` both load.
 
-The checkpoint lands in ``out_dir/warmstart-<hash of the settings>``. The marker file
-``warmstart.json`` (settings, loss curve, seconds) is written last and the directory is renamed
-into place atomically, so a directory with a marker is a finished checkpoint for exactly those
-settings: a second call returns it without training.
+Training stops early once the greedy accuracy on held-out problems reaches ``target_accuracy``
+(see ``WarmStartSettings``): the job's RL then starts from a partly trained model.
 
-    python -m trainer.warmstart OUT_DIR --steps 600
+The checkpoint lands in ``out_dir/warmstart-<hash of task and settings>``. The marker file
+``warmstart.json`` (settings, steps run, held-out accuracy, loss curve, seconds) is written last
+and the directory is renamed into place atomically, so a directory with a marker is a finished
+checkpoint for exactly those settings: a second call returns it without training.
+
+    python -m trainer.warmstart ~/.cache/sliderl/warmstart    # the embedded job's checkpoint
 """
 
 from __future__ import annotations
