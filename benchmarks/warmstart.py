@@ -1,13 +1,15 @@
 """Warm start of the default job's tiny model: SFT wall time and greedy accuracy per KV policy.
 
     python benchmarks/warmstart.py [--config configs/tiny-arith.yaml] [--eval 128] [--train-kv full ...]
-                                   [--set steps=600 ...] [--out rows.json]
+                                   [--seeds 0 1 2] [--set steps=600 ...] [--out rows.json]
 
-For each training visibility in ``--train-kv`` (default: the config's ``warmstart.train_kv``):
+For each training visibility in ``--train-kv`` (default: the config's ``warmstart.train_kv``) and
+each seed in ``--seeds`` (default: the config's):
 warm-start a checkpoint with the config's ``task`` and ``warmstart`` settings (in a temporary
 folder, so nothing is cached), then score it greedily with the engine on ``--eval`` eval problems
 under ``prefix_sliding:W``, ``sliding_window:W`` (W from the config's ``engine.kv``) and ``full``.
-Prints the SFT wall and CPU seconds, the final loss, and one accuracy row per policy.
+Prints the SFT steps run (training stops early at the target accuracy), wall and CPU seconds, the
+final loss, and one accuracy row per policy. CPU seconds count every thread of the process.
 """
 
 from __future__ import annotations
@@ -63,8 +65,10 @@ def run(task: ArithTask, settings: dict, window: int, num_eval: int) -> list[dic
     with tempfile.TemporaryDirectory() as tmp:
         t0, cpu0 = time.perf_counter(), time.process_time()
         path = warm_start(tmp, task, log_every=100, **settings)
-        sft = {"sft_seconds": round(time.perf_counter() - t0, 1), "sft_cpu_seconds": round(time.process_time() - cpu0, 1)}
-        sft["final_loss"] = json.loads((path / MARKER).read_text())["losses"][-1]
+        sft = {"sft_seconds": round(time.perf_counter() - t0, 1),
+               "sft_cpu_seconds": round(time.process_time() - cpu0, 1)}
+        record = json.loads((path / MARKER).read_text())
+        sft.update(seed=settings.get("seed", 0), steps_run=record["steps_run"], final_loss=record["losses"][-1])
         problems = task.problems(num_eval, "eval")
         policies = [f"prefix_sliding:{window}", f"sliding_window:{window}", "full"]
         evals = [evaluate(path, problems, kv, task.max_completion_chars() + 8) for kv in policies]
@@ -76,17 +80,20 @@ def main() -> None:
     parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
     parser.add_argument("--eval", type=int, default=128, help="eval problems per policy")
     parser.add_argument("--train-kv", nargs="*", default=None, help="training visibilities to compare")
+    parser.add_argument("--seeds", type=int, nargs="*", default=None, help="warm start seeds (default: the config's)")
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="warm start setting overrides")
     parser.add_argument("--out", type=Path, default=None, help="also write the rows as JSON here")
     args = parser.parse_args()
     task, settings, window = load(args.config, args.set)
     rows = []
     for train_kv in args.train_kv or [settings.get("train_kv", "full")]:
-        rows += run(task, {**settings, "train_kv": train_kv}, window, args.eval)
-    print(f"{'train_kv':<20}{'sft s':>8}{'sft cpu s':>10}{'loss':>8}  {'eval kv':<20}{'accuracy':>9}"
-          f"{'unparsed':>9}{'mean vis':>9}{'eval s':>8}")
+        for seed in args.seeds if args.seeds is not None else [settings.get("seed", 0)]:
+            rows += run(task, {**settings, "train_kv": train_kv, "seed": seed}, window, args.eval)
+    print(f"{'train_kv':<20}{'seed':>5}{'steps':>6}{'sft s':>8}{'sft cpu s':>10}{'loss':>8}  {'eval kv':<20}"
+          f"{'accuracy':>9}{'unparsed':>9}{'mean vis':>9}{'eval s':>8}")
     for r in rows:
-        print(f"{r['train_kv']:<20}{r['sft_seconds']:>8.1f}{r['sft_cpu_seconds']:>10.1f}{r['final_loss']:>8.4f}  "
+        print(f"{r['train_kv']:<20}{r['seed']:>5}{r['steps_run']:>6}{r['sft_seconds']:>8.1f}"
+              f"{r['sft_cpu_seconds']:>10.1f}{r['final_loss']:>8.4f}  "
               f"{r['kv']:<20}{r['accuracy']:>9.3f}{r['unparseable']:>9.3f}{r['mean_visible_kv']:>9.1f}"
               f"{r['seconds']:>8.1f}")
     if args.out:

@@ -100,7 +100,7 @@ class WarmStartConfig(Section):
     """Folder of warm-started checkpoints; one subfolder per (task, settings), reused when present."""
     arch: Literal["qwen3", "qwen2", "llama"] = "qwen3"
     """Architecture of the tiny model."""
-    hidden_size: int = Field(128, ge=8)
+    hidden_size: int = Field(96, ge=8)
     """Width of the residual stream."""
     num_layers: int = Field(2, ge=1)
     """Decoder layers."""
@@ -108,11 +108,11 @@ class WarmStartConfig(Section):
     """Query heads per layer."""
     num_kv_heads: int = Field(2, ge=1)
     """Key/value heads per layer."""
-    intermediate_size: int = Field(512, ge=1)
+    intermediate_size: int = Field(384, ge=1)
     """Width of the MLP."""
-    steps: int = Field(300, ge=1)
-    """SFT optimizer steps."""
-    lr: float = Field(5e-3, gt=0)
+    steps: int = Field(1500, ge=1)
+    """SFT optimizer steps (a cap: the warm start stops once it reaches its target accuracy)."""
+    lr: float = Field(1e-2, gt=0)
     """Peak learning rate (linear warm-up, cosine decay)."""
     batch_size: int = Field(16, ge=1)
     """Problems per SFT step."""
@@ -120,7 +120,7 @@ class WarmStartConfig(Section):
     """Linear warm-up steps."""
     weight_decay: float = Field(0.01, ge=0)
     """AdamW weight decay."""
-    train_kv: str = "prefix_sliding:32"
+    train_kv: str = "prefix_sliding:24"
     """Visibility the SFT forward uses (full, or the rollout policy to adapt the model to it)."""
     seed: int = Field(0, ge=0)
     """Seed of the random init and the SFT batches."""
@@ -285,7 +285,7 @@ def _default_model() -> TinyModel:
 
 # The job's own defaults for the sections it shares with ``sliderl generate``; a partial section in
 # a file or override keeps these for the keys it leaves out.
-ENGINE_DEFAULTS: dict[str, Any] = {"kv": "prefix_sliding:32", "num_blocks": 2048}
+ENGINE_DEFAULTS: dict[str, Any] = {"kv": "prefix_sliding:24", "num_blocks": 2048}
 SAMPLING_DEFAULTS: dict[str, Any] = {"max_tokens": 160}
 
 

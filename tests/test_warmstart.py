@@ -11,7 +11,7 @@ from rollout.kv_policy import KVPolicy
 from rollout.loader import load_model
 from rollout.model import DenseAttention, causal_mask
 from rollout.tiny import build_tokenizer
-from trainer.warmstart import CHECK_EVERY, MARKER, greedy_accuracy, make_batch, token_logprobs, warm_start
+from trainer.warmstart import MARKER, greedy_accuracy, make_batch, token_logprobs, warm_start
 
 TASK = ArithTask(num_steps=(3, 4), max_operand=5, max_value=20)
 TINY = dict(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64,
@@ -47,9 +47,14 @@ def test_checkpoint_matches_transformers_and_runs_in_the_engine(checkpoint):
     # the trained weights are what was saved: not the random initialisation any more
     assert not torch.allclose(hf.model.embed_tokens.weight, _random_init_embedding(checkpoint))
 
-    out = LLM(str(checkpoint), kv="prefix_sliding:16").generate(problem["prompt"], SamplingParams(max_tokens=8,
-                                                                                                 temperature=0))[0]
-    assert out.token_ids and out.finish_reason in ("stop", "length")
+    # the engine loads the same weights: its greedy tokens and logprobs are transformers' (full attention)
+    prompt = tokenizer(problem["prompt"]).input_ids
+    out = LLM(str(checkpoint), kv="full").generate([prompt], SamplingParams(max_tokens=4, temperature=0))[0]
+    with torch.no_grad():
+        hf_logprobs = hf(torch.tensor([prompt + out.token_ids])).logits[0].float().log_softmax(-1)
+    steps = torch.arange(len(prompt) - 1, len(prompt) - 1 + len(out.token_ids))
+    assert out.token_ids == hf_logprobs[steps].argmax(-1).tolist()
+    torch.testing.assert_close(torch.tensor(out.logprobs), hf_logprobs[steps, out.token_ids], atol=1e-4, rtol=1e-4)
 
 
 def _random_init_embedding(checkpoint):
@@ -80,12 +85,13 @@ def test_training_stops_at_the_first_check_that_reaches_the_target(tmp_path, mon
 
     scores = iter([0.0, 0.5, 0.9])
     monkeypatch.setattr(warmstart, "greedy_accuracy", lambda model, batch: next(scores))
-    settings = {**TINY, "hidden_size": 16, "intermediate_size": 16, "batch_size": 2, "steps": 4 * CHECK_EVERY,
+    monkeypatch.setattr(warmstart, "CHECK_EVERY", 3)
+    settings = {**TINY, "hidden_size": 16, "intermediate_size": 16, "batch_size": 2, "steps": 12,
                 "target_accuracy": 0.4}
     record = json.loads((warm_start(tmp_path, TASK, **settings) / MARKER).read_text())
-    # checks after steps 25 (0.0) and 50 (0.5 >= 0.4): training stops at step 50 of 100
-    assert record["steps_run"] == 2 * CHECK_EVERY and len(record["losses"]) == 2 * CHECK_EVERY
-    assert record["held_out_accuracy"] == 0.5
+    # checks after steps 3 (0.0) and 6 (0.5 >= 0.4): training stops at step 6 of 12
+    assert record["steps_run"] == 6 and len(record["losses"]) == 6
+    assert record["held_out_accuracy"] == 0.5 and record["checks"] == [[3, 0.0], [6, 0.5]]
 
 
 class Oracle:

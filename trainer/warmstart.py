@@ -77,7 +77,8 @@ class WarmStartSettings:
         if not self.lr > 0:
             raise ValueError(f"warm start lr must be > 0, got {self.lr}")
         if not 0 <= self.target_accuracy <= 1:
-            raise ValueError(f"warm start target_accuracy must be in [0, 1] (0: train all steps), got {self.target_accuracy}")
+            raise ValueError(f"warm start target_accuracy must be in [0, 1] (0: train all steps), "
+                             f"got {self.target_accuracy}")
         if self.warmup_steps < 0:
             raise ValueError(f"warm start warmup_steps must be >= 0, got {self.warmup_steps}")
         object.__setattr__(self, "train_kv", KVPolicy.parse(self.train_kv).spec)
