@@ -11,7 +11,7 @@ from rewards import CompositeReward, KVPenalty, MathReward, RewardInput, RewardR
 from rewards.math import last_boxed
 from rewards.pasta_lang import schedule
 
-MATH500 = Path("/work/shared/data/math500-dev.jsonl")
+MATH500 = Path(__file__).resolve().parents[2] / "shared" / "data" / "math500-dev.jsonl"  # ../shared beside the repo
 
 
 @pytest.fixture(scope="module")
