@@ -33,24 +33,13 @@ STOP_IDS = list(range(0, 256, 8))
 
 
 def build_model(root: Path, smoke: bool) -> Path:
-    """Qwen3-1.7B config (or a tiny one for --cpu-smoke) with random weights, saved with our tokenizer."""
-    import torch
-    from transformers import AutoModelForCausalLM, Qwen3Config
-
-    from rollout.tiny import build_tokenizer, make_tiny_model
+    """The Qwen3-1.7B-config model of benchmarks/engine_gpu.py (or a tiny one for --cpu-smoke)."""
+    from rollout.tiny import make_tiny_model
     if smoke:
         return make_tiny_model(root, "qwen3", hidden_size=64, num_layers=2)
-    cfg = Qwen3Config(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
-                      num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
-                      rms_norm_eps=1e-6, tie_word_embeddings=True, eos_token_id=256)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    model.save_pretrained(root)
-    build_tokenizer().save_pretrained(root)
-    del model
-    torch.cuda.empty_cache()
-    return root
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from engine_gpu import build_model as build_qwen3_1p7b
+    return build_qwen3_1p7b(root)
 
 
 def placement(args) -> list[str]:
