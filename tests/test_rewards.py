@@ -16,8 +16,7 @@ MATH500 = Path(__file__).resolve().parents[2] / "shared" / "data" / "math500-dev
 
 @pytest.fixture(scope="module")
 def math500():
-    if not MATH500.exists():
-        pytest.skip(f"{MATH500} not present")
+    assert MATH500.exists(), f"{MATH500} is missing: the tests need ../shared/data beside the repository"
     return [json.loads(line) for line in MATH500.read_text().splitlines() if line.strip()]
 
 
