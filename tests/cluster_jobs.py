@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from cluster.config import load_config
 from cluster.train_config import TrainConfig
 
@@ -57,3 +59,16 @@ def initial_weight(model_dir: Path, name: str) -> list[float]:
 
     with safe_open(str(Path(model_dir) / "model.safetensors"), framework="pt") as f:
         return f.get_tensor(name).float().flatten().tolist()
+
+@pytest.fixture(scope="module")
+def ray_session():
+    import ray
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_factory):
+    return tiny_model_factory("qwen3")

@@ -22,24 +22,11 @@ from cluster.resources import ResourceError
 from cluster.rollout_worker import RolloutGroup
 from cluster.train_config import TrainConfig
 from cluster.weight_sync import FlatLayout, flatten, unflatten
-from cluster_jobs import initial_weight, logged_traces, metric_rows, tiny_job, tiny_overrides
+from cluster_jobs import initial_weight, logged_traces, metric_rows, model_dir, ray_session, tiny_job, tiny_overrides  # noqa: F401 (fixtures)
 
 ROOT = Path(__file__).resolve().parents[1]
 WEIGHT = "model.layers.0.mlp.down_proj.weight"
 
-
-@pytest.fixture(scope="module")
-def ray_session():
-    import ray
-
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def model_dir(tiny_model_factory):
-    return tiny_model_factory("qwen3")
 
 
 def stepped_versions(rows: dict[int, dict]) -> list[int]:

@@ -9,21 +9,8 @@ from collections import Counter
 
 import pytest
 
-from cluster_jobs import logged_traces, metric_rows, tiny_job
+from cluster_jobs import logged_traces, metric_rows, model_dir, ray_session, tiny_job  # noqa: F401 (fixtures)
 
-
-@pytest.fixture(scope="module")
-def ray_session():
-    import ray
-
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def model_dir(tiny_model_factory):
-    return tiny_model_factory("qwen3")
 
 
 @pytest.fixture(scope="module")
