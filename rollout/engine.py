@@ -63,6 +63,7 @@ class LLM:
         self.seed = seed
         self.stats = EngineStats()
         self._next_id = 0
+        self._encoded: dict[str, tuple[int, ...]] = {}
 
     # ---- set-up -------------------------------------------------------------------------------
     def _blocks_for_memory(self, kv_cache_gb: float | None, dtype: torch.dtype) -> int:
@@ -188,7 +189,7 @@ class LLM:
         p = seq.params
         if p.max_thinking_tokens is not None and not seq.thinking_done and not seq.pending_forced \
                 and seq.num_output >= p.max_thinking_tokens:
-            seq.pending_forced = self.tokenizer.encode(p.think_end, add_special_tokens=False)
+            seq.pending_forced = list(self._token_ids(p.think_end))
         forced = bool(seq.pending_forced)
         if forced:
             token = seq.pending_forced.pop(0)
@@ -196,10 +197,16 @@ class LLM:
             logprob = float(logprobs_at(logits[None], torch.tensor([token], device=logits.device), temp)[0])
         killed = seq.append_token(token, logprob, forced)
         if p.max_thinking_tokens is not None and not seq.thinking_done:
-            end = self.tokenizer.encode(p.think_end, add_special_tokens=False)
+            end = list(self._token_ids(p.think_end))
             seq.thinking_done = seq.output_token_ids[-len(end):] == end
         if killed:
             self._kill(seq, killed)
+
+    def _token_ids(self, text: str) -> tuple[int, ...]:
+        """Token ids of ``text`` (cached: budget forcing asks for them every step)."""
+        if text not in self._encoded:
+            self._encoded[text] = tuple(self.tokenizer.encode(text, add_special_tokens=False))
+        return self._encoded[text]
 
     def _kill(self, seq: Sequence, ranges: list[tuple[int, int]]) -> None:
         """Registers: cached keys of a dead step get their death; complete blocks may now be freed."""
