@@ -129,6 +129,23 @@ def step_breakdown(llm: LLM, steps: int) -> dict:
     return {"step_ms": 1e3 * total, "forward_ms": 1e3 * forward, "host_ms": 1e3 * (total - forward)}
 
 
+def kernel_profile(llm: LLM, steps: int, top: int = 12) -> dict:
+    """GPU milliseconds per step by kernel (torch.profiler over ``steps`` engine steps, graphs included)."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            llm.step()
+        torch.cuda.synchronize()
+    per_kernel: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            name = e.name if len(e.name) <= 60 else e.name[:57] + "..."
+            per_kernel[name] = per_kernel.get(name, 0.0) + e.time_range.elapsed_us() / 1e3 / steps
+    ranked = sorted(per_kernel.items(), key=lambda kv: -kv[1])
+    return {"gpu_ms": sum(per_kernel.values()), "kernels": dict(ranked[:top])}
+
+
 def live_tokens(spec: str, position: int) -> int:
     kind, *a = spec.split(":")
     if kind == "full":
@@ -139,7 +156,8 @@ def live_tokens(spec: str, position: int) -> int:
     return {"prefix_sliding": PROMPT, "streaming": int(a[0]), "sliding_window": 0}[kind] + w
 
 
-def bench_engine(path: Path, spec: str, position: int, steps: int, kv_gb: float, max_seqs: int) -> dict:
+def bench_engine(path: Path, spec: str, position: int, steps: int, kv_gb: float, max_seqs: int,
+                 profile_steps: int = 0) -> dict:
     per_token = 2 * 28 * 8 * 128 * 2
     n = max(1, min(max_seqs, int(kv_gb * 2**30 / (per_token * (live_tokens(spec, position) + 64 + steps)))))
     llm = LLM(str(path), kv=spec, device="cuda", dtype="bfloat16", block_size=16, max_num_seqs=n,
@@ -147,11 +165,13 @@ def bench_engine(path: Path, spec: str, position: int, steps: int, kv_gb: float,
     for k, v in zip(llm.runner.cache.k, llm.runner.cache.v):  # random K/V, never zeros
         k.normal_()
         v.normal_()
-    place(llm, n, position, steps + 16)
+    place(llm, n, position, steps + 16 + profile_steps)
     rate = decode_rate(llm, steps, warmup=8)
     seqs = llm.scheduler.running
     row = {"policy": spec, "position": position, "batch": n, "tokens_per_s": rate,
            "live_kv_tokens_per_seq": sum(s.tracker.visible for s in seqs) / len(seqs), **step_breakdown(llm, 8)}
+    if profile_steps:
+        row["profile"] = kernel_profile(llm, profile_steps)
     del llm, seqs
     gc.collect()  # the runner and its CUDA graphs hold each other
     torch.cuda.empty_cache()
@@ -189,6 +209,8 @@ def main() -> None:
     parser.add_argument("--kv-gb", type=float, default=100.0)
     parser.add_argument("--max-seqs", type=int, default=256)
     parser.add_argument("--hf-batch", type=int, default=16)
+    parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                        help="also report GPU ms per step by kernel over this many steps (torch.profiler)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     w = args.window
@@ -198,7 +220,7 @@ def main() -> None:
         path = build_model(Path(tmp) / "qwen3-1.7b-random")
         for position in args.positions:
             for spec in policies:
-                rows.append(bench_engine(path, spec, position, args.steps, args.kv_gb, args.max_seqs))
+                rows.append(bench_engine(path, spec, position, args.steps, args.kv_gb, args.max_seqs, args.profile))
                 print(json.dumps(rows[-1]), flush=True)
         if args.hf_batch:
             rows.append(bench_transformers(path, min(args.positions), args.hf_batch, 64))

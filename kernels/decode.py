@@ -3,7 +3,8 @@
 Program (sequence s, KV head h, split j) holds the whole GQA group of h (``[GROUP_PAD, D]``, padded
 to 16 rows for ``tl.dot``) so each K/V tile is read once, walks split j's share of s's live-key
 tiles with an online softmax in fp32 (base 2), and either writes the normalised output (one
-split) or its partial (max, sum, unnormalised acc) for ``_combine_splits_kernel``.
+split) or its partial (max, sum, unnormalised acc); the last split of a (sequence, head) to finish
+merges the partials into the output in the same launch.
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ from kernels.metadata import AttentionMetadata, PagedKVCache
 
 @triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, death_ptr, block_tables_ptr, block_index_ptr, num_live_ptr,
-                   query_start_ptr, query_pos_ptr, out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
+                   query_start_ptr, query_pos_ptr, out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, counter_ptr,
                    stride_qn, stride_qh, stride_kb, stride_ks, stride_kh,
-                   stride_bt, stride_bi, stride_on, stride_oh, num_q_heads, scale_log2,
+                   stride_bt, stride_bi, stride_on, stride_oh, num_q_heads, num_kv_heads, scale_log2,
                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
                    PRECISION: tl.constexpr, UPCAST: tl.constexpr):
@@ -89,29 +90,53 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, death_ptr, block_tables_ptr, block_index
         out_ptrs = out_ptr + row64 * stride_on + head[:, None] * stride_oh + d[None, :]
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
     else:
-        part = (row64 * num_q_heads + head) * NUM_SPLITS + split  # [GROUP_PAD]
-        tl.store(part_acc_ptr + part[:, None] * DIM_PAD + d[None, :], acc, mask=row_ok[:, None])
-        tl.store(part_max_ptr + part, m_i, mask=row_ok)
-        tl.store(part_sum_ptr + part, l_i, mask=row_ok)
+        # Publish this split's partial; the last split of (seq, kv_head) to arrive merges them all
+        # (no second launch). The barrier orders every thread's stores before the release atomic.
+        part = (row64 * num_q_heads + head) * NUM_SPLITS  # [GROUP_PAD], split 0 of each head
+        tl.store(part_acc_ptr + (part + split)[:, None] * DIM_PAD + d[None, :], acc, mask=row_ok[:, None])
+        tl.store(part_max_ptr + part + split, m_i, mask=row_ok)
+        tl.store(part_sum_ptr + part + split, l_i, mask=row_ok)
+        tl.debug_barrier()
+        counter = counter_ptr + seq * num_kv_heads + kv_head
+        if tl.atomic_add(counter, 1, sem="acq_rel") == NUM_SPLITS - 1:
+            m_i = tl.full([GROUP_PAD], EMPTY_MAX, tl.float32)
+            l_i = tl.zeros([GROUP_PAD], tl.float32)
+            acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
+            for j in range(NUM_SPLITS):  # .cg: other multiprocessors wrote these, read them from L2
+                m_j = tl.load(part_max_ptr + part + j, mask=row_ok, other=EMPTY_MAX, cache_modifier=".cg")
+                l_j = tl.load(part_sum_ptr + part + j, mask=row_ok, other=0.0, cache_modifier=".cg")
+                a_j = tl.load(part_acc_ptr + (part + j)[:, None] * DIM_PAD + d[None, :], mask=row_ok[:, None],
+                              other=0.0, cache_modifier=".cg")
+                m_new = tl.maximum(m_i, m_j)
+                alpha = tl.exp2(m_i - m_new)
+                beta = tl.exp2(m_j - m_new)
+                l_i = l_i * alpha + l_j * beta
+                acc = acc * alpha[:, None] + a_j * beta[:, None]
+                m_i = m_new
+            out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+            out_ptrs = out_ptr + row64 * stride_on + head[:, None] * stride_oh + d[None, :]
+            tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+            tl.store(counter, 0)  # every launch leaves the counters zero for the next one
 
 
-@triton.jit
-def _combine_splits_kernel(part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr, stride_on, stride_oh, num_q_heads,
-                           HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
-                           NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    j = tl.arange(0, SPLITS_PAD)
-    d = tl.arange(0, DIM_PAD)
-    j_ok = j < NUM_SPLITS
-    part = (row * num_q_heads + head) * NUM_SPLITS + j
-    maxes = tl.load(part_max_ptr + part, mask=j_ok, other=EMPTY_MAX)
-    sums = tl.load(part_sum_ptr + part, mask=j_ok, other=0.0)
-    acc = tl.load(part_acc_ptr + part[:, None] * DIM_PAD + d[None, :], mask=j_ok[:, None], other=0.0)
-    w = tl.exp2(maxes - tl.max(maxes, 0))  # [SPLITS_PAD]
-    total = tl.sum(w * sums, 0)
-    out = tl.sum(acc * w[:, None], 0) / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + row * stride_on + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def split_counters(device: torch.device, n: int) -> torch.Tensor:
+    """At least ``n`` zeroed int32 arrival counters (one per sequence x KV head) for split-K merging.
+
+    One buffer per device, shared by every launch: each launch leaves its counters zero, so launches
+    on one stream may share them (two streams decoding at once on one device may not). A buffer that
+    is outgrown stays allocated, since captured CUDA graphs keep its address; growing one during
+    capture is refused (graph capture must see the buffer it will replay with).
+    """
+    bufs = _COUNTERS.setdefault(device, [])
+    if not bufs or bufs[-1].numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"decode split counters must grow to {n} during CUDA-graph capture: "
+                               "run the same launch once before capturing it")
+        bufs.append(torch.zeros(max(n, 2 * bufs[-1].numel() if bufs else 4096), dtype=torch.int32, device=device))
+    return bufs[-1]
 
 
 @dataclass(frozen=True)
@@ -193,19 +218,17 @@ def decode_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: Att
     part_acc = torch.empty((n, h_q, splits, dim_pad) if splits > 1 else (1,), dtype=torch.float32, device=q.device)
     part_max = torch.empty((n, h_q, splits) if splits > 1 else (1,), dtype=torch.float32, device=q.device)
     part_sum = torch.empty_like(part_max)
+    counters = split_counters(q.device, meta.num_seqs * h_kv) if splits > 1 else part_max
     _decode_kernel[(meta.num_seqs, h_kv, splits)](
         q, k, v, cache.death, meta.block_tables, meta.block_index, meta.num_live_blocks,
-        meta.query_start, meta.query_pos, out, part_acc, part_max, part_sum,
+        meta.query_start, meta.query_pos, out, part_acc, part_max, part_sum, counters,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
-        meta.block_tables.stride(0), meta.block_index.stride(0), out.stride(0), out.stride(1), h_q, scale * LOG2E,
+        meta.block_tables.stride(0), meta.block_index.stride(0), out.stride(0), out.stride(1), h_q, h_kv,
+        scale * LOG2E,
         GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=dim, DIM_PAD=dim_pad,
         BLOCK_SIZE=block_size, TILE_N=cfg.tile_n, NUM_SPLITS=splits,
         PRECISION="ieee" if q.dtype == torch.float32 else None, UPCAST=interpreting(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if splits > 1:
-        _combine_splits_kernel[(n, h_q)](
-            part_acc, part_max, part_sum, out, out.stride(0), out.stride(1), h_q,
-            HEAD_DIM=dim, DIM_PAD=dim_pad, NUM_SPLITS=splits, SPLITS_PAD=next_pow2(splits), num_warps=4)
     return out
 
 
