@@ -318,7 +318,8 @@ def sweep(shapes: list[Shape], args, copy_bw: float, l2: int) -> list[dict]:
         base = decode_config(shape.batch, shape.kv_heads, shape.block_size, sets[0].meta.max_live_blocks,
                              shape.head_dim, DTYPE, DEVICE)
         # K/V get num_stages - 1 shared-memory buffers (see decode_config)
-        configs = [DecodeConfig(t, base.num_splits, w, s) for t in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4, 5)]
+        splits = args.sweep_splits or [base.num_splits]
+        configs = [DecodeConfig(t, n, w, s) for n in splits for t in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4, 5)]
         results = [_sweep_one(shape, cache, sets, scale, c, must, copy_bw) for c in configs]
         best = min((r for r in results if "us" in r), key=lambda r: r["us"])
         b = DecodeConfig(**best["config"])
@@ -370,6 +371,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="batch 1/16/256 at W=4096, pos=32768 only")
     p.add_argument("--check", action="store_true", help="verify each row against kernels.reference first")
     p.add_argument("--sweep", action="store_true", help="sweep launch shapes (tile, warps, stages, splits) instead")
+    p.add_argument("--sweep-splits", type=int, nargs="+", help="with --sweep: try every tile/warps/stages at each of "
+                   "these split counts (default: the default split count only)")
     p.add_argument("--batch", type=int, nargs="+", default=[1, 16, 256])
     p.add_argument("--window", type=int, nargs="+", help="default 2048 4096 8192 (4096 with --quick/--sweep)")
     p.add_argument("--pos", type=int, nargs="+", help="default 8192 32768 131072 (32768 with --quick/--sweep)")

@@ -5,7 +5,9 @@ The package owns
 - ``reference``: pure-torch ``write_kv`` / ``paged_attention`` (the CPU path and the reference);
 - the Triton kernels: ``cache_write`` (K/V + deaths into slots), ``decode`` (one query per
   sequence, split-K), ``prefill`` (varlen / chunked prefill), sharing ``key_tile`` and checked by
-  ``launch_checks``.
+  ``launch_checks``;
+- ``norm_rope``: fused RMSNorm (with the residual add) and q/k-norm + RoPE, the decoder's small ops
+  on its inference path (``DecoderLM.fused_kernels``).
 
 ``paged_attention`` and ``write_kv`` below dispatch to the kernels. Triton is imported only when they
 are first called, so ``kernels.metadata`` and ``kernels.reference`` import without it, and

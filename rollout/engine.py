@@ -27,6 +27,7 @@ class EngineStats:
     prefill_tokens: int = 0
     decode_tokens: int = 0
     seconds: float = 0.0
+    queued_ahead: int = 0  # decode steps launched before the previous step's tokens were read
 
 
 class LLM:
@@ -34,13 +35,15 @@ class LLM:
 
     ``kv``: ``full``, ``prefix_sliding:W``, ``sliding_window:W``, ``streaming:S:W`` or ``registers:N``.
     The pool holds ``num_blocks`` blocks of ``block_size`` tokens (or as many as ``kv_cache_gb`` allows).
-    On CUDA, decode steps replay CUDA graphs unless ``cuda_graphs=False``.
+    On CUDA, decode steps replay CUDA graphs unless ``cuda_graphs=False``, and with ``overlap``
+    (default: on CUDA) the next decode step is queued before the current one's tokens are read back
+    (see ``step``); outputs are the same either way.
     """
 
     def __init__(self, model: str, kv: str = "full", *, device: str = "cpu", dtype: str = "float32",
                  block_size: int = 16, num_blocks: int | None = None, kv_cache_gb: float | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 1024, max_model_len: int | None = None,
-                 seed: int = 0, cuda_graphs: bool = True):
+                 seed: int = 0, cuda_graphs: bool = True, overlap: bool | None = None):
         if dtype not in DTYPES:
             raise ValueError(f"dtype {dtype!r} is not supported; valid: {sorted(DTYPES)}")
         for name, value in (("block_size", block_size), ("max_num_seqs", max_num_seqs),
@@ -64,6 +67,8 @@ class LLM:
         self.stats = EngineStats()
         self._next_id = 0
         self._encoded: dict[str, tuple[int, ...]] = {}
+        self.overlap = self.device.type == "cuda" if overlap is None else overlap
+        self._ahead: _Flight | None = None  # a decode step queued before the previous one's tokens were read
 
     # ---- set-up -------------------------------------------------------------------------------
     def _blocks_for_memory(self, kv_cache_gb: float | None, dtype: torch.dtype) -> int:
@@ -116,7 +121,12 @@ class LLM:
         return seq
 
     def load_weights(self, weights) -> None:
-        """Replace the model's weights in place (a state dict or ``(name, tensor)`` pairs)."""
+        """Replace the model's weights in place (a state dict or ``(name, tensor)`` pairs).
+
+        A decode step queued with the old weights is dropped: every token sampled after this call
+        comes from the new weights.
+        """
+        self._ahead = None
         self.model.load_weights(weights)
 
     def _check_prompt(self, ids: list[int]) -> None:
@@ -131,14 +141,80 @@ class LLM:
 
     # ---- one engine step: schedule, run, postprocess -------------------------------------------
     def step(self) -> list[Sequence]:
-        """Run one forward over the scheduled batch; returns the sequences that finished."""
+        """Run one forward over the scheduled batch; returns the sequences that finished.
+
+        With ``overlap``, a pure decode step queues the next one on the GPU before reading its own
+        sampled tokens back (the next step's inputs are copied from them on the device), so the host's
+        bookkeeping of step t runs while the GPU computes step t + 1. A queued step whose sequence
+        finished is wasted work for that row only; one whose inputs would be wrong (new weights) is
+        dropped before it is used, and its K/V writes are redone by the step that replaces it.
+        """
         t0 = time.perf_counter()
-        batch = self.scheduler.schedule()
-        rows = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_tokens)) if s.num_computed + n == len(s.token_ids)]
-        logits = self.runner.run(batch, rows)
-        finished = self._postprocess(batch, rows, logits)
-        self._count(batch, rows, time.perf_counter() - t0)
+        flight, self._ahead = self._ahead, None
+        if flight is not None:
+            flight = flight.without_finished(self.runner.host_tensor)
+        if flight is None:
+            batch = self.scheduler.schedule()
+            rows = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_tokens))
+                    if s.num_computed + n == len(s.token_ids)]
+            flight = _Flight(batch, rows, self.runner.run(batch, rows))
+        tokens, logprobs = self._sample([flight.batch.seqs[i] for i in flight.rows], flight.logits)
+        read = self._read_back(tokens, logprobs)  # queued before the next step, so it need not wait for it
+        self._ahead = self._queue_next(flight, tokens)
+        finished = self._postprocess(flight, *read())
+        self._count(flight.batch, flight.rows, time.perf_counter() - t0)
         return finished
+
+    def _read_back(self, *tensors: torch.Tensor):
+        """Start copying ``tensors`` to the host; the returned function waits for them and gives lists.
+
+        ``tensor.tolist()`` would wait for everything queued on the stream, the next step included.
+        """
+        if self.device.type != "cuda":
+            return lambda: [t.tolist() for t in tensors]
+        host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+        for h, t in zip(host, tensors):
+            h.copy_(t, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+
+        def wait() -> list[list]:
+            done.synchronize()
+            return [h.tolist() for h in host]
+        return wait
+
+    def _queue_next(self, flight: _Flight, tokens: torch.Tensor) -> _Flight | None:
+        """Launch the next decode step of ``flight``'s sequences now, their inputs being ``tokens`` (on the device).
+
+        Only when the step is certain to be needed as launched: every sequence samples this step, no
+        request waits for admission (they would be starved), the policy's deaths depend on positions
+        only (not ``registers``), no budget forcing can replace a sampled token, every sequence stays
+        within ``max_model_len``, and the pool has the blocks without preempting anyone.
+        """
+        batch, bs = flight.batch, self.block_size
+        if not self.overlap or self.policy.kind == "registers" or self.scheduler.waiting \
+                or len(flight.rows) != len(batch.seqs):
+            return None
+        new_blocks = 0
+        for seq in batch.seqs:
+            p = seq.params
+            if seq.pending_forced or (p.max_thinking_tokens is not None and not seq.thinking_done) \
+                    or len(seq.token_ids) + 2 > self.max_model_len:
+                return None
+            new_blocks += len(seq.token_ids) // bs not in seq.blocks
+        if new_blocks > self.scheduler.blocks.num_free:
+            return None
+        nxt = ScheduledBatch()
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            self._mark_computed(seq, n)
+            self.scheduler.free_dead_blocks(seq)  # the GPU reads them in this step, before the next writes
+            self.scheduler.allocate(seq, 1)
+            seq.kv.peak_blocks = max(seq.kv.peak_blocks, len(seq.blocks))
+            nxt.add(seq, 1)
+        flight.marked = True
+        self.stats.queued_ahead += 1
+        rows = list(range(len(nxt)))
+        return _Flight(nxt, rows, self.runner.run(nxt, rows, input_ids=tokens))
 
     def _count(self, batch: ScheduledBatch, rows: list[int], seconds: float) -> None:
         self.stats.steps += 1
@@ -148,14 +224,15 @@ class LLM:
         self.stats.decode_tokens += decode
         self.stats.prefill_tokens += sum(batch.num_tokens) - decode
 
-    def _postprocess(self, batch: ScheduledBatch, rows: list[int], logits: torch.Tensor) -> list[Sequence]:
-        for seq, n in zip(batch.seqs, batch.num_tokens):
-            self._mark_computed(seq, n)
-        sampling = [batch.seqs[i] for i in rows]
-        tokens, logprobs = self._sample(sampling, logits)
+    def _postprocess(self, flight: _Flight, tokens: list[int], logprobs: list[float]) -> list[Sequence]:
+        batch = flight.batch
+        if not flight.marked:
+            for seq, n in zip(batch.seqs, batch.num_tokens):
+                self._mark_computed(seq, n)
         finished = []
-        for row, seq in enumerate(sampling):
-            self._append(seq, tokens[row], logprobs[row], logits[row])
+        for row, i in enumerate(flight.rows):
+            seq = batch.seqs[i]
+            self._append(seq, tokens[row], logprobs[row], flight.logits[row])
             if self._check_finish(seq):
                 self._finish(seq)
                 finished.append(seq)
@@ -170,20 +247,23 @@ class LLM:
         for j in range(before // bs, seq.num_computed // bs):
             seq.block_completed(j)
 
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[list[int], list[float]]:
-        if not seqs:
-            return [], []
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens and logprobs of ``seqs`` (rows of ``logits``), left on the device."""
         dev = logits.device
-        col = lambda values, dtype: torch.tensor(values, dtype=dtype, device=dev)  # noqa: E731
-        tokens, logprobs = sample(
+        if not seqs:
+            return torch.empty(0, dtype=torch.long, device=dev), torch.empty(0, device=dev)
+        col = lambda values, dtype: self.runner.host_tensor(values, dtype).to(dev, non_blocking=True)  # noqa: E731
+        params = [s.params for s in seqs]
+        return sample(
             logits,
-            col([s.params.temperature for s in seqs], torch.float32),
-            col([s.params.top_p for s in seqs], torch.float32),
-            col([s.params.top_k for s in seqs], torch.int64),
+            col([p.temperature for p in params], torch.float32),
+            col([p.top_p for p in params], torch.float32),
+            col([p.top_k for p in params], torch.int64),
             col([s.seed for s in seqs], torch.int64),
             col([s.num_output for s in seqs], torch.int64),
+            all_greedy=all(p.temperature <= 0 for p in params),
+            any_truncation=any(p.top_k > 0 or p.top_p < 1 for p in params),
         )
-        return tokens.tolist(), logprobs.tolist()
 
     def _append(self, seq: Sequence, token: int, logprob: float, logits: torch.Tensor) -> None:
         p = seq.params
@@ -257,6 +337,27 @@ class LLM:
             text = text if cut is None else text[:cut]
         return RequestOutput(seq.request_id, seq.prompt_token_ids, out, seq.logprobs, text, seq.finish_reason,
                              seq.kv, seq.forced, seq.num_preemptions, seq.finished_at - seq.arrival)
+
+
+@dataclass
+class _Flight:
+    """A launched forward: its batch, the rows that sample, their logits (still being computed)."""
+
+    batch: ScheduledBatch
+    rows: list[int]
+    logits: torch.Tensor
+    marked: bool = False  # its tokens were marked computed when the next step was queued
+
+    def without_finished(self, host_tensor) -> _Flight | None:
+        """This queued decode step minus the sequences that finished meanwhile; None if none is left."""
+        keep = [i for i in self.rows if self.batch.seqs[i].status is Status.RUNNING]
+        if len(keep) == len(self.rows):
+            return self
+        if not keep:
+            return None
+        batch = ScheduledBatch([self.batch.seqs[i] for i in keep], [self.batch.num_tokens[i] for i in keep])
+        index = host_tensor(keep, torch.long).to(self.logits.device, non_blocking=True)
+        return _Flight(batch, list(range(len(keep))), self.logits[index])
 
 
 def _progress(total: int):

@@ -121,14 +121,25 @@ def rope_frequencies(hf_config: Any, head_dim: int) -> tuple[str, Tensor, float]
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in float32 and cast back before the weight, as transformers does."""
+    """RMSNorm computed in float32 and cast back before the weight, as transformers does.
+
+    Given a ``residual``, the layer's residual add comes first: ``(norm(x + residual), x + residual)``.
+    ``fused`` runs it all as one Triton launch (``kernels.norm_rope``), for inference on x of shape [N, D].
+    """
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, residual: Tensor | None = None,
+                fused: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+        if fused:
+            from kernels.norm_rope import rms_norm
+            return rms_norm(x, self.weight, self.eps, residual)
+        if residual is not None:
+            x = x + residual
+            return self(x), x
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
@@ -186,16 +197,26 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend, fused: bool = False) -> Tensor:
         n = x.shape[0]
         q = self.q_proj(x).view(n, self.num_heads, self.head_dim)  # [N, H_q, D]
         k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)  # [N, H_kv, D]
         v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if fused:
+            q, k = self.fused_norm_rope(q, k, cos, sin)
+        else:
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         o = attn(self.layer, q, k, v)  # [N, H_q, D]
         return self.o_proj(o.reshape(n, self.num_heads * self.head_dim))
+
+    def fused_norm_rope(self, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        """q/k-norm (when the model has it) and RoPE in one Triton launch; same values as the PyTorch ops."""
+        from kernels.norm_rope import qk_norm_rope
+        if self.q_norm is None:
+            return qk_norm_rope(q, k, cos, sin)
+        return qk_norm_rope(q, k, cos, sin, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
 
 
 class MLP(nn.Module):
@@ -220,9 +241,10 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, h: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend) -> Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, attn)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend, fused: bool = False) -> Tensor:
+        a = self.self_attn(self.input_layernorm(h, fused=fused), cos, sin, attn, fused)
+        x, h = self.post_attention_layernorm(a, h, fused=fused)  # x = norm(h + a), h = h + a
+        return h + self.mlp(x)
 
 
 class Backbone(nn.Module):
@@ -241,7 +263,9 @@ class DecoderLM(nn.Module):
 
     ``forward(input_ids [N], positions [N], attn) -> hidden [N, hidden_size]`` (after the final
     norm); ``compute_logits(hidden) -> [N, vocab] float32``. Set ``gradient_checkpointing = True``
-    to recompute each layer in backward while training.
+    to recompute each layer in backward while training. Set ``fused_kernels = True`` (CUDA, or
+    ``TRITON_INTERPRET=1``) to run the norms and q/k-norm + RoPE as Triton kernels whenever autograd
+    is off; with autograd on (training) the PyTorch ops run, which stay the reference.
     """
 
     def __init__(self, config: ModelConfig):
@@ -250,6 +274,7 @@ class DecoderLM(nn.Module):
         self.model = Backbone(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.gradient_checkpointing = False
+        self.fused_kernels = False
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -265,12 +290,13 @@ class DecoderLM(nn.Module):
     def forward(self, input_ids: Tensor, positions: Tensor, attn: AttentionBackend) -> Tensor:
         h = self.model.embed_tokens(input_ids)  # [N, hidden]
         cos, sin = self.model.rotary_emb(positions, h.dtype)  # [N, D]
+        fused = self.fused_kernels and not torch.is_grad_enabled()
         for layer in self.model.layers:
             if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
                 h = checkpoint(layer, h, cos, sin, attn, use_reentrant=False)
             else:
-                h = layer(h, cos, sin, attn)
-        return self.model.norm(h)
+                h = layer(h, cos, sin, attn, fused)
+        return self.model.norm(h, fused=fused)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """hidden: [N, hidden_size] -> logits [N, vocab] float32."""

@@ -198,22 +198,30 @@ def _check_inputs(logits, temperature, top_p, top_k, seed, step) -> None:
 
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
-           seed: torch.Tensor, step: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+           seed: torch.Tensor, step: torch.Tensor, *, all_greedy: bool | None = None,
+           any_truncation: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row: ``logits [B, V]`` and per-row ``[B]`` parameters -> ``(tokens, logprobs)``.
 
     temperature: f32, 0 = greedy (argmax of the raw logits). top_p: f32 in (0, 1], 1 = off.
     top_k: int64, -1 = off. seed: int64. step: int64, the index of the token within its request.
     Order: temperature -> top-k -> top-p -> Gumbel-max over the survivors. Returns int64 tokens
     and float32 logprobs under the module's logprob convention (before truncation).
+    ``all_greedy`` / ``any_truncation``: what the caller knows of the rows (every T == 0; some
+    top-k or top-p active); given, they spare two device-to-host reads, so nothing here waits for
+    the GPU and the engine can queue its next step behind this one.
     """
     _check_inputs(logits, temperature, top_p, top_k, seed, step)
     scaled = _scaled(logits, temperature)  # [B, V]
     greedy = temperature <= 0
-    if bool(greedy.all()):
+    if all_greedy is None:
+        all_greedy = bool(greedy.all())
+    if any_truncation is None:
+        any_truncation = bool(((top_k > 0) | (top_p < 1)).any())
+    if all_greedy:
         tokens = scaled.argmax(dim=-1)
         return tokens, _logprob_of(scaled, tokens)
     noise = gumbel_noise(seed, step, scaled.shape[1])  # [B, V]
-    if bool(((top_k > 0) | (top_p < 1)).any()):
+    if any_truncation:
         sorted_scaled, order = torch.sort(scaled, dim=-1, descending=True, stable=True)  # [B, V]
         keep = _truncation_keep(sorted_scaled, top_p, top_k)
         scores = (sorted_scaled + noise.gather(1, order)).masked_fill(~keep, float("-inf"))

@@ -68,7 +68,7 @@ class Scheduler:
                         f"at {seq.num_computed} tokens; raise num_blocks / kv_cache_gb or use a bounded KV policy")
                 self._preempt(seq)
                 break
-            self._allocate(seq, n)
+            self.allocate(seq, n)
             batch.add(seq, n)
             budget -= n
             i += 1
@@ -84,7 +84,7 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
-            self._allocate(seq, n)
+            self.allocate(seq, n)
             batch.add(seq, n)
             budget -= n
             reserve += 1
@@ -96,7 +96,8 @@ class Scheduler:
         room = (first + 1) * bs - seq.num_computed if first in seq.blocks else 0
         return min(n, room + max(0, self.blocks.num_free - reserve) * bs)
 
-    def _allocate(self, seq: Sequence, n: int) -> None:
+    def allocate(self, seq: Sequence, n: int) -> None:
+        """Blocks for the next ``n`` positions of ``seq`` (the caller checked that the pool has them)."""
         bs = seq.block_size
         for j in range(seq.num_computed // bs, (seq.num_computed + n - 1) // bs + 1):
             if j not in seq.blocks:

@@ -239,6 +239,55 @@ def test_chunked_prefill_equals_one_shot(tiny_model_factory):
     assert oa.token_ids == ob.token_ids and oa.logprobs == pytest.approx(ob.logprobs, abs=1e-5)
 
 
+# ---- overlap: the next decode step queued before this one's tokens are read ------------------
+def overlap_workload(gen: torch.Generator):
+    """Mixed requests: greedy and seeded sampling, eos on/off, stop tokens, lengths that end at different steps."""
+    prompts = [torch.randint(1, 256, (int(n),), generator=gen).tolist() for n in torch.randint(1, 20, (12,), generator=gen)]
+    params = []
+    for i, m in enumerate(torch.randint(3, 40, (12,), generator=gen).tolist()):
+        sampled = dict(temperature=0.9, top_k=40 if i % 3 == 0 else -1, seed=i) if i % 2 else dict(temperature=0.0)
+        params.append(SamplingParams(max_tokens=m, ignore_eos=i % 4 != 1, stop_token_ids=[7] if i % 5 == 0 else None,
+                                     **sampled))
+    return prompts, params
+
+
+@pytest.mark.parametrize("spec", ["full", "prefix_sliding:8", "sliding_window:8", "streaming:2:8", "registers:4"])
+def test_overlapped_steps_equal_serial_steps(tiny_model_factory, spec):
+    path = tiny_model_factory(arch="qwen3")
+    prompts, params = overlap_workload(torch.Generator().manual_seed(3))
+    runs = {}
+    for overlap in (False, True):
+        llm = LLM(path, kv=spec, block_size=4, num_blocks=256, overlap=overlap)
+        runs[overlap] = (llm.generate(prompts, params), llm)
+    (serial, _), (overlapped, llm) = runs[False], runs[True]
+    # registers: a sampled register changes what the next query sees, so nothing is queued ahead
+    assert (llm.stats.queued_ahead == 0) == (spec == "registers:4")
+    for a, b in zip(serial, overlapped):
+        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+        # a request's last queued step may hold one block more (for a token that was never sampled)
+        assert a.kv.peak_visible_tokens == b.kv.peak_visible_tokens and a.kv.mean_visible_tokens == b.kv.mean_visible_tokens
+        assert a.kv.peak_blocks <= b.kv.peak_blocks <= a.kv.peak_blocks + 1
+    assert llm.scheduler.blocks.num_free == 256  # rows wasted on finished sequences leaked no block
+
+
+def test_overlap_drops_the_queued_step_when_weights_change(tiny_model_factory):
+    path = tiny_model_factory(arch="qwen2")
+    new = {k: v + 0.05 for k, v in hf_model(path).state_dict().items()}
+    outs = {}
+    for overlap in (False, True):
+        llm = LLM(path, kv="prefix_sliding:8", block_size=4, num_blocks=64, overlap=overlap)
+        seqs = [llm.add_request(p, SamplingParams(max_tokens=20, **GREEDY)) for p in ([5, 6, 7], [1, 2])]
+        for _ in range(6):
+            llm.step()
+        llm.load_weights(new)
+        while llm.scheduler.has_unfinished():
+            llm.step()
+        outs[overlap] = [llm.output(s).token_ids for s in seqs]
+        assert (llm.stats.queued_ahead > 0) == overlap
+    assert outs[True] == outs[False]
+
+
 # ---- sampling through the engine --------------------------------------------------------------
 def test_seeded_sampling_is_reproducible_and_batch_independent(tiny_model_factory):
     path = tiny_model_factory(arch="qwen3")

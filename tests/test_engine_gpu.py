@@ -19,12 +19,15 @@ def test_gpu_matches_cpu_fp32(tiny_model_factory, spec, graphs):
     prompts = [list(range(10, 10 + n)) for n in (3, 17, 40, 64, 5)]
     sp = SamplingParams(max_tokens=120, **GREEDY)
     cpu = LLM(path, kv=spec, block_size=16, num_blocks=256, max_num_batched_tokens=48).generate(prompts, sp)
-    gpu = LLM(path, kv=spec, block_size=16, num_blocks=256, max_num_batched_tokens=48, device="cuda",
-              cuda_graphs=graphs).generate(prompts, sp)
+    llm = LLM(path, kv=spec, block_size=16, num_blocks=256, max_num_batched_tokens=48, device="cuda",
+              cuda_graphs=graphs)
+    gpu = llm.generate(prompts, sp)
+    assert (llm.stats.queued_ahead > 0) == (spec != "registers:4")  # decode steps overlap the host's work
     for a, b in zip(cpu, gpu):
         assert a.token_ids == b.token_ids
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-3
-        assert a.kv == b.kv
+        assert (a.kv.peak_visible_tokens, a.kv.mean_visible_tokens) == (b.kv.peak_visible_tokens, b.kv.mean_visible_tokens)
+        assert a.kv.peak_blocks <= b.kv.peak_blocks <= a.kv.peak_blocks + 1  # + the last queued step's block
 
 
 def test_gpu_bf16_runs_and_samples_like_cpu_seeded(tiny_model_factory):
