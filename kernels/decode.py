@@ -102,7 +102,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, death_ptr, block_tables_ptr, block_index
             m_i = tl.full([GROUP_PAD], EMPTY_MAX, tl.float32)
             l_i = tl.zeros([GROUP_PAD], tl.float32)
             acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
-            for j in range(NUM_SPLITS):  # .cg: other multiprocessors wrote these, read them from L2
+            for j in tl.static_range(NUM_SPLITS):  # unrolled: all loads in flight at once; .cg: read from L2
                 m_j = tl.load(part_max_ptr + part + j, mask=row_ok, other=EMPTY_MAX, cache_modifier=".cg")
                 l_j = tl.load(part_sum_ptr + part + j, mask=row_ok, other=0.0, cache_modifier=".cg")
                 a_j = tl.load(part_acc_ptr + (part + j)[:, None] * DIM_PAD + d[None, :], mask=row_ok[:, None],
