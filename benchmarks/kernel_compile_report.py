@@ -28,7 +28,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from kernels.cache_write import _write_kv_kernel  # noqa: E402
-from kernels.decode import _combine_splits_kernel, _decode_kernel, decode_config  # noqa: E402
+from kernels.decode import _decode_kernel, decode_config  # noqa: E402
 from kernels.prefill import _prefill_kernel, prefill_config  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -46,7 +46,7 @@ def signature(fn, ptr: str, consts: dict) -> tuple[dict, dict]:
             sig[name] = "constexpr"
         elif name.endswith("_ptr"):
             sig[name] = {"part_acc_ptr": "*fp32", "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32",
-                         "slot_mapping_ptr": "*i64"}.get(name, "*i32" if name in INT_PTRS else ptr)
+                         "slot_mapping_ptr": "*i64", "counter_ptr": "*i32"}.get(name, "*i32" if name in INT_PTRS else ptr)
             attrs[(i,)] = ALIGNED
         elif name == "scale_log2":
             sig[name] = "fp32"
@@ -103,11 +103,9 @@ def other_rows() -> list[dict]:
     cfg = prefill_config(2048, 2, 128, torch.bfloat16)
     prefill = dict(GROUP=2, GROUP_PAD=2, BLOCK_Q=cfg.block_q, HEAD_DIM=128, DIM_PAD=128, BLOCK_SIZE=16,
                    TILE_N=cfg.tile_n, PRECISION=None, UPCAST=False)
-    combine = dict(HEAD_DIM=128, DIM_PAD=128, NUM_SPLITS=4, SPLITS_PAD=4)
     write = dict(NUM_HEADS=8, HEADS_PAD=8, HEAD_DIM=128, DIM_PAD=128, BLOCK_SIZE=16, WRITE_DEATH=True)
     return [compile_and_report(f"prefill {cfg.block_q}x2 rows, tile {cfg.tile_n}", _prefill_kernel, prefill,
                                cfg.num_warps, cfg.num_stages),
-            compile_and_report("combine 4 splits", _combine_splits_kernel, combine, 4, 1),
             compile_and_report("write_kv", _write_kv_kernel, write, 4, 1)]
 
 

@@ -179,17 +179,26 @@ def choose_num_splits(programs: int, max_tiles: int, sms: int, programs_per_sm: 
 
 def decode_config(num_seqs: int, num_kv_heads: int, block_size: int, max_live_blocks: int, head_dim: int,
                   dtype: torch.dtype, device: torch.device) -> DecodeConfig:
-    """Default launch shape. bf16/fp16: ~32 KB K tiles (128 keys at head dim 128), 4 warps, 2 stages —
-    the H200 sweep's best at batch 16 and 256 (docs/benchmarks.md); fp32 (exact dot, register-hungry):
-    ~16 KB tiles, 8 warps, 2 stages.
+    """Default launch shape, from the H200 sweeps in docs/benchmarks.md.
+
+    bf16/fp16, by the number of (sequence, KV head) programs: enough to fill the GPU twice over
+    (batch 256 at 8 KV heads) or very few (batch 1): 32 KB K tiles (128 keys at head dim 128),
+    4 warps, 2 stages, splits filling two programs per multiprocessor. In between (batch 16-32):
+    16 KB tiles, 2 warps, 3 stages — three light programs per multiprocessor keep more loads in
+    flight than two heavy ones — and splits filling those three slots. fp32 (exact dot,
+    register-hungry): ~16 KB tiles, 8 warps, 2 stages.
     """
     elem = torch.empty((), dtype=dtype).element_size()
-    tile_bytes = 16384 if elem == 4 else 32768
+    programs, sms = num_seqs * num_kv_heads, num_sms(device)
+    small = elem < 4 and sms // 2 <= programs < 2 * sms
+    tile_bytes = 16384 if elem == 4 or small else 32768
     tile_n = min(128, max(16, next_pow2(tile_bytes // (next_pow2(head_dim) * elem))))
     max_tiles = triton.cdiv(max_live_blocks * block_size, tile_n)
-    splits = choose_num_splits(num_seqs * num_kv_heads, max_tiles, num_sms(device))
+    splits = choose_num_splits(programs, max_tiles, sms, programs_per_sm=3 if small else 2)
     if elem == 4:
         return DecodeConfig(tile_n=tile_n, num_splits=splits, num_warps=8, num_stages=2)
+    if small:
+        return DecodeConfig(tile_n=tile_n, num_splits=splits, num_warps=2, num_stages=3)
     return DecodeConfig(tile_n=tile_n, num_splits=splits, num_warps=4, num_stages=2)
 
 
