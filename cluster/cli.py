@@ -189,6 +189,9 @@ def run_train(config_path: str | None, overrides: list[str]) -> int:
     for label, evaluation in (("before", result.eval_before), ("after", result.eval_after)):
         if evaluation is not None:
             print(f"  eval {label:<7}     {evaluation.line()}")
+    if result.eval_before is not None and result.eval_after is not None:
+        before, after = result.eval_before.accuracy, result.eval_after.accuracy
+        print(f"  eval change      accuracy {before:.3f} -> {after:.3f} ({100 * (after - before):+.1f} points)")
     return 0
 
 

@@ -1,7 +1,7 @@
 """The config of ``sliderl train`` and ``sliderl eval``: ``TrainConfig`` and its sections.
 
 Every default is the embedded job, ``configs/tiny-arith.yaml``: a tiny Qwen3 warm-started by SFT
-on the project's multi-step arithmetic task, rollouts under ``prefix_sliding:32``, async GRPO on
+on the project's multi-step arithmetic task, rollouts under ``prefix_sliding:24``, async GRPO on
 a local Ray instance. Sections shared with ``sliderl generate`` (``EngineConfig``,
 ``SamplingConfig``, the model source) come from ``cluster.config``; ``MonitorConfig`` from
 ``cluster.metrics``. Only the resource fields here decide what Ray reserves.
@@ -33,13 +33,15 @@ class TaskConfig(Section):
     """arith: (fewest, most) steps per problem, inclusive, at most 26."""
     max_operand: int = Field(9, ge=1)
     """arith: operands are drawn from 1..max_operand."""
+    min_value: int = Field(10, ge=0)
+    """arith: the start value and every intermediate value lie in min_value..max_value."""
     max_value: int = Field(99, ge=1)
-    """arith: the start value and every intermediate value lie in 0..max_value."""
+    """arith: see min_value; max_value - min_value must be at least max_operand."""
     seed: int = Field(0, ge=0)
     """arith: problems are a pure function of the settings, this seed, the split and the index."""
     train_size: int = Field(4096, ge=1)
     """arith: problems written to run_dir/data/train.jsonl (the prompt stream cycles through them)."""
-    eval_size: int = Field(64, ge=1)
+    eval_size: int = Field(256, ge=1)
     """arith: problems written to run_dir/data/eval.jsonl."""
 
     def arith(self):
@@ -47,7 +49,7 @@ class TaskConfig(Section):
         from rewards.arith import ArithTask
 
         return ArithTask(num_steps=tuple(self.num_steps), max_operand=self.max_operand,
-                         max_value=self.max_value, seed=self.seed)
+                         min_value=self.min_value, max_value=self.max_value, seed=self.seed)
 
     def verifier(self):
         """The correctness reward of this task (``score(RewardInput) -> RewardRecord``)."""
@@ -122,6 +124,9 @@ class WarmStartConfig(Section):
     """AdamW weight decay."""
     train_kv: str = "prefix_sliding:24"
     """Visibility the SFT forward uses (full, or the rollout policy to adapt the model to it)."""
+    target_accuracy: float = Field(0.4, ge=0, le=1)
+    """Stop SFT at the first check (every 25 steps) where greedy accuracy on 64 held-out problems
+    reaches this, leaving room for RL; 0 trains all steps."""
     seed: int = Field(0, ge=0)
     """Seed of the random init and the SFT batches."""
 
@@ -136,9 +141,9 @@ class WarmStartConfig(Section):
 class RolloutConfig(Section):
     """Rollout workers: each wraps one engine, scores its traces and streams whole groups."""
 
-    num_workers: int = Field(1, ge=1)
+    num_workers: int = Field(2, ge=1)
     """Rollout worker actors."""
-    group_size: int = Field(4, ge=1)
+    group_size: int = Field(8, ge=1)
     """Samples per prompt (a group; the learner's atomic unit)."""
     max_inflight_groups: int = Field(4, ge=1)
     """Groups one worker holds at once (async mode keeps it topped up)."""
@@ -158,19 +163,20 @@ class LearnerConfig(Section):
     algo: Literal["grpo", "bonbon", "sft"] = "grpo"
     """grpo: group-normalised policy gradient; bonbon: SFT on the best + IPO best-vs-worst per group
     (latency-aware score); sft: likelihood of the sampled completions."""
-    lr: float = Field(1e-4, gt=0)
+    lr: float = Field(3e-4, gt=0)
     """AdamW learning rate."""
     weight_decay: float = Field(0.0, ge=0)
     """AdamW weight decay."""
     max_grad_norm: float = Field(1.0, gt=0)
     """Gradient clipping norm."""
-    window_mode: Literal["truncated", "chunked", "full"] = "truncated"
+    window_mode: Literal["truncated", "chunked", "full"] = "full"
     """truncated: loss on the last W tokens with k*W context; chunked: every token once, windows
     accumulated; full: the whole trace."""
     multiplier: int = Field(4, ge=1)
     """k of the truncated window (context k*W)."""
-    micro_batch_tokens: int = Field(4096, ge=1)
-    """Tokens per forward/backward micro-batch."""
+    micro_batch_tokens: int = Field(512, ge=1)
+    """Tokens per forward/backward micro-batch (on CPU the attention mask is dense over the micro-batch,
+    so its cost grows with the square of this)."""
     device: str = "cpu"
     """cpu, cuda or cuda:N."""
     dtype: Literal["float32", "bfloat16"] = "float32"
@@ -199,11 +205,11 @@ class LoopConfig(Section):
     mode: Literal["sync", "async"] = "async"
     """sync: generate a step's groups, train, sync weights, repeat; async: workers keep generating
     while the learner trains, stale groups are dropped."""
-    steps: int = Field(20, ge=1)
+    steps: int = Field(120, ge=1)
     """Learner optimizer steps in the run (the final step when resuming)."""
-    groups_per_step: int = Field(4, ge=1)
+    groups_per_step: int = Field(8, ge=1)
     """Groups per learner step."""
-    max_staleness: int = Field(1, ge=0)
+    max_staleness: int = Field(2, ge=0)
     """async: drop a group sampled more than this many policy versions before the step trains it."""
     sync_every: int = Field(1, ge=1)
     """Publish the learner's weights to the workers every this many steps (sync mode: must be 1)."""
@@ -260,7 +266,7 @@ class RayConfig(Section):
 class EvalConfig(Section):
     """Accuracy on the eval split: before and after training, and ``sliderl eval``."""
 
-    num_problems: int = Field(64, ge=1)
+    num_problems: int = Field(256, ge=1)
     """Eval problems scored (the first ones of the eval split)."""
     before: bool = True
     """Score the initial weights before the first step."""
@@ -286,7 +292,7 @@ def _default_model() -> TinyModel:
 # The job's own defaults for the sections it shares with ``sliderl generate``; a partial section in
 # a file or override keeps these for the keys it leaves out.
 ENGINE_DEFAULTS: dict[str, Any] = {"kv": "prefix_sliding:24", "num_blocks": 2048}
-SAMPLING_DEFAULTS: dict[str, Any] = {"max_tokens": 160}
+SAMPLING_DEFAULTS: dict[str, Any] = {"max_tokens": 128}
 
 
 class TrainConfig(Section):
@@ -356,6 +362,10 @@ class TrainConfig(Section):
         if self.task.name == "math" and self.data.source == "task":
             raise ValueError("task.name=math has no problem generator: set data.source to a dataset "
                              "(a .jsonl/.parquet path or a hub name)")
+        if self.data.source == "task" and self.data.eval_source is None \
+                and self.eval.num_problems > self.task.eval_size:
+            raise ValueError(f"eval.num_problems={self.eval.num_problems} but the task writes only "
+                             f"task.eval_size={self.task.eval_size} eval problems; raise task.eval_size")
         self._check_devices()
         return self
 

@@ -3,6 +3,7 @@ few steps on a tiny model; the driver's books; weight-sync buffers; bad input ca
 actor starts. One Ray instance serves the whole module.
 """
 
+import dataclasses
 import json
 import os
 import socket
@@ -233,6 +234,27 @@ def test_unreachable_ray_address_is_a_clear_error(model_dir, tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert f"cannot reach the Ray cluster at '127.0.0.1:{port}'" in proc.stderr
+
+
+def test_task_and_warm_start_settings_reach_the_generator_and_the_warm_start():
+    from trainer.warmstart import WarmStartSettings
+
+    cfg = load_config(TrainConfig, None, ["task.min_value=40", "task.max_value=60", "warmstart.target_accuracy=0.3"])
+    for problem in cfg.task.arith().problems(50):
+        lines = problem["solution"].split("\n")  # "<think>", the start value, step lines "a+5=52", ...
+        values = [int(lines[1])] + [int(line.split("=")[1]) for line in lines if "=" in line]
+        assert 40 <= min(values) and max(values) <= 60
+    assert cfg.warmstart.settings()["target_accuracy"] == 0.3
+    # every warm-start setting is a config key, and the default job's are the documented checkpoint's
+    assert set(TrainConfig().warmstart.settings()) == {f.name for f in dataclasses.fields(WarmStartSettings)}
+    assert WarmStartSettings(**TrainConfig().warmstart.settings()) == WarmStartSettings()
+    with pytest.raises(ConfigError, match=r"unknown key 'target_acuracy' \(did you mean 'target_accuracy'\?\)"):
+        load_config(TrainConfig, None, ["warmstart.target_acuracy=0.3"])
+
+
+def test_more_eval_problems_than_the_task_writes_is_rejected():
+    with pytest.raises(ConfigError, match=r"eval.num_problems=256 but the task writes only task.eval_size=64"):
+        load_config(TrainConfig, None, ["task.eval_size=64"])
 
 
 def test_sync_mode_with_delayed_sync_is_rejected():
