@@ -15,6 +15,7 @@ transformers' ``generate`` (static cache, greedy) on the same model is the peer 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import gc
 import json
@@ -107,15 +108,25 @@ def decode_rate(llm: LLM, steps: int, warmup: int) -> float:
     return tokens / (time.perf_counter() - t0)
 
 
+@contextlib.contextmanager
+def serial_steps(llm: LLM):
+    """Steps with ``overlap`` off, after running the step already queued ahead (outside any timer)."""
+    overlap, llm.overlap = llm.overlap, False
+    llm.step()
+    torch.cuda.synchronize()
+    try:
+        yield
+    finally:
+        llm.overlap = overlap
+
+
 def step_breakdown(llm: LLM, steps: int) -> dict:
     """Milliseconds per step spent in the model forward (synchronised) and around it (host work).
 
-    Measured with ``overlap`` off (a synchronised forward cannot overlap anything): the parts of a
-    serial step, whose sum the overlapped engine hides down to max(GPU, host).
+    Measured serially (a synchronised forward cannot overlap anything): the parts of a step, whose
+    sum the overlapped engine hides down to max(GPU, host).
     """
-    run, inside, overlap = llm.runner.run, [], llm.overlap
-    llm.overlap = False
-    llm.step()  # consumes a step queued ahead, which ran outside the timer
+    run, inside = llm.runner.run, []
 
     def timed_run(*args, **kwargs):
         torch.cuda.synchronize()
@@ -125,12 +136,13 @@ def step_breakdown(llm: LLM, steps: int) -> dict:
         inside.append(time.perf_counter() - t)
         return out
 
-    llm.runner.run = timed_run
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        llm.step()
-    total = (time.perf_counter() - t0) / steps
-    llm.runner.run, llm.overlap = run, overlap
+    with serial_steps(llm):
+        llm.runner.run = timed_run
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            llm.step()
+        total = (time.perf_counter() - t0) / steps
+        llm.runner.run = run
     forward = sum(inside) / steps
     return {"step_ms": 1e3 * total, "forward_ms": 1e3 * forward, "host_ms": 1e3 * (total - forward)}
 
@@ -138,17 +150,13 @@ def step_breakdown(llm: LLM, steps: int) -> dict:
 def kernel_profile(llm: LLM, steps: int, top: int = 12) -> dict:
     """GPU milliseconds per step by kernel (torch.profiler over ``steps`` engine steps, graphs included).
 
-    Overlap is off while profiling, so that the window holds exactly ``steps`` forwards.
+    Steps run serially, so that the window holds exactly ``steps`` forwards.
     """
     from torch.profiler import ProfilerActivity, profile
-    overlap, llm.overlap = llm.overlap, False
-    llm.step()  # consumes a step queued ahead before the window opens
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with serial_steps(llm), profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             llm.step()
         torch.cuda.synchronize()
-    llm.overlap = overlap
     per_kernel: dict[str, float] = {}
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:

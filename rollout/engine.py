@@ -209,7 +209,6 @@ class LLM:
             self._mark_computed(seq, n)
             self.scheduler.free_dead_blocks(seq)  # the GPU reads them in this step, before the next writes
             self.scheduler.allocate(seq, 1)
-            seq.kv.peak_blocks = max(seq.kv.peak_blocks, len(seq.blocks))
             nxt.add(seq, 1)
         flight.marked = True
         self.stats.queued_ahead += 1

@@ -49,8 +49,6 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self._schedule_running(batch, self.max_num_batched_tokens)
         self._admit_waiting(batch, budget)
-        for seq in batch.seqs:
-            seq.kv.peak_blocks = max(seq.kv.peak_blocks, len(seq.blocks))
         return batch
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
@@ -102,6 +100,7 @@ class Scheduler:
         for j in range(seq.num_computed // bs, (seq.num_computed + n - 1) // bs + 1):
             if j not in seq.blocks:
                 seq.add_block(j, self.blocks.allocate())
+        seq.kv.peak_blocks = max(seq.kv.peak_blocks, len(seq.blocks))
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
