@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -199,16 +200,28 @@ def test_unknown_config_key_is_named(capsys):
     assert "unknown key 'num_worker'" in capsys.readouterr().err
 
 
+def all_cpus_free(ray, timeout_s: float = 30.0) -> bool:
+    """Whether the session's 2 CPUs are all available within timeout_s (Ray frees a removed group's
+    resources a few tens of ms after `remove_placement_group` returns)."""
+    deadline = time.monotonic() + timeout_s
+    while ray.available_resources().get("CPU") != 2:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def test_impossible_resources_fail_before_any_actor(ray_session, model_dir, tmp_path):
     from cluster.driver import train
     from ray.util import placement_group_table
 
+    assert all_cpus_free(ray_session)  # an earlier test's released placement group is returned asynchronously
     before = len(placement_group_table())
     cfg = tiny_job(model_dir, tmp_path / "run", "learner.num_cpus=64")
     with pytest.raises(ResourceError, match=r"asks for 64\.5 CPU .* has 2"):
         train(cfg)
     assert len(placement_group_table()) == before  # nothing was reserved, so no actor could start
-    assert ray_session.available_resources().get("CPU") == 2
+    assert all_cpus_free(ray_session)
 
 
 def test_dataset_without_the_configured_fields(ray_session, model_dir, tmp_path):
