@@ -8,7 +8,9 @@ synthesised instead of generated — the token ids are a filler token (registers
 some future query can still see are allocated and filled with random K/V with their true death
 positions. Dead blocks are never allocated (they would never be read). Then the engine decodes
 ``--steps`` real steps (CUDA graphs, Triton kernels, sampling on the GPU) and we time the last
-``steps - warmup`` of them. The batch is sized to the KV memory budget (at most 256 sequences).
+``steps - warmup`` of them. Under ``registers`` the traffic goes on while decoding: each sequence's
+sampled token is replaced by its next register every 256 tokens, the sequences staggered so that
+about batch/256 of them kill a step at every engine step (each kill redoes that row's queued step). The batch is sized to the KV memory budget (at most 256 sequences).
 transformers' ``generate`` (static cache, greedy) on the same model is the peer row.
 """
 
@@ -93,6 +95,31 @@ def place(llm: LLM, n: int, position: int, max_new: int) -> None:
             seq.block_completed(j)
         seq.status = Status.RUNNING
         llm.scheduler.running.append(seq)
+
+
+def inject_registers(llm: LLM, position: int, every: int = 256) -> None:
+    """Registers: every ``every`` tokens a sequence's sampled token becomes its next register in the
+    cycle (the one whose step is oldest), killing that step; the replacement happens on the device,
+    so the overlapped engine's queued step reads it. Sequence i is offset by i tokens, spreading
+    the kills over the steps."""
+    regs, sample = llm.policy.register_ids, llm._sample
+    turn: dict[int, int] = {}  # request id -> registers emitted so far (history's included)
+    emitted = len(range(PROMPT, position, 256))  # history(): one every 256 tokens after the prompt
+
+    def sample_with_registers(seqs, logits):
+        tokens, logprobs = sample(seqs, logits)
+        due = [i for i, s in enumerate(seqs) if (len(s.token_ids) + s.request_id) % every == 0]
+        if due:
+            ids = []
+            for i in due:
+                k = turn.get(seqs[i].request_id, emitted)
+                ids.append(regs[k % len(regs)])
+                turn[seqs[i].request_id] = k + 1
+            host = llm.runner.host_tensor
+            tokens[host(due, torch.long).to(tokens.device, non_blocking=True)] = host(ids, torch.long).to(
+                tokens.device, non_blocking=True)
+        return tokens, logprobs
+    llm._sample = sample_with_registers
 
 
 def decode_rate(llm: LLM, steps: int, warmup: int) -> float:
@@ -186,10 +213,13 @@ def bench_engine(path: Path, spec: str, position: int, steps: int, kv_gb: float,
         k.normal_()
         v.normal_()
     place(llm, n, position, steps + 18 + profile_steps)
+    if llm.policy.kind == "registers":
+        inject_registers(llm, position)
     rate = decode_rate(llm, steps, warmup=8)
     seqs = llm.scheduler.running
     row = {"policy": spec, "position": position, "batch": n, "tokens_per_s": rate,
-           "live_kv_tokens_per_seq": sum(s.tracker.visible for s in seqs) / len(seqs), **step_breakdown(llm, 8)}
+           "live_kv_tokens_per_seq": sum(s.tracker.visible for s in seqs) / len(seqs),
+           "redone_rows_per_step": llm.stats.redone_rows / llm.stats.steps, **step_breakdown(llm, 8)}
     if profile_steps:
         row["profile"] = kernel_profile(llm, profile_steps)
     del llm, seqs

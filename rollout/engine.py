@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,6 +28,7 @@ class EngineStats:
     decode_tokens: int = 0
     seconds: float = 0.0
     queued_ahead: int = 0  # decode steps launched before the previous step's tokens were read
+    redone_rows: int = 0  # rows of queued steps computed again because a register kill changed what they see
 
 
 class LLM:
@@ -147,12 +148,16 @@ class LLM:
         sampled tokens back (the next step's inputs are copied from them on the device), so the host's
         bookkeeping of step t runs while the GPU computes step t + 1. A queued step whose sequence
         finished is wasted work for that row only; one whose inputs would be wrong (new weights) is
-        dropped before it is used, and its K/V writes are redone by the step that replaces it.
+        dropped before it is used, and its K/V writes are redone by the step that replaces it. Under
+        ``registers``, a row whose sampled register killed a step saw that step's keys in the queued
+        forward: that row alone is computed again (same slot, so its K/V is overwritten) before sampling.
         """
         t0 = time.perf_counter()
         flight, self._ahead = self._ahead, None
         if flight is not None:
             flight = flight.without_finished(self.runner.host_tensor)
+        if flight is not None and flight.redo:
+            self._redo(flight)
         if flight is None:
             batch = self.scheduler.schedule()
             rows = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_tokens))
@@ -161,7 +166,9 @@ class LLM:
         tokens, logprobs = self._sample([flight.batch.seqs[i] for i in flight.rows], flight.logits)
         read = self._read_back(tokens, logprobs)  # queued before the next step, so it need not wait for it
         self._ahead = self._queue_next(flight, tokens)
-        finished = self._postprocess(flight, *read())
+        finished, killers = self._postprocess(flight, *read())
+        if killers and self._ahead is not None:
+            self._ahead.redo = killers
         self._count(flight.batch, flight.rows, time.perf_counter() - t0)
         return finished
 
@@ -187,13 +194,13 @@ class LLM:
         """Launch the next decode step of ``flight``'s sequences now, their inputs being ``tokens`` (on the device).
 
         Only when the step is certain to be needed as launched: every sequence samples this step, no
-        request waits for admission (they would be starved), the policy's deaths depend on positions
-        only (not ``registers``), no budget forcing can replace a sampled token, every sequence stays
-        within ``max_model_len``, and the pool has the blocks without preempting anyone.
+        request waits for admission (they would be starved), no budget forcing can replace a sampled
+        token, every sequence stays within ``max_model_len``, and the pool has the blocks without
+        preempting anyone. (A register kill is only known once the tokens are read: ``step`` redoes
+        the rows it affects.)
         """
         batch, bs = flight.batch, self.block_size
-        if not self.overlap or self.policy.kind == "registers" or self.scheduler.waiting \
-                or len(flight.rows) != len(batch.seqs):
+        if not self.overlap or self.scheduler.waiting or len(flight.rows) != len(batch.seqs):
             return None
         new_blocks = 0
         for seq in batch.seqs:
@@ -215,6 +222,22 @@ class LLM:
         rows = list(range(len(nxt)))
         return _Flight(nxt, rows, self.runner.run(nxt, rows, input_ids=tokens))
 
+    def _redo(self, flight: _Flight) -> None:
+        """Compute again the rows of a queued step whose sequence killed a register step meanwhile.
+
+        The queued forward ran before the kill reached the cache's deaths, so these rows attended to
+        the dead step; the new forward writes the same slots and replaces their logits.
+        """
+        rows = [k for k, i in enumerate(flight.rows) if flight.batch.seqs[i].request_id in flight.redo]
+        if not rows:
+            return
+        batch = ScheduledBatch([flight.batch.seqs[flight.rows[k]] for k in rows], [1] * len(rows))
+        logits = self.runner.run(batch, list(range(len(rows))))
+        index = self.runner.host_tensor(rows, torch.long).to(logits.device, non_blocking=True)
+        with torch.inference_mode():  # the logits are inference tensors
+            flight.logits.index_copy_(0, index, logits)
+        self.stats.redone_rows += len(rows)
+
     def _count(self, batch: ScheduledBatch, rows: list[int], seconds: float) -> None:
         self.stats.steps += 1
         self.stats.seconds += seconds
@@ -223,22 +246,25 @@ class LLM:
         self.stats.decode_tokens += decode
         self.stats.prefill_tokens += sum(batch.num_tokens) - decode
 
-    def _postprocess(self, flight: _Flight, tokens: list[int], logprobs: list[float]) -> list[Sequence]:
+    def _postprocess(self, flight: _Flight, tokens: list[int],
+                     logprobs: list[float]) -> tuple[list[Sequence], set[int]]:
+        """Append the sampled tokens; the sequences that finished, and the request ids whose token killed a step."""
         batch = flight.batch
         if not flight.marked:
             for seq, n in zip(batch.seqs, batch.num_tokens):
                 self._mark_computed(seq, n)
-        finished = []
+        finished, killers = [], set()
         for row, i in enumerate(flight.rows):
             seq = batch.seqs[i]
-            self._append(seq, tokens[row], logprobs[row], flight.logits[row])
+            if self._append(seq, tokens[row], logprobs[row], flight.logits[row]):
+                killers.add(seq.request_id)
             if self._check_finish(seq):
                 self._finish(seq)
                 finished.append(seq)
         for seq in batch.seqs:
             if seq.status is Status.RUNNING:
                 self.scheduler.free_dead_blocks(seq)
-        return finished
+        return finished, killers
 
     def _mark_computed(self, seq: Sequence, n: int) -> None:
         bs = self.block_size
@@ -264,7 +290,8 @@ class LLM:
             any_truncation=any(p.top_k > 0 or p.top_p < 1 for p in params),
         )
 
-    def _append(self, seq: Sequence, token: int, logprob: float, logits: torch.Tensor) -> None:
+    def _append(self, seq: Sequence, token: int, logprob: float, logits: torch.Tensor) -> bool:
+        """Record the token (or the one budget forcing puts in its place); whether it killed a register step."""
         p = seq.params
         if p.max_thinking_tokens is not None and not seq.thinking_done and not seq.pending_forced \
                 and seq.num_output >= p.max_thinking_tokens:
@@ -280,6 +307,7 @@ class LLM:
             seq.thinking_done = seq.output_token_ids[-len(end):] == end
         if killed:
             self._kill(seq, killed)
+        return bool(killed)
 
     def _token_ids(self, text: str) -> tuple[int, ...]:
         """Token ids of ``text`` (cached: budget forcing asks for them every step)."""
@@ -346,6 +374,7 @@ class _Flight:
     rows: list[int]
     logits: torch.Tensor
     marked: bool = False  # its tokens were marked computed when the next step was queued
+    redo: set[int] = field(default_factory=set)  # request ids whose rows must be computed again (see _redo)
 
     def without_finished(self, host_tensor) -> _Flight | None:
         """This queued decode step minus the sequences that finished meanwhile; None if none is left."""
@@ -356,7 +385,7 @@ class _Flight:
             return None
         batch = ScheduledBatch([self.batch.seqs[i] for i in keep], [self.batch.num_tokens[i] for i in keep])
         index = host_tensor(keep, torch.long).to(self.logits.device, non_blocking=True)
-        return _Flight(batch, list(range(len(keep))), self.logits[index])
+        return _Flight(batch, list(range(len(keep))), self.logits[index], redo=self.redo)
 
 
 def _progress(total: int):

@@ -68,7 +68,7 @@ class ModelRunner:
 
         ``ahead``: a decode step queued before its input tokens are known (one token per sequence at
         ``num_computed == len(token_ids)``): ids are placeholders and each new key's death comes
-        from its position alone, which holds for every policy but ``registers``.
+        from its position alone (a register kill is applied later, by ``set_death``).
         """
         bs = self.block_size
         ids, pos, slots, deaths, starts = [], [], [], [], [0]
@@ -132,4 +132,5 @@ class ModelRunner:
 
     def set_death(self, slots: list[int], death: int) -> None:
         """Registers: keys at ``slots`` die at position ``death`` (their step was killed)."""
-        self.cache.death.view(-1)[torch.tensor(slots, dtype=torch.long, device=self.device)] = death
+        index = self.host_tensor(slots, torch.long).to(self.device, non_blocking=True)
+        self.cache.death.view(-1)[index] = death
