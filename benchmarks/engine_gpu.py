@@ -208,7 +208,7 @@ def bench_engine(path: Path, spec: str, position: int, steps: int, kv_gb: float,
     per_token = 2 * 28 * 8 * 128 * 2
     n = max(1, min(max_seqs, int(kv_gb * 2**30 / (per_token * (live_tokens(spec, position) + 64 + steps)))))
     llm = LLM(str(path), kv=spec, device="cuda", dtype="bfloat16", block_size=16, max_num_seqs=n,
-              kv_cache_gb=kv_gb, max_model_len=position + 4096)
+              kv_cache_gb=kv_gb, max_model_len=position + 4096, overlap=True)  # registers' too (see rollout.engine)
     for k, v in zip(llm.runner.cache.k, llm.runner.cache.v):  # random K/V, never zeros
         k.normal_()
         v.normal_()

@@ -36,9 +36,10 @@ class LLM:
 
     ``kv``: ``full``, ``prefix_sliding:W``, ``sliding_window:W``, ``streaming:S:W`` or ``registers:N``.
     The pool holds ``num_blocks`` blocks of ``block_size`` tokens (or as many as ``kv_cache_gb`` allows).
-    On CUDA, decode steps replay CUDA graphs unless ``cuda_graphs=False``, and with ``overlap``
-    (default: on CUDA) the next decode step is queued before the current one's tokens are read back
-    (see ``step``); outputs are the same either way.
+    On CUDA, decode steps replay CUDA graphs unless ``cuda_graphs=False``, and with ``overlap`` the
+    next decode step is queued before the current one's tokens are read back (see ``step``); outputs
+    are the same either way. ``overlap=None`` (default) turns it on for CUDA under every policy but
+    ``registers``, whose overlap (redoing a row after each register kill) is on only with ``overlap=True``.
     """
 
     def __init__(self, model: str, kv: str = "full", *, device: str = "cpu", dtype: str = "float32",
@@ -68,7 +69,7 @@ class LLM:
         self.stats = EngineStats()
         self._next_id = 0
         self._encoded: dict[str, tuple[int, ...]] = {}
-        self.overlap = self.device.type == "cuda" if overlap is None else overlap
+        self.overlap = self.device.type == "cuda" and self.policy.kind != "registers" if overlap is None else overlap
         self._ahead: _Flight | None = None  # a decode step queued before the previous one's tokens were read
 
     # ---- set-up -------------------------------------------------------------------------------

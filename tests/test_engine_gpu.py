@@ -22,12 +22,38 @@ def test_gpu_matches_cpu_fp32(tiny_model_factory, spec, graphs):
     llm = LLM(path, kv=spec, block_size=16, num_blocks=256, max_num_batched_tokens=48, device="cuda",
               cuda_graphs=graphs)
     gpu = llm.generate(prompts, sp)
-    assert llm.stats.queued_ahead > 0  # decode steps overlap the host's work
+    # decode steps overlap the host's work; under registers only when asked (next test)
+    assert (llm.stats.queued_ahead > 0) == (spec != "registers:4")
     for a, b in zip(cpu, gpu):
         assert a.token_ids == b.token_ids
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-3
         assert (a.kv.peak_visible_tokens, a.kv.mean_visible_tokens) == (b.kv.peak_visible_tokens, b.kv.mean_visible_tokens)
         assert a.kv.peak_blocks <= b.kv.peak_blocks <= a.kv.peak_blocks + 1  # + the last queued step's block
+
+
+def test_gpu_overlapped_register_kills_match_cpu(tmp_path):
+    """registers with overlap=True on CUDA (graphs, pinned copies): rows redone after a kill match the CPU path."""
+    from safetensors.torch import load_file, save_file
+
+    from rollout.kv_policy import register_tokens
+    from rollout.tiny import make_tiny_model
+
+    path = make_tiny_model(tmp_path / "m", "qwen3", tie_word_embeddings=False, hidden_size=128,
+                           num_heads=8, num_kv_heads=2, intermediate_size=256,
+                           extra_special_tokens=tuple(register_tokens(3)))
+    weights = load_file(path / "model.safetensors")
+    head = weights["lm_head.weight"]  # boost the register rows so greedy decoding emits them often
+    head[-3:] = torch.randn(3, head.shape[1], generator=torch.Generator().manual_seed(1)) * head.std() * 2.0
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    prompts = [list(range(10, 10 + n)) for n in (3, 17, 40, 5)]
+    sp = SamplingParams(max_tokens=100, **GREEDY)
+    cpu = LLM(str(path), kv="registers:3", block_size=16, num_blocks=256).generate(prompts, sp)
+    llm = LLM(str(path), kv="registers:3", block_size=16, num_blocks=256, device="cuda", overlap=True)
+    gpu = llm.generate(prompts, sp)
+    assert llm.stats.queued_ahead > 0 and llm.stats.redone_rows > 0
+    for a, b in zip(cpu, gpu):
+        assert a.token_ids == b.token_ids
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-3
 
 
 def test_gpu_bf16_runs_and_samples_like_cpu_seeded(tiny_model_factory):
