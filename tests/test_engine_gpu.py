@@ -31,24 +31,12 @@ def test_gpu_matches_cpu_fp32(tiny_model_factory, spec, graphs):
         assert a.kv.peak_blocks <= b.kv.peak_blocks <= a.kv.peak_blocks + 1  # + the last queued step's block
 
 
-def test_gpu_overlapped_register_kills_match_cpu(tmp_path):
+def test_gpu_overlapped_register_kills_match_cpu(register_model):
     """registers with overlap=True on CUDA (graphs, pinned copies): rows redone after a kill match the CPU path."""
-    from safetensors.torch import load_file, save_file
-
-    from rollout.kv_policy import register_tokens
-    from rollout.tiny import make_tiny_model
-
-    path = make_tiny_model(tmp_path / "m", "qwen3", tie_word_embeddings=False, hidden_size=128,
-                           num_heads=8, num_kv_heads=2, intermediate_size=256,
-                           extra_special_tokens=tuple(register_tokens(3)))
-    weights = load_file(path / "model.safetensors")
-    head = weights["lm_head.weight"]  # boost the register rows so greedy decoding emits them often
-    head[-3:] = torch.randn(3, head.shape[1], generator=torch.Generator().manual_seed(1)) * head.std() * 2.0
-    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
     prompts = [list(range(10, 10 + n)) for n in (3, 17, 40, 5)]
     sp = SamplingParams(max_tokens=100, **GREEDY)
-    cpu = LLM(str(path), kv="registers:3", block_size=16, num_blocks=256).generate(prompts, sp)
-    llm = LLM(str(path), kv="registers:3", block_size=16, num_blocks=256, device="cuda", overlap=True)
+    cpu = LLM(register_model, kv="registers:3", block_size=16, num_blocks=256).generate(prompts, sp)
+    llm = LLM(register_model, kv="registers:3", block_size=16, num_blocks=256, device="cuda", overlap=True)
     gpu = llm.generate(prompts, sp)
     assert llm.stats.queued_ahead > 0 and llm.stats.redone_rows > 0
     for a, b in zip(cpu, gpu):

@@ -41,24 +41,6 @@ def max_abs_error(model, policy, out, temperature):
     return (lp.double() - torch.tensor(out.logprobs, dtype=torch.float64)).abs().max().item()
 
 
-@pytest.fixture(scope="module")
-def register_model(tmp_path_factory):
-    """tests/test_engine.py's trick: boosted lm_head rows for <reg_0..2> so greedy decoding emits registers."""
-    from safetensors.torch import load_file, save_file
-
-    from rollout.kv_policy import register_tokens
-    from rollout.tiny import make_tiny_model
-
-    path = make_tiny_model(tmp_path_factory.mktemp("reg") / "m", "qwen3", tie_word_embeddings=False,
-                           extra_special_tokens=tuple(register_tokens(3)))
-    weights = load_file(path / "model.safetensors")
-    head = weights["lm_head.weight"].clone()
-    head[-3:] = torch.randn(3, head.shape[1], generator=torch.Generator().manual_seed(1)) * head.std() * 2.0
-    weights["lm_head.weight"] = head
-    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
-    return path
-
-
 @pytest.mark.parametrize("spec, wrong", [
     ("full", "sliding_window:4"),
     ("prefix_sliding:8", "full"),
