@@ -10,7 +10,8 @@ positions. Dead blocks are never allocated (they would never be read). Then the 
 ``--steps`` real steps (CUDA graphs, Triton kernels, sampling on the GPU) and we time the last
 ``steps - warmup`` of them. Under ``registers`` the traffic goes on while decoding: each sequence's
 sampled token is replaced by its next register every 256 tokens, the sequences staggered so that
-about batch/256 of them kill a step at every engine step (each kill redoes that row's queued step). The batch is sized to the KV memory budget (at most 256 sequences).
+about batch/256 of them kill a step at every engine step (each kill redoes that row's queued step).
+The batch is sized to the KV memory budget (at most 256 sequences).
 transformers' ``generate`` (static cache, greedy) on the same model is the peer row.
 """
 
@@ -37,6 +38,7 @@ from rollout import LLM, SamplingParams  # noqa: E402
 from rollout.sequence import Status  # noqa: E402
 
 PROMPT = 100
+STEP_TOKENS = 256  # registers: a register token every this many tokens after the prompt
 
 
 def build_model(root: Path) -> Path:
@@ -63,7 +65,7 @@ def history(llm: LLM, position: int) -> tuple[list[int], object]:
     ids = [filler] * position
     if llm.policy.kind == "registers":
         regs = llm.policy.register_ids
-        for i, p in enumerate(range(PROMPT, position, 256)):
+        for i, p in enumerate(range(PROMPT, position, STEP_TOKENS)):
             ids[p] = regs[i % len(regs)]
     tracker = llm.policy.tracker(PROMPT)
     for p in range(position):
@@ -97,18 +99,18 @@ def place(llm: LLM, n: int, position: int, max_new: int) -> None:
         llm.scheduler.running.append(seq)
 
 
-def inject_registers(llm: LLM, position: int, every: int = 256) -> None:
-    """Registers: every ``every`` tokens a sequence's sampled token becomes its next register in the
+def inject_registers(llm: LLM, position: int) -> None:
+    """Registers: every STEP_TOKENS tokens a sequence's sampled token becomes its next register in the
     cycle (the one whose step is oldest), killing that step; the replacement happens on the device,
     so the overlapped engine's queued step reads it. Sequence i is offset by i tokens, spreading
     the kills over the steps."""
     regs, sample = llm.policy.register_ids, llm._sample
     turn: dict[int, int] = {}  # request id -> registers emitted so far (history's included)
-    emitted = len(range(PROMPT, position, 256))  # history(): one every 256 tokens after the prompt
+    emitted = len(range(PROMPT, position, STEP_TOKENS))  # the registers history() wrote
 
     def sample_with_registers(seqs, logits):
         tokens, logprobs = sample(seqs, logits)
-        due = [i for i, s in enumerate(seqs) if (len(s.token_ids) + s.request_id) % every == 0]
+        due = [i for i, s in enumerate(seqs) if (len(s.token_ids) + s.request_id) % STEP_TOKENS == 0]
         if due:
             ids = []
             for i in due:
@@ -198,7 +200,7 @@ def live_tokens(spec: str, position: int) -> int:
     if kind == "full":
         return position
     if kind == "registers":
-        return PROMPT + 16 * 256
+        return PROMPT + int(a[0]) * STEP_TOKENS
     w = int(a[-1])
     return {"prefix_sliding": PROMPT, "streaming": int(a[0]), "sliding_window": 0}[kind] + w
 
