@@ -1,8 +1,9 @@
-"""The ``sliderl`` command line: ``generate``, ``train`` and ``eval``, each ``[CONFIG] [key=value ...]``.
+"""The ``sliderl`` command line: ``generate``, ``train``, ``sft`` and ``eval``, each ``[CONFIG] [key=value ...]``.
 
-A subcommand loads its config (optional YAML file, then ``key.sub=value`` overrides), prints and
-saves the resolved config, and runs. Errors the user causes print one line and exit with code 2;
-a training run that cannot continue prints why and exits with code 1.
+A subcommand loads its config (a YAML file, or the job's recipe in configs/ when none is given,
+then ``key.sub=value`` overrides), prints and saves the resolved config, and runs. ``--help`` lists
+every key with the value the recipe gives it. Errors the user causes print one line and exit with
+code 2 before anything starts; a training run that cannot continue prints why and exits with code 1.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cluster.config import ConfigError, GenerateConfig, config_reference, load_config, save_config, to_yaml
-from cluster.train_config import TrainConfig
+from cluster.config import (ConfigError, GenerateConfig, check_device, config_reference, load_config, save_config,
+                            to_yaml)
+from cluster.train_config import SFTJobConfig, TrainConfig
 
 RUN_FAILED = 1
 USER_ERROR = 2
@@ -44,8 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
         "generate", help="sample completions with the paged-KV engine and report KV usage",
         usage="%(prog)s [-h] [CONFIG] [key=value ...]",
         description="Sample n completions per prompt; write config.yaml and completions.jsonl to output_dir.",
-        epilog="config keys (override with key=value):\n  " + "\n  ".join(config_reference(GenerateConfig)),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=_keys_help(GenerateConfig), formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     generate.add_argument("args", nargs="*", metavar="CONFIG | key=value",
                           help="an optional YAML file, then overrides such as engine.kv=full sampling.max_tokens=16")
@@ -56,12 +57,22 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train a policy with GRPO/BoNBoN on a local Ray instance or, under `ray job submit` "
                     "(RAY_ADDRESS set), on the cluster. Writes config.yaml, traces/, checkpoints/, "
                     "metrics.jsonl, plots and summary.txt to run_dir. resume=true continues a run.",
-        epilog="config keys (override with key=value):\n  " + "\n  ".join(config_reference(TrainConfig)),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=_keys_help(TrainConfig), formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     train.add_argument("args", nargs="*", metavar="CONFIG | key=value",
                        help="an optional YAML file, then overrides such as train.steps=5 rollout.num_workers=2")
     train.set_defaults(run=run_train)
+    sft = commands.add_parser(
+        "sft", help="supervised fine-tuning on prompt/completion pairs (no arguments: the tiny-arith SFT job)",
+        usage="%(prog)s [-h] [CONFIG] [key=value ...]",
+        description="Fine-tune model on (prompt, completion) pairs — the arith task's solutions or a .jsonl/"
+                    ".parquet file (data.source) — with the learner's SFT algorithm under one KV policy (kv). "
+                    "Writes config.yaml and the checkpoint (model/) to output_dir.",
+        epilog=_keys_help(SFTJobConfig), formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sft.add_argument("args", nargs="*", metavar="CONFIG | key=value",
+                     help="an optional YAML file, then overrides such as data.source=pairs.jsonl sft.steps=100")
+    sft.set_defaults(run=run_sft)
     evaluate = commands.add_parser(
         "eval", help="score a checkpoint on the task's eval split with the engine",
         usage="%(prog)s [-h] CHECKPOINT [key=value ...]",
@@ -74,6 +85,15 @@ def build_parser() -> argparse.ArgumentParser:
                           help="the checkpoint directory, then overrides such as engine.kv=sliding_window:32")
     evaluate.set_defaults(run=run_eval)
     return parser
+
+
+def _keys_help(schema) -> str:
+    """Every key of the job's recipe with the value the job will use and its meaning."""
+    try:
+        lines = config_reference(load_config(schema, None))
+    except ConfigError as err:  # a broken recipe must not break --help of the other commands
+        lines = [f"(the recipe does not load: {err})"]
+    return "config keys, with the recipe's values (override with key=value):\n  " + "\n  ".join(lines)
 
 
 def split_args(args: list[str]) -> tuple[str | None, list[str]]:
@@ -91,15 +111,16 @@ def split_args(args: list[str]) -> tuple[str | None, list[str]]:
 def run_generate(config_path: str | None, overrides: list[str]) -> int:
     """``sliderl generate``: load the config, generate, print and write the results."""
     cfg = load_config(GenerateConfig, config_path, overrides)
+    check_device(cfg.engine.device, "engine.device")
     print(to_yaml(cfg), end="", flush=True)
     out_dir = Path(cfg.output_dir)
     save_config(cfg, out_dir / "config.yaml")
 
     from rollout import LLM
 
-    llm = LLM(model=cfg.model.resolve(), **cfg.engine.llm_kwargs())
+    llm = LLM(cfg.model.resolve(), args=cfg.engine)
     prompts = [p for p in cfg.prompts for _ in range(cfg.n)]
-    params = [cfg.sampling.params(j) for _ in cfg.prompts for j in range(cfg.n)]
+    params = [cfg.sampling.for_sample(j) for _ in cfg.prompts for j in range(cfg.n)]
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
     wall = time.perf_counter() - start
@@ -195,6 +216,22 @@ def run_train(config_path: str | None, overrides: list[str]) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------------------- sft
+
+
+def run_sft(config_path: str | None, overrides: list[str]) -> int:
+    """``sliderl sft``: load the config, fine-tune, print where the checkpoint is."""
+    from cluster.sft_job import run_sft_job
+
+    cfg = load_config(SFTJobConfig, config_path, overrides)
+    check_device(cfg.learner.device, "learner.device")
+    print(to_yaml(cfg), end="", flush=True)
+    save_config(cfg, Path(cfg.output_dir) / "config.yaml")
+    result = run_sft_job(cfg)
+    print(f"\n{result.line()}\nwrote {Path(cfg.output_dir) / 'config.yaml'} and the checkpoint {result.path}")
+    return 0
+
+
 # ---------------------------------------------------------------------------------------- eval
 
 
@@ -203,8 +240,8 @@ def run_eval(checkpoint: str | None, overrides: list[str]) -> int:
     import tempfile
 
     from cluster.data import data_sources, load_split
-    from cluster.evaluation import eval_sampling, score
-    from rollout import LLM, SamplingParams
+    from cluster.evaluation import score
+    from rollout import LLM
 
     if checkpoint is None:
         raise ConfigError("sliderl eval needs a CHECKPOINT directory (e.g. runs/x/checkpoints/step_000020)")
@@ -216,13 +253,11 @@ def run_eval(checkpoint: str | None, overrides: list[str]) -> int:
     with tempfile.TemporaryDirectory() as scratch:
         _, eval_source = data_sources(cfg, scratch)
         problems = load_split(cfg, eval_source, cfg.eval.num_problems)
-    llm = LLM(model=str(path), **cfg.engine.llm_kwargs())
-    sampling = cfg.sampling.model_dump()
-    sampling.pop("seed")
-    params = SamplingParams(**eval_sampling(sampling, cfg.eval.temperature, cfg.max_tokens_eval(), cfg.train.seed))
+    check_device(cfg.engine.device, "engine.device")
+    llm = LLM(str(path), args=cfg.engine)
     start = time.perf_counter()
-    outputs = llm.generate([p.prompt for p in problems], params)
-    result = score(outputs, problems, cfg.task.verifier(), cfg.engine.kv)
+    outputs = llm.generate([p.prompt for p in problems], cfg.eval_sampling())
+    result = score(outputs, problems, cfg.verifier(), cfg.engine.kv)
     print(f"{path}: {result.line()} | {time.perf_counter() - start:.1f} s")
     print(json.dumps({"checkpoint": str(path), **result.__dict__}))
     return 0

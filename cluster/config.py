@@ -1,33 +1,43 @@
-"""The config schema: pydantic models that document themselves, loaded from YAML plus overrides.
+"""Config loading: YAML plus ``key.sub=value`` overrides, validated into the job's typed records.
 
-Every section forbids unknown keys and names the valid ones; every field carries its docstring and
-its bounds. A job's config is one top-level model (``GenerateConfig`` for ``sliderl generate``)
-whose defaults are a runnable job. ``load_config`` reads a YAML file and applies ``key.sub=value``
-overrides (each value parsed as YAML, so ``engine.block_size=32`` is an int and
-``sampling.stop=[a,b]`` a list); ``save_config`` writes the fully resolved config back as YAML.
+A job's config is one pydantic model (``GenerateConfig`` here; ``TrainConfig``, ``SFTJobConfig``
+in ``cluster.train_config``) that *composes* the records of the parts it drives — ``EngineArgs``
+beside ``rollout.LLM``, ``SamplingParams``, ``LearnerArgs`` beside ``trainer.Learner``, the reward
+terms of ``rewards.spec`` — each declared once, with one library default and one docstring per
+field. A recipe's own values live in its ``configs/*.yaml``; a job run without a file runs its
+default recipe, and ``--help`` prints the values that recipe resolves to.
+
+Before pydantic validates, ``check_keys`` walks the data against the schema so that an unknown key
+(``reward.acc``, ``learner.algo.clip_lo``) or an unknown variant (``model.type=gguf``) is named
+with the valid keys, whatever mix of pydantic models and dataclass records holds it. Errors are
+``ConfigError``: one line, the key path, what was wrong and what would be valid.
 """
 
 from __future__ import annotations
 
+import ast
+import dataclasses
 import difflib
+import inspect
 import os
-import re
 import shutil
+import textwrap
 import time
+import types
+import typing
+from functools import cache
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError
 
-from rollout.kv_policy import KVPolicy
+from rollout.engine_args import EngineArgs
+from rollout.sampling import SamplingParams
+from rollout.tiny import TinyModelSpec
 
 DEFAULT_MODEL_CACHE = "~/.cache/sliderl/models"
-DEFAULT_PROMPTS = [
-    "The capital of France is",
-    "Once upon a time,",
-    "Question: what is 12 + 30? Answer:",
-]
+RECIPES = Path(__file__).resolve().parents[1] / "configs"
 
 Schema = TypeVar("Schema", bound=BaseModel)
 
@@ -41,15 +51,6 @@ class Section(BaseModel):
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_default=True)
 
-    @model_validator(mode="before")
-    @classmethod
-    def _known_keys(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            for key in data:
-                if key not in cls.model_fields:
-                    raise ValueError(unknown_key_message(key, list(cls.model_fields)))
-        return data
-
 
 def unknown_key_message(key: Any, valid: list[str]) -> str:
     """``unknown key 'x' (did you mean 'y'?); valid keys: a, b, c``."""
@@ -61,41 +62,17 @@ def unknown_key_message(key: Any, valid: list[str]) -> str:
 # --------------------------------------------------------------------------------------- model
 
 
-class TinyModel(Section):
-    """A small random-weight model the project builds locally (no downloads)."""
+@dataclasses.dataclass(frozen=True)
+class TinyModel(TinyModelSpec):
+    """A small random-weight model the project builds locally (no downloads), cached by its spec."""
 
     type: Literal["tiny"] = "tiny"
     """Variant tag: a locally built random-weight model."""
-    arch: Literal["qwen3", "qwen2", "llama"] = "qwen3"
-    """Architecture family of the tiny model."""
-    hidden_size: int = Field(64, ge=8)
-    """Width of the residual stream; divisible by num_heads."""
-    num_layers: int = Field(2, ge=1)
-    """Number of decoder layers."""
-    num_heads: int = Field(4, ge=1)
-    """Query heads per layer."""
-    num_kv_heads: int = Field(2, ge=1)
-    """Key/value heads per layer (GQA); divides num_heads."""
-    intermediate_size: int = Field(128, ge=1)
-    """Width of the MLP."""
-    seed: int = Field(0, ge=0)
-    """Seed of the random weights."""
     cache_dir: str = DEFAULT_MODEL_CACHE
-    """Folder that holds built tiny models; one subfolder per parameter set, built when missing."""
+    """Folder that holds built tiny models; one subfolder per spec, built when missing."""
 
-    @model_validator(mode="after")
-    def _heads_fit(self) -> TinyModel:
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_kv_heads ({self.num_kv_heads}) must divide num_heads ({self.num_heads})")
-        if self.hidden_size % self.num_heads:
-            raise ValueError(f"num_heads ({self.num_heads}) must divide hidden_size ({self.hidden_size})")
-        return self
-
-    @property
-    def name(self) -> str:
-        """Folder name derived from every parameter that changes the weights or the shapes."""
-        return (f"tiny-{self.arch}-h{self.hidden_size}-l{self.num_layers}-q{self.num_heads}"
-                f"-kv{self.num_kv_heads}-i{self.intermediate_size}-s{self.seed}")
+    def spec(self) -> TinyModelSpec:
+        return TinyModelSpec(**{f.name: getattr(self, f.name) for f in dataclasses.fields(TinyModelSpec)})
 
     def resolve(self) -> str:
         """Path of the model directory, building it (atomically) when it is not there yet."""
@@ -110,11 +87,7 @@ class TinyModel(Section):
         path.parent.mkdir(parents=True, exist_ok=True)
         staging = path.parent / f".{path.name}.building-{os.getpid()}"
         shutil.rmtree(staging, ignore_errors=True)
-        make_tiny_model(
-            str(staging), arch=self.arch, hidden_size=self.hidden_size, num_layers=self.num_layers,
-            num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-            intermediate_size=self.intermediate_size, seed=self.seed,
-        )
+        make_tiny_model(staging, spec=self.spec())
         try:
             staging.rename(path)
         except OSError:  # another process finished the same model first
@@ -153,94 +126,6 @@ ModelSource = Annotated[
 """Where the weights come from: ``type: tiny`` (default) or ``type: hf``; both have ``resolve() -> str``."""
 
 
-# -------------------------------------------------------------------------------------- engine
-
-
-class EngineConfig(Section):
-    """Arguments of the generation engine (``rollout.LLM``)."""
-
-    kv: str = "prefix_sliding:64"
-    """KV retention policy: full, prefix_sliding:W, sliding_window:W, streaming:S:W or registers:N."""
-    block_size: int = Field(16, ge=1)
-    """Token slots per KV block."""
-    num_blocks: int | None = Field(None, ge=1)
-    """Blocks in the KV pool; None sizes the pool from kv_cache_gb."""
-    kv_cache_gb: float | None = Field(None, gt=0)
-    """KV pool size in GiB when num_blocks is None; None lets the engine choose."""
-    max_num_seqs: int = Field(64, ge=1)
-    """Most sequences scheduled in one engine step."""
-    max_num_batched_tokens: int = Field(1024, ge=1)
-    """Most tokens (prefill + decode) in one engine step."""
-    max_model_len: int | None = Field(None, ge=1)
-    """Longest sequence (prompt + completion); None takes the model's own limit."""
-    device: str = "cpu"
-    """Where the engine runs: cpu, cuda or cuda:N."""
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    """Weight and KV dtype."""
-    seed: int = 0
-    """Engine seed; requests without their own seed derive one from it and their index."""
-
-    @field_validator("kv")
-    @classmethod
-    def _canonical_kv(cls, spec: str) -> str:
-        return KVPolicy.parse(spec).spec
-
-    @field_validator("device")
-    @classmethod
-    def _known_device(cls, device: str) -> str:
-        if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
-            raise ValueError(f"device must be cpu, cuda or cuda:N, got {device!r}")
-        return device
-
-    def llm_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for ``rollout.LLM`` (everything but ``model``)."""
-        return self.model_dump()
-
-
-# ------------------------------------------------------------------------------------ sampling
-
-
-class SamplingConfig(Section):
-    """Per-request sampling; mirrors ``rollout.sampling.SamplingParams``."""
-
-    max_tokens: int = Field(256, ge=1)
-    """Most tokens to generate per request."""
-    temperature: float = Field(1.0, ge=0)
-    """Softmax temperature; 0 means greedy."""
-    top_p: float = Field(1.0, gt=0, le=1)
-    """Nucleus mass in (0, 1]; 1 = off."""
-    top_k: int = Field(-1, ge=-1)
-    """Keep only the k most likely tokens (>= 1); -1 = off."""
-    seed: int | None = None
-    """Request seed; sample j of a prompt uses seed + j. None derives seeds from engine.seed."""
-    stop: list[str] = []
-    """Stop strings; the completion ends before the first one."""
-    stop_token_ids: list[int] = []
-    """Token ids that end a request."""
-    ignore_eos: bool = False
-    """Keep generating past the end-of-sequence token."""
-    max_thinking_tokens: int | None = Field(None, ge=1)
-    """Budget forcing: after this many thinking tokens force think_end; None = no cap."""
-    think_end: str = Field("</think>", min_length=1)
-    """Text forced when the thinking budget runs out."""
-
-    @field_validator("top_k")
-    @classmethod
-    def _top_k_off_or_positive(cls, top_k: int) -> int:
-        if top_k == 0:
-            raise ValueError("top_k must be -1 (off) or >= 1, got 0")
-        return top_k
-
-    def params(self, sample_index: int = 0):
-        """``rollout.sampling.SamplingParams`` for sample ``sample_index`` of a prompt."""
-        from rollout.sampling import SamplingParams
-
-        fields = self.model_dump()
-        if self.seed is not None:
-            fields["seed"] = self.seed + sample_index
-        return SamplingParams(**fields)
-
-
 # ----------------------------------------------------------------------------------- generate
 
 
@@ -251,38 +136,64 @@ def _default_output_dir() -> str:
 class GenerateConfig(Section):
     """``sliderl generate``: sample completions for a list of prompts and report KV usage."""
 
+    RECIPE: ClassVar[str] = "generate-tiny.yaml"
+
     model: ModelSource = Field(default_factory=TinyModel)
     """Weights to load: ``type: tiny`` (built locally) or ``type: hf`` (a local directory)."""
-    engine: EngineConfig = Field(default_factory=EngineConfig)
-    """Engine construction arguments."""
-    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
-    """How every completion is sampled."""
-    prompts: list[str] = Field(default_factory=lambda: list(DEFAULT_PROMPTS), min_length=1)
+    engine: EngineArgs = Field(default_factory=EngineArgs)
+    """Engine construction arguments (``rollout.EngineArgs``)."""
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    """How every completion is sampled (``rollout.SamplingParams``); sample j of a prompt uses seed + j."""
+    prompts: list[str] = Field(default_factory=lambda: ["Hello"], min_length=1)
     """Prompts to complete."""
-    n: int = Field(2, ge=1)
+    n: int = Field(1, ge=1)
     """Samples per prompt."""
     output_dir: str = Field(default_factory=_default_output_dir)
     """Where config.yaml and completions.jsonl are written."""
+
+
+def check_device(device: str, key: str) -> None:
+    """``ConfigError`` when ``device`` (cpu | cuda | cuda:N) names a CUDA device this process's torch lacks."""
+    if not device.startswith("cuda"):
+        return
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    index = int(device.partition(":")[2] or 0)
+    if index >= count:
+        have = f"{count} CUDA device(s)" if count else f"no CUDA (torch {torch.__version__})"
+        raise ConfigError(f"{key}={device} but this machine's torch has {have}; use {key}=cpu"
+                          + (f" or cuda:0..cuda:{count - 1}" if count else ""))
 
 
 # ------------------------------------------------------------------------------ load and save
 
 
 def load_config(schema: type[Schema], path: str | None, overrides: list[str] = ()) -> Schema:
-    """Read ``path`` (YAML; ``None`` = all defaults), apply ``key.sub=value`` overrides, validate.
+    """Read ``path`` (YAML; ``None``: the schema's default recipe), apply ``key.sub=value`` overrides, validate.
 
     Raises ``ConfigError`` with a message naming the bad key or value and what would be valid.
     """
-    data = _read_yaml(path) if path is not None else {}
+    source = path if path is not None else default_recipe(schema)
+    data = _read_yaml(source) if source is not None else {}
     for override in overrides:
         _apply_override(data, override)
+    where = f"config {path!r}" if path is not None else "config"
+    if overrides:
+        where += f" with overrides {' '.join(overrides)!r}"
+    chosen: dict[tuple, set] = {}
     try:
+        check_keys(schema, data, (), chosen)
         return schema.model_validate(data)
-    except ValidationError as err:
-        source = f"config {path!r}" if path is not None else "config"
-        if overrides:
-            source += f" with overrides {' '.join(overrides)!r}"
-        raise ConfigError(f"invalid {source}: {format_errors(err, data)}") from None
+    except ValueError as err:
+        message = format_errors(err, data, chosen) if isinstance(err, ValidationError) else str(err)
+        raise ConfigError(f"invalid {where}: {message}") from None
+
+
+def default_recipe(schema: type[BaseModel]) -> str | None:
+    """The YAML file a job runs when given none (``configs/<RECIPE>``), or None."""
+    name = getattr(schema, "RECIPE", None)
+    return str(RECIPES / name) if name else None
 
 
 def save_config(cfg: BaseModel, path: str | os.PathLike) -> None:
@@ -312,7 +223,11 @@ def _read_yaml(path: str) -> dict:
 
 
 def _apply_override(data: dict, override: str) -> None:
-    """Set ``a.b.c=value`` in the nested dict ``data``; the value is parsed as YAML."""
+    """Set ``a.b.c=value`` in the nested dict ``data``; the value is parsed as YAML.
+
+    Switching a variant (``model.type=hf`` over a file's ``type: tiny``) drops the file's other keys
+    of that section: they belong to the other variant.
+    """
     key, sep, text = override.partition("=")
     parts = key.strip().split(".")
     if not sep or not all(parts):
@@ -324,22 +239,105 @@ def _apply_override(data: dict, override: str) -> None:
     node = data
     for i, part in enumerate(parts[:-1]):
         child = node.setdefault(part, {})
+        if child is None:
+            child = node[part] = {}
         if not isinstance(child, dict):
             raise ConfigError(f"override {override!r}: {'.'.join(parts[:i + 1])} holds a value, not a section")
         node = child
-    node[parts[-1]] = value
+    last = parts[-1]
+    if last == "type" and node.get(last, value) != value:
+        node.clear()
+    node[last] = value
 
 
-def format_errors(err: ValidationError, data: Any) -> str:
-    """Pydantic's errors as ``key.path: message (got value)``, joined on one line."""
+# ------------------------------------------------------------------------------- key checking
+
+
+def check_keys(annotation: Any, data: Any, path: tuple, chosen: dict[tuple, set]) -> None:
+    """Raise ``ValueError`` for the first key of ``data`` that ``annotation`` does not define.
+
+    Unions of sections are resolved by their ``type`` field (the first member when it is absent); the
+    class picked for each path is recorded in ``chosen`` so that ``format_errors`` can drop the
+    other members' complaints.
+    """
+    candidates = _sections(annotation)
+    if not candidates or not isinstance(data, dict):
+        return
+    section = _pick(candidates, data, path)
+    if len(candidates) > 1:
+        chosen[path] = {section.__name__, _tag_value(section, "type")}
+    where = ".".join(path) or "top level"
+    field_types = _field_types(section)
+    for key, value in data.items():
+        if key not in field_types:
+            raise ValueError(f"{where}: {unknown_key_message(key, list(field_types))}")
+        check_keys(field_types[key], value, (*path, key), chosen)
+
+
+def _pick(candidates: list[type], data: dict, path: tuple) -> type:
+    if len(candidates) == 1:
+        return candidates[0]
+    tags = {_tag_value(c, "type"): c for c in candidates}
+    value = data.get("type", next(iter(tags)))
+    if value not in tags:
+        where = ".".join((*path, "type"))
+        raise ValueError(f"{where} must be one of {', '.join(map(repr, tags))}, got {value!r}")
+    return tags[value]
+
+
+def _tag_value(section: type, tag: str) -> Any:
+    if dataclasses.is_dataclass(section):
+        return next(f.default for f in dataclasses.fields(section) if f.name == tag)
+    return section.model_fields[tag].default
+
+
+def _field_types(section: type) -> dict[str, Any]:
+    if dataclasses.is_dataclass(section):
+        hints = typing.get_type_hints(section)
+        return {f.name: hints[f.name] for f in dataclasses.fields(section)}
+    return {name: f.annotation for name, f in section.model_fields.items()}
+
+
+def _sections(annotation: Any) -> list[type]:
+    """The section classes (pydantic models or dataclasses) an annotation admits."""
+    if isinstance(annotation, type) and (issubclass(annotation, BaseModel) or dataclasses.is_dataclass(annotation)):
+        return [annotation]
+    if typing.get_origin(annotation) is Annotated:
+        return _sections(typing.get_args(annotation)[0])
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return [s for arg in typing.get_args(annotation) for s in _sections(arg)]
+    return []
+
+
+def format_errors(err: ValidationError, data: Any, chosen: dict[tuple, set] | None = None) -> str:
+    """Pydantic's errors as ``key.path: message (got value)``, joined on one line.
+
+    Errors from union members other than the one picked for a path (see ``check_keys``) are dropped.
+    """
     lines = []
     for e in err.errors(include_url=False):
+        if not _from_chosen_member(e["loc"], data, chosen or {}):
+            continue
         where = _user_path(e["loc"], data, e["type"] == "missing")
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] not in ("missing", "value_error", "model_variant"):
             msg += f" (got {e['input']!r})"
         lines.append(f"{where}: {msg}")
-    return "; ".join(lines)
+    return "; ".join(dict.fromkeys(lines)) or str(err)
+
+
+def _from_chosen_member(loc: tuple, data: Any, chosen: dict[tuple, set]) -> bool:
+    kept: list[str] = []
+    node, tag_next = data, () in chosen
+    for part in loc:
+        if isinstance(node, dict) and part in node:
+            kept.append(str(part))
+            node, tag_next = node[part], tuple(kept) in chosen
+        elif tag_next:  # pydantic names the union member here: a tag or a class name
+            if part not in chosen[tuple(kept)]:
+                return False
+            tag_next = False
+    return True
 
 
 def _user_path(loc: tuple, data: Any, missing: bool) -> str:
@@ -358,26 +356,41 @@ def _user_path(loc: tuple, data: Any, missing: bool) -> str:
     return ".".join(kept) or "top level"
 
 
-def config_reference(schema: type[BaseModel], prefix: str = "", variant: str = "") -> list[str]:
-    """One line per leaf key, ``key = default  docstring``, for help text."""
+# ------------------------------------------------------------------------------------ help text
+
+
+def config_reference(cfg: BaseModel | Any, prefix: str = "") -> list[str]:
+    """One line per leaf key of a resolved config, ``key = value  docstring``: the values the job will use."""
     lines = []
-    for name, field in schema.model_fields.items():
+    for name, value, doc in _entries(cfg):
         key = f"{prefix}{name}"
-        sections = _sections(field.annotation)
-        for section in sections:
-            tag = section.model_fields.get("type") if len(sections) > 1 else None
-            lines.extend(config_reference(section, key + ".", f" (type={tag.default})" if tag else ""))
-        if not sections:
-            default = "<required>" if field.is_required() else repr(field.get_default(call_default_factory=True))
-            lines.append(f"{key}{variant} = {default}  {field.description or ''}")
+        if isinstance(value, BaseModel) or (dataclasses.is_dataclass(value) and not isinstance(value, type)):
+            lines.extend(config_reference(value, key + "."))
+        else:
+            lines.append(f"{key} = {value!r}  {doc}")
     return lines
 
 
-def _sections(annotation: Any) -> list[type[BaseModel]]:
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return [annotation]
-    args = getattr(annotation, "__args__", ()) or ()
-    metadata = getattr(annotation, "__metadata__", None)
-    if metadata is not None:  # Annotated[X, ...]
-        return _sections(annotation.__origin__)
-    return [s for arg in args for s in _sections(arg)]
+def _entries(cfg: Any) -> list[tuple[str, Any, str]]:
+    if isinstance(cfg, BaseModel):
+        return [(name, getattr(cfg, name), " ".join((field.description or "").split()))
+                for name, field in type(cfg).model_fields.items()]
+    docs = field_docs(type(cfg))
+    return [(f.name, getattr(cfg, f.name), docs.get(f.name, "")) for f in dataclasses.fields(cfg)]
+
+
+@cache
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field of a dataclass (its own and inherited ones), by field name."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__[:-1]):
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        except (OSError, TypeError):
+            continue
+        body = tree.body[0].body if tree.body and isinstance(tree.body[0], ast.ClassDef) else []
+        for node, after in zip(body, body[1:]):
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr) \
+                    and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str):
+                docs[node.target.id] = " ".join(after.value.value.split())
+    return docs

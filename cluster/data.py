@@ -48,7 +48,7 @@ def load_problems(source: str, split: str, prompt_field: str, answer_field: str,
     Raises ConfigError naming the source when it cannot be read or lacks ``prompt_field`` or
     ``answer_field`` (listing the fields it has).
     """
-    table = _open(source, split)
+    table = open_dataset(source, split)
     columns = list(table.column_names)
     missing = [f for f in (prompt_field, answer_field) if f not in columns]
     if missing:
@@ -62,7 +62,7 @@ def load_problems(source: str, split: str, prompt_field: str, answer_field: str,
     return [Problem(str(i), template.format(prompt=p), str(a)) for i, p, a in zip(ids, prompts, answers)]
 
 
-def _open(source: str, split: str):
+def open_dataset(source: str, split: str):
     import datasets
 
     datasets.disable_progress_bars()

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from cluster.checkpoint import Checkpoints, DriverState
 from cluster.data import PromptGroup, PromptStream
-from cluster.evaluation import EvalResult, eval_sampling, score
+from cluster.evaluation import EvalResult, score
 from cluster.ledger import GroupLedger
 from cluster.resources import check_resources, cluster_capacity, connect, make_learner, make_queue, release, reserve
 from cluster.run_plan import RunPlan, prepare
@@ -326,17 +326,10 @@ class Session:
 
         problems = self.plan.eval_problems
         wid, worker = next(iter(self.pool.live().items()))
-        sampling = eval_sampling(self._rollout_sampling(), self.cfg.eval.temperature, self.cfg.max_tokens_eval(),
-                                 self.cfg.train.seed)
-        outputs = ray.get(worker.evaluate.remote([p.prompt for p in problems], sampling))
-        result = score(outputs, problems, self.cfg.task.verifier(), self.cfg.engine.kv)
+        outputs = ray.get(worker.evaluate.remote([p.prompt for p in problems], self.cfg.eval_sampling()))
+        result = score(outputs, problems, self.cfg.verifier(), self.cfg.engine.kv)
         print(f"sliderl: eval {label} (version {self.state.version}, worker {wid}): {result.line()}", flush=True)
         return result
-
-    def _rollout_sampling(self) -> dict:
-        sampling = self.cfg.sampling.model_dump()
-        sampling.pop("seed")
-        return sampling
 
     def _metrics(self, batch: list, trained_at: int, learner_metrics: dict, sync_seconds: float | None) -> dict:
         traces = [t for g in batch for t in g.traces]

@@ -46,8 +46,3 @@ def score(outputs: list, problems: list[Problem], verifier, kv_policy: str) -> E
         peak_visible_kv=max(o.kv.peak_visible_tokens for o in outputs),
         kv_policy=kv_policy,
     )
-
-
-def eval_sampling(sampling: dict, temperature: float, max_tokens: int, seed: int) -> dict:
-    """SamplingParams fields for eval: the rollout settings with eval's temperature, length and seed."""
-    return {**sampling, "temperature": temperature, "max_tokens": max_tokens, "seed": seed}

@@ -12,6 +12,7 @@ from typing import Any
 
 from cluster.weight_sync import FlatLayout, WeightSender
 from rollout.trace import Trace
+from trainer.learner_args import LearnerArgs
 
 
 class LearnerActor:
@@ -21,18 +22,18 @@ class LearnerActor:
     ``model_path`` is ignored); else the learner starts from the HF directory ``model_path``.
     """
 
-    def __init__(self, model_path: str, learner_kwargs: dict[str, Any], sync_backend: str,
-                 num_threads: int = 1, checkpoint: str | None = None):
+    def __init__(self, model_path: str, args: LearnerArgs, sync_backend: str, num_threads: int = 1,
+                 checkpoint: str | None = None):
         import torch
 
         from trainer.learner import Learner
 
         torch.set_num_threads(max(1, num_threads))
         if checkpoint is not None:
-            self.learner = Learner.from_checkpoint(checkpoint, **learner_kwargs)
+            self.learner = Learner.from_checkpoint(checkpoint, args=args)
         else:
-            self.learner = Learner(model_path, **learner_kwargs)
-        self.sender = WeightSender(sync_backend, learner_kwargs.get("device", "cpu"))
+            self.learner = Learner(model_path, args)
+        self.sender = WeightSender(sync_backend, args.device)
         self._metrics = _learner_metrics()
 
     def step(self, groups: list[list[Trace]]) -> dict[str, float]:

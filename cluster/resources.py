@@ -168,10 +168,8 @@ def make_learner(cfg: TrainConfig, pg, model_path: str, checkpoint: str | None =
     from cluster.learner_actor import LearnerActor
 
     options = _options(cfg, pg, 0, cfg.learner.num_cpus, cfg.learner.num_gpus)
-    kwargs = cfg.learner.learner_kwargs(cfg.train.seed)
-    kwargs["kv_policy"] = cfg.engine.kv
     return ray.remote(LearnerActor).options(max_restarts=0, **options).remote(
-        model_path, kwargs, cfg.weight_sync.backend, _threads(cfg.learner.num_cpus), checkpoint)
+        model_path, cfg.learner_args(), cfg.weight_sync.backend, _threads(cfg.learner.num_cpus), checkpoint)
 
 
 def make_worker(cfg: TrainConfig, pg, worker_id: int, model_path: str, version: int, trace_queue):
@@ -181,14 +179,10 @@ def make_worker(cfg: TrainConfig, pg, worker_id: int, model_path: str, version: 
     from cluster.rollout_worker import RolloutWorker
 
     options = _options(cfg, pg, 1 + worker_id, cfg.rollout.num_cpus, cfg.rollout.num_gpus)
-    engine = cfg.engine.llm_kwargs()
-    engine["seed"] = cfg.engine.seed + 7919 * worker_id
-    sampling = cfg.sampling.model_dump()
-    sampling.pop("seed")
     return ray.remote(RolloutWorker).options(
         max_restarts=cfg.rollout.max_restarts, max_task_retries=0, max_concurrency=WORKER_CONCURRENCY, **options,
-    ).remote(worker_id, model_path, version, engine, sampling, cfg.task.model_dump(), dict(cfg.reward),
-             trace_queue, _threads(cfg.rollout.num_cpus))
+    ).remote(worker_id, model_path, version, cfg.worker_engine_args(worker_id), cfg.sampling, cfg.reward,
+             cfg.task.type, trace_queue, _threads(cfg.rollout.num_cpus))
 
 
 def make_queue(cfg: TrainConfig):

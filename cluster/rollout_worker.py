@@ -27,7 +27,9 @@ from typing import Any
 
 from cluster.data import Problem, PromptGroup
 from cluster.weight_sync import WeightReceiver
-from rewards import CompositeReward, RewardInput
+from rewards import RewardInput, RewardSpec
+from rollout.engine_args import EngineArgs
+from rollout.sampling import SamplingParams
 from rollout.trace import Trace
 
 PUT_TIMEOUT_S = 1.0  # queue.put retries at this period so a stopping worker never blocks forever
@@ -84,26 +86,11 @@ class _EvalJob:
     remaining: int = 0
 
 
-def build_reward(task: dict, reward: dict) -> CompositeReward:
-    """The task's verifier as ``correctness`` plus the other configured terms (rewards.REWARDS)."""
-    from cluster.train_config import TaskConfig
-
-    terms = {}
-    extra = {k: v for k, v in reward.items() if k != "correctness"}
-    if "correctness" in reward:
-        weight = reward["correctness"]
-        weight = weight.get("weight", 1.0) if isinstance(weight, dict) else weight
-        terms["correctness"] = (TaskConfig(**task).verifier(), float(weight))
-    if extra:
-        terms.update(CompositeReward.from_config(extra).terms)
-    return CompositeReward(terms)
-
-
 class RolloutWorker:
     """Generates groups with ``rollout.LLM`` and streams them, scored, into ``trace_queue``."""
 
-    def __init__(self, worker_id: int, model_path: str, version: int, engine: dict, sampling: dict,
-                 task: dict, reward: dict, trace_queue, num_threads: int = 1):
+    def __init__(self, worker_id: int, model_path: str, version: int, engine: EngineArgs, sampling: SamplingParams,
+                 reward: RewardSpec, task_type: str, trace_queue, num_threads: int = 1):
         import os
 
         import torch
@@ -114,10 +101,10 @@ class RolloutWorker:
         self.worker_id = worker_id
         self.incarnation = uuid.uuid4().hex[:8]
         self.pid = os.getpid()
-        self.llm = LLM(model_path, **engine)
+        self.llm = LLM(model_path, args=engine)
         self.version = version
         self.sampling = sampling
-        self.reward = build_reward(task, reward)
+        self.reward = reward.build(task_type)
         self.receiver = WeightReceiver(self.llm.device)
         self.trace_queue = trace_queue
         self._fenced = _restarted()  # a restarted process has stale weights: no work until it gets new ones
@@ -186,11 +173,9 @@ class RolloutWorker:
             held = [g.group_id for g in self._inbox] + list(self._inflight)
         return WorkerStatus(self.worker_id, self.incarnation, self.pid, self.version, held, self._fenced, self._error)
 
-    def evaluate(self, prompts: list[str], sampling: dict) -> list:
+    def evaluate(self, prompts: list[str], params: SamplingParams) -> list:
         """Generate one completion per prompt (through the same engine loop); RequestOutputs in order."""
-        from rollout import SamplingParams
-
-        job = _EvalJob(list(prompts), SamplingParams(**sampling), Future())
+        job = _EvalJob(list(prompts), params, Future())
         with self._lock:
             self._evals.append(job)
             self._lock.notify_all()
@@ -247,13 +232,10 @@ class RolloutWorker:
         done.set()
 
     def _admit(self) -> None:
-        from rollout import SamplingParams
-
         for group in self._inbox:
             job = _InFlight(group, self.version, time.perf_counter(), [None] * group.group_size, [-1] * group.group_size)
             for j in range(group.group_size):
-                params = SamplingParams(**{**self.sampling, "seed": group.seed + j})
-                seq = self.llm.add_request(group.problem.prompt, params)
+                seq = self.llm.add_request(group.problem.prompt, self.sampling.for_sample(j, group.seed))
                 job.seqs.append(seq)
                 self._by_request[seq.request_id] = (job, j)
             self._inflight[group.group_id] = job
@@ -302,7 +284,7 @@ class RolloutWorker:
             policy_version=job.version, kv_policy=self.llm.policy.spec,
             prompt_token_ids=list(out.prompt_token_ids), completion_token_ids=list(out.token_ids),
             logprobs=list(out.logprobs), finish_reason=out.finish_reason,
-            temperature=float(self.sampling.get("temperature", 1.0)),
+            temperature=float(self.sampling.temperature),
             weight_update_token_index=job.update_index[j], forced=list(out.forced),
             reward=float(record.total), reward_components=dict(record.components), answer=problem.answer,
             completion_text=out.text, num_tokens=len(out.token_ids), peak_visible_kv=out.kv.peak_visible_tokens,

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cluster.checkpoint import Checkpoints, DriverState
-from cluster.config import ConfigError, save_config
+from cluster.config import ConfigError, check_device, save_config
 from cluster.data import Problem, data_sources, load_split
 from cluster.train_config import TrainConfig
 
@@ -27,6 +27,7 @@ class RunPlan:
 
 def prepare(cfg: TrainConfig) -> RunPlan:
     """Run directory, resolved config, data (fields checked) and initial weights; no Ray yet."""
+    check_devices(cfg)
     run_dir = Path(cfg.run_dir).expanduser().resolve()
     checkpoints = Checkpoints(run_dir, cfg.checkpoint.keep)
     resume = checkpoints.latest() if cfg.resume else None
@@ -45,11 +46,25 @@ def prepare(cfg: TrainConfig) -> RunPlan:
 
 
 def initial_model(cfg: TrainConfig) -> str:
-    """The warm-started checkpoint (trained now when not cached) or the configured model."""
+    """The configured model, warm-started by its SFT stage when enabled (trained now unless cached)."""
+    model_path = cfg.model.resolve()
     if not cfg.warmstart.enabled:
-        return cfg.model.resolve()
-    from trainer.warmstart import warm_start
+        return model_path
+    from cluster.sft_job import warm_start
 
-    print(f"sliderl: warm start ({cfg.warmstart.steps} SFT steps, cached in {cfg.warmstart.cache_dir})", flush=True)
-    return str(warm_start(cfg.warmstart.cache_dir, cfg.task.arith(), device=cfg.learner.device,
-                          log_every=50, **cfg.warmstart.settings()))
+    return warm_start(cfg, model_path)
+
+
+def check_devices(cfg: TrainConfig) -> None:
+    """A CUDA device asked of a local run whose torch has no CUDA is a ConfigError (before Ray starts).
+
+    Joining a cluster, the driver's own torch says nothing about the workers' nodes: Ray's resource
+    check covers them (``rollout.num_gpus``, ``learner.num_gpus``).
+    """
+    from cluster.resources import cluster_address
+
+    if cluster_address(cfg) is not None:
+        return
+    for key, device in (("engine.device", cfg.engine.device), ("learner.device", cfg.learner.device),
+                        ("warmstart.learner.device", cfg.warmstart.learner.device if cfg.warmstart.enabled else "cpu")):
+        check_device(device, key)

@@ -35,6 +35,7 @@ import random
 import string
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 from rewards.math import END_THINK, answer_section, last_boxed
 from rewards.record import RewardInput, RewardRecord
@@ -46,20 +47,20 @@ EVAL_EVERY = 8  # a prompt whose hash is 0 modulo this belongs to the eval split
 
 @dataclass(frozen=True)
 class ArithTask:
-    """Generator of multi-step arithmetic problems (see the module docstring for the format).
+    """Generator of multi-step arithmetic problems (see the module docstring for the format)."""
 
-    num_steps: (fewest, most) steps per problem, inclusive; at most 26 (one letter per step).
-    max_operand: operands are drawn from ``1..max_operand``.
-    min_value, max_value: the start value and every later value lie in this range (10..99: every
-    value has two digits, so every step line has the same length).
-    seed: problems are a pure function of (settings, seed, split, index).
-    """
+    __pydantic_config__: ClassVar[dict] = {"extra": "forbid", "use_attribute_docstrings": True}
 
     num_steps: tuple[int, int] = (8, 12)
+    """(fewest, most) steps per problem, inclusive; at most 26 (one letter per step)."""
     max_operand: int = 9
+    """Operands are drawn from 1..max_operand."""
     min_value: int = 10
+    """The start value and every later value lie in min_value..max_value (10..99: two digits each)."""
     max_value: int = 99
+    """See min_value; max_value - min_value must be at least max_operand."""
     seed: int = 0
+    """Problems are a pure function of (settings, seed, split, index)."""
 
     def __post_init__(self) -> None:
         lo, hi = self.num_steps

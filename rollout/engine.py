@@ -45,7 +45,10 @@ class LLM:
     def __init__(self, model: str, kv: str = "full", *, device: str = "cpu", dtype: str = "float32",
                  block_size: int = 16, num_blocks: int | None = None, kv_cache_gb: float | None = None,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 1024, max_model_len: int | None = None,
-                 seed: int = 0, cuda_graphs: bool = True, overlap: bool | None = None):
+                 seed: int = 0, cuda_graphs: bool = True, overlap: bool | None = None, args=None):
+        if args is not None:  # STUB until the engine branch merges
+            import dataclasses
+            return self.__init__(model, **dataclasses.asdict(args))
         if dtype not in DTYPES:
             raise ValueError(f"dtype {dtype!r} is not supported; valid: {sorted(DTYPES)}")
         for name, value in (("block_size", block_size), ("max_num_seqs", max_num_seqs),

@@ -27,7 +27,8 @@ trainer recomputes the same quantity at the same temperature.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import ClassVar
 
 import torch
 
@@ -38,6 +39,8 @@ _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 @dataclass
 class SamplingParams:
     """How one request is sampled and when it stops."""
+
+    __pydantic_config__: ClassVar[dict] = {"extra": "forbid", "use_attribute_docstrings": True}
 
     max_tokens: int = 256
     """Most tokens to generate (>= 1)."""
@@ -74,6 +77,12 @@ class SamplingParams:
             raise ValueError(f"think_end must be a non-empty string, got {self.think_end!r}")
         self.stop = _normalise_stop(self.stop)
         self.stop_token_ids = _normalise_stop_ids(self.stop_token_ids)
+
+    def for_sample(self, index: int, base_seed: int | None = None) -> SamplingParams:
+        """These params for sample ``index`` of a prompt: seed ``base + index``, base being ``base_seed``
+        or else this request's own seed; without either the engine derives the seed."""
+        base = self.seed if base_seed is None else base_seed
+        return self if base is None else replace(self, seed=base + index)
 
     @property
     def greedy(self) -> bool:

@@ -9,7 +9,9 @@ tokenizer, generation_config.json — that ``rollout.loader`` and ``transformers
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
@@ -67,47 +69,92 @@ def byte_symbols() -> list[str]:
     return symbols
 
 
-def hf_config(arch: str, vocab_size: int, eos_token_id: int, *, hidden_size: int, num_layers: int, num_heads: int,
-              num_kv_heads: int, intermediate_size: int, max_position_embeddings: int, tie_word_embeddings: bool,
-              initializer_range: float = 0.2, **overrides):
+@dataclass(frozen=True)
+class TinyModelSpec:
+    """Everything that decides a tiny model's shapes and random weights (its folder name in a cache)."""
+
+    __pydantic_config__: ClassVar[dict] = {"extra": "forbid", "use_attribute_docstrings": True}
+
+    arch: str = "qwen3"
+    """Architecture family: qwen3, qwen2 or llama."""
+    hidden_size: int = 64
+    """Width of the residual stream; num_heads divides it."""
+    num_layers: int = 2
+    """Decoder layers."""
+    num_heads: int = 4
+    """Query heads per layer."""
+    num_kv_heads: int = 2
+    """Key/value heads per layer (GQA); divides num_heads."""
+    intermediate_size: int = 128
+    """Width of the MLP."""
+    max_position_embeddings: int = 4096
+    """Longest sequence the model's config admits (the engine's default max_model_len)."""
+    tie_word_embeddings: bool = True
+    """Share the embedding matrix with the output head."""
+    seed: int = 0
+    """Seed of the random weights."""
+
+    def __post_init__(self) -> None:
+        if self.arch not in ARCHS:
+            raise ValueError(f"unknown tiny-model arch {self.arch!r}; valid: {', '.join(ARCHS)}")
+        for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
+                     "max_position_embeddings"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_kv_heads ({self.num_kv_heads}) must divide num_heads ({self.num_heads})")
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must divide hidden_size ({self.hidden_size})")
+        if self.seed < 0:
+            raise ValueError(f"seed must be >= 0, got {self.seed}")
+
+    @property
+    def name(self) -> str:
+        """Folder name derived from every field (the weights and shapes are a function of them)."""
+        tied = "" if self.tie_word_embeddings else "-untied"
+        return (f"tiny-{self.arch}-h{self.hidden_size}-l{self.num_layers}-q{self.num_heads}-kv{self.num_kv_heads}"
+                f"-i{self.intermediate_size}-p{self.max_position_embeddings}{tied}-s{self.seed}")
+
+
+SPEC_FIELDS = tuple(f.name for f in fields(TinyModelSpec))
+
+
+def hf_config(spec: TinyModelSpec, vocab_size: int, eos_token_id: int, initializer_range: float = 0.2, **overrides):
     """The transformers config object (Qwen3Config, Qwen2Config or LlamaConfig) of a tiny model."""
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
     classes = {"qwen3": Qwen3Config, "qwen2": Qwen2Config, "llama": LlamaConfig}
-    if arch not in classes:
-        raise ValueError(f"unknown tiny-model arch {arch!r}; valid: {', '.join(ARCHS)}")
-    if hidden_size % num_heads or num_heads % num_kv_heads:
-        raise ValueError(f"hidden_size={hidden_size} must be divisible by num_heads={num_heads}, "
-                         f"and num_heads by num_kv_heads={num_kv_heads}")
-    kwargs = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
-                  num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-                  head_dim=hidden_size // num_heads, max_position_embeddings=max_position_embeddings,
-                  tie_word_embeddings=tie_word_embeddings, initializer_range=initializer_range,
+    kwargs = dict(vocab_size=vocab_size, hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size,
+                  num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
+                  num_key_value_heads=spec.num_kv_heads, head_dim=spec.hidden_size // spec.num_heads,
+                  max_position_embeddings=spec.max_position_embeddings,
+                  tie_word_embeddings=spec.tie_word_embeddings, initializer_range=initializer_range,
                   bos_token_id=None, eos_token_id=eos_token_id, pad_token_id=None)
     kwargs.update(overrides)
-    return classes[arch](**kwargs)
+    return classes[spec.arch](**kwargs)
 
 
-def make_tiny_model(out_dir: str | Path, arch: str = "qwen3", *, hidden_size: int = 64, num_layers: int = 2,
-                    num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int = 128,
-                    max_position_embeddings: int = 4096, tie_word_embeddings: bool = True, seed: int = 0,
+def make_tiny_model(out_dir: str | Path, arch: str | None = None, *, spec: TinyModelSpec | None = None,
                     dtype: torch.dtype = torch.float32, max_shard_size: int | str | None = None,
-                    extra_special_tokens: tuple[str, ...] = (), **config_overrides) -> Path:
-    """Write a random-initialised ``arch`` model with the byte-level tokenizer to ``out_dir``; return the path.
+                    extra_special_tokens: tuple[str, ...] = (), **kwargs) -> Path:
+    """Write a random-initialised tiny model with the byte-level tokenizer to ``out_dir``; return the path.
 
-    ``config_overrides`` go to the transformers config class (e.g. ``attention_bias=True``,
-    ``rope_parameters={...}``, ``initializer_range=0.1``). Weights are saved as safetensors, sharded
-    when ``max_shard_size`` is given (e.g. ``"100KB"``).
+    The shapes and seed come from ``spec``, or from ``arch`` and the ``TinyModelSpec`` fields among
+    ``kwargs`` (e.g. ``hidden_size=96``); the other ``kwargs`` go to the transformers config class
+    (e.g. ``attention_bias=True``, ``rope_parameters={...}``, ``initializer_range=0.1``). Weights are
+    saved as safetensors, sharded when ``max_shard_size`` is given (e.g. ``"100KB"``).
     """
     from transformers import AutoModelForCausalLM, GenerationConfig
 
+    spec_kwargs = {k: kwargs.pop(k) for k in SPEC_FIELDS if k in kwargs}
+    if spec is None:
+        spec = TinyModelSpec(**({"arch": arch} if arch else {}), **spec_kwargs)
+    elif arch or spec_kwargs:
+        raise ValueError(f"give either spec or arch/{', '.join(spec_kwargs) or 'shape keywords'}, not both")
     tokenizer = build_tokenizer(extra_special_tokens)
     eos = tokenizer.eos_token_id
-    config = hf_config(arch, len(tokenizer), eos, hidden_size=hidden_size, num_layers=num_layers,
-                       num_heads=num_heads, num_kv_heads=num_kv_heads, intermediate_size=intermediate_size,
-                       max_position_embeddings=max_position_embeddings, tie_word_embeddings=tie_word_embeddings,
-                       **config_overrides)
-    torch.manual_seed(seed)
+    config = hf_config(spec, len(tokenizer), eos, **kwargs)
+    torch.manual_seed(spec.seed)
     model = AutoModelForCausalLM.from_config(config).to(dtype)
     model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=eos)
     out = Path(out_dir)
@@ -121,22 +168,16 @@ def make_tiny_model(out_dir: str | Path, arch: str = "qwen3", *, hidden_size: in
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Write a tiny random model directory (HF format).")
     parser.add_argument("out_dir", type=Path)
-    parser.add_argument("--arch", choices=ARCHS, default="qwen3")
-    parser.add_argument("--hidden-size", type=int, default=64)
-    parser.add_argument("--num-layers", type=int, default=2)
-    parser.add_argument("--num-heads", type=int, default=4)
-    parser.add_argument("--num-kv-heads", type=int, default=2)
-    parser.add_argument("--intermediate-size", type=int, default=128)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--untied", action="store_true", help="separate lm_head and embedding matrices")
+    for f in fields(TinyModelSpec):
+        flag = f"--{f.name.replace('_', '-')}"
+        if f.type in ("bool", bool):
+            parser.add_argument(flag, type=lambda v: v.lower() in ("1", "true", "yes"), default=f.default)
+        else:
+            parser.add_argument(flag, type=type(f.default), default=f.default)
     parser.add_argument("--registers", type=int, default=0, help="add <reg_0>..<reg_{N-1}> special tokens")
     args = parser.parse_args(argv)
-    extra = tuple(register_tokens(args.registers))
-    path = make_tiny_model(args.out_dir, args.arch, hidden_size=args.hidden_size, num_layers=args.num_layers,
-                           num_heads=args.num_heads, num_kv_heads=args.num_kv_heads,
-                           intermediate_size=args.intermediate_size, tie_word_embeddings=not args.untied,
-                           seed=args.seed, extra_special_tokens=extra)
-    print(path)
+    spec = TinyModelSpec(**{name: getattr(args, name) for name in SPEC_FIELDS})
+    print(make_tiny_model(args.out_dir, spec=spec, extra_special_tokens=tuple(register_tokens(args.registers))))
 
 
 if __name__ == "__main__":

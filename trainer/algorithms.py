@@ -273,3 +273,39 @@ def make_algorithm(name: str, grpo: dict | None = None, bonbon: dict | None = No
         raise ValueError(f"unknown algorithm {name!r}; valid: {', '.join(ALGORITHMS)}")
     options = {"grpo": grpo, "bonbon": bonbon}.get(name)
     return ALGORITHMS[name](options)
+
+
+# ---- STUB (lead's placeholder until the trainer branch merges) ----
+from typing import Literal  # noqa: E402
+
+_CONFIG = {"extra": "forbid", "use_attribute_docstrings": True}
+
+
+@dataclass(frozen=True)
+class GRPOOptions:
+    __pydantic_config__: ClassVar[dict] = _CONFIG
+    type: Literal["grpo"] = "grpo"
+    """grpo"""
+    clip_low: float = 0.2
+    """lower clip"""
+    clip_high: float = 0.28
+    """upper clip"""
+
+
+@dataclass(frozen=True)
+class BoNBoNOptions:
+    __pydantic_config__: ClassVar[dict] = _CONFIG
+    type: Literal["bonbon"] = "bonbon"
+    """bonbon"""
+    alpha: float = 0.005
+    """sft weight"""
+
+
+@dataclass(frozen=True)
+class SFTOptions:
+    __pydantic_config__: ClassVar[dict] = _CONFIG
+    type: Literal["sft"] = "sft"
+    """sft"""
+
+
+AlgorithmOptions = GRPOOptions | BoNBoNOptions | SFTOptions

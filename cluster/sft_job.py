@@ -1,0 +1,60 @@
+"""SFT stages as jobs: ``sliderl sft`` and the warm start of ``sliderl train``.
+
+Both turn an ``SFTStage`` (data, learner settings, steps) into ``trainer.sft`` examples — the arith
+task's reference solutions or a user's file of prompt/completion pairs — and train them with the
+one trainer, ``trainer.Learner`` with the SFT algorithm, under one KV policy (the job's ``kv``; for
+the warm start, the rollouts' ``engine.kv``). The warm start's checkpoint is cached by everything
+that shapes its weights; ``sliderl sft`` writes its checkpoint to ``output_dir/model``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from cluster.config import ConfigError
+from cluster.data import open_dataset
+from cluster.train_config import ArithTaskConfig, SFTJobConfig, SFTStage, TrainConfig
+from trainer.sft import SFTExample, cached_sft, run_sft
+
+
+def stage_examples(stage: SFTStage, task) -> tuple[list[SFTExample], list[SFTExample]]:
+    """(train, held-out) examples of ``stage``: from the arith ``task`` or from ``stage.data.source``.
+
+    Task: step s trains on problems ``s*B .. (s+1)*B - 1`` of the train split (each seen once), and the
+    ``held_out`` problems after them are scored. File: the last ``held_out`` rows are held out.
+    """
+    d = stage.data
+    if d.source == "task":
+        if not isinstance(task, ArithTaskConfig):
+            raise ConfigError("an SFT stage with data.source=task needs task.type=arith")
+        n = stage.sft.steps * stage.sft.batch_size
+        rows = task.arith().problems(n + d.held_out, "train")
+        examples = [SFTExample(r["prompt"], r["solution"]) for r in rows]
+        return examples[:n], examples[n:]
+    table = open_dataset(d.source, "train")
+    missing = [f for f in (d.prompt_field, d.completion_field) if f not in table.column_names]
+    if missing:
+        raise ConfigError(f"SFT data {d.source!r} has no field {missing[0]!r}; its fields are "
+                          f"{', '.join(table.column_names)}; set data.prompt_field / data.completion_field")
+    examples = [SFTExample(str(p), str(c)) for p, c in zip(table[d.prompt_field], table[d.completion_field])]
+    if len(examples) <= d.held_out:
+        raise ConfigError(f"SFT data {d.source!r} has {len(examples)} rows; data.held_out={d.held_out} leaves none "
+                          "to train on")
+    return examples[:-d.held_out], examples[-d.held_out:]
+
+
+def warm_start(cfg: TrainConfig, model_path: str) -> str:
+    """The warm-started checkpoint of ``cfg`` from ``model_path`` (trained now unless cached)."""
+    stage = cfg.warmstart
+    train, held_out = stage_examples(stage, cfg.task)
+    print(f"sliderl: warm start from {model_path} (at most {stage.sft.steps} SFT steps under {cfg.engine.kv}, "
+          f"cached in {stage.cache_dir})", flush=True)
+    return str(cached_sft(stage.cache_dir, model_path, train, held_out, cfg.engine.kv, stage.learner,
+                          stage.sft))
+
+
+def run_sft_job(cfg: SFTJobConfig):
+    """``sliderl sft``: train ``cfg.model`` on the stage's pairs; the checkpoint lands in ``output_dir/model``."""
+    train, held_out = stage_examples(cfg, cfg.task)
+    out = Path(cfg.output_dir) / "model"
+    return run_sft(cfg.model.resolve(), out, train, held_out, cfg.kv, cfg.learner, cfg.sft)
