@@ -45,6 +45,10 @@ class LearnerActor:
             self._metrics.record(step_seconds=seconds)
         return {**metrics, "version": float(self.learner.version), "learner_step_seconds": seconds}
 
+    def args(self) -> LearnerArgs:
+        """The settings the learner was built with."""
+        return self.learner.args
+
     def version(self) -> int:
         return int(self.learner.version)
 

@@ -185,6 +185,10 @@ class RolloutWorker:
             except TimeoutError:
                 self._raise_if_failed()
 
+    def engine_args(self) -> EngineArgs:
+        """The settings the engine was built with."""
+        return self.llm.args
+
     def parameter(self, name: str) -> list[float]:
         """The current values of one weight (flattened), read between engine steps; for checks."""
         with self._lock:

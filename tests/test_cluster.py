@@ -55,8 +55,11 @@ def sync_run(ray_session, model_dir, tmp_path_factory):
             seen["worker"] = ray_session.get(session.pool.handles[0].parameter.remote(WEIGHT))
             seen["learner"] = ray_session.get(session.learner.parameter.remote(WEIGHT))
             seen["worker_version"] = ray_session.get(session.pool.handles[0].status.remote()).version
+            seen["learner_args"] = ray_session.get(session.learner.args.remote())
+            seen["engine_args"] = ray_session.get(session.pool.handles[0].engine_args.remote())
 
     cfg = tiny_job(model_dir, tmp_path_factory.mktemp("sync") / "run", "train.mode=sync")
+    seen["cfg"] = cfg
     return train(cfg, on_step=read_weights), seen
 
 
@@ -84,6 +87,17 @@ def test_sync_run_workers_hold_the_learners_weights_after_a_sync(sync_run, model
     assert seen["worker_version"] == 1
     assert seen["worker"] == seen["learner"]  # by value, after the object-store sync
     assert seen["worker"] != initial_weight(model_dir, WEIGHT)  # and the step did change them
+
+
+def test_actors_are_built_from_the_configs_records(sync_run):
+    # Catches: an actor built from anything but the resolved config's records (a dict with its own
+    # defaults, a dropped key): the learner and worker 0 report the records they were built with.
+    _, seen = sync_run
+    cfg = seen["cfg"]
+    assert seen["learner_args"] == cfg.learner_args()
+    assert seen["learner_args"].lr == 0.01 and seen["learner_args"].vocab_policy == "prefix_sliding:8"
+    assert seen["engine_args"] == cfg.worker_engine_args(0) == dataclasses.replace(cfg.engine, seed=cfg.engine.seed)
+    assert seen["engine_args"].kv == "prefix_sliding:8" and seen["engine_args"].num_blocks == 256
 
 
 def test_sync_run_checkpoint_and_state_on_disk(sync_run):
@@ -149,9 +163,9 @@ def test_async_broadcast_sync_reaches_every_worker(async_grpo_run, model_dir):
 def test_async_bonbon_run(ray_session, model_dir, tmp_path):
     from cluster.driver import train
 
-    cfg = tiny_job(model_dir, tmp_path / "run", "train.mode=async", "train.steps=2", "learner.algo=bonbon",
+    cfg = tiny_job(model_dir, tmp_path / "run", "train.mode=async", "train.steps=2",
                    "reward={correctness: 1.0, speedup: 1.0, kv_penalty: {budget: 1, coef: 0.01}}",
-                   "learner.bonbon={quality_key: kv_penalty}", "train.max_staleness=1")
+                   "learner.algo={type: bonbon, quality_key: kv_penalty}", "train.max_staleness=1")
     result = train(cfg)
     rows = metric_rows(result.run_dir)
     assert sorted(rows) == [1, 2] and result.state.version == stepped_versions(rows)[-1] >= 1
@@ -185,9 +199,13 @@ def test_gpu_weight_sync_backends(ray_session, model_dir, tmp_path, backend, gro
     assert seen["worker"] != initial_weight(model_dir, WEIGHT)
 
 
-def test_default_config_is_the_tiny_arith_file():
+def test_no_file_runs_the_tiny_arith_recipe():
+    # Catches: `sliderl train` with no file running library defaults (a random 64-wide model, lr 1e-5,
+    # no warm start) instead of configs/tiny-arith.yaml.
     from_file = load_config(TrainConfig, str(ROOT / "configs" / "tiny-arith.yaml"))
-    assert from_file.model_dump(exclude={"run_dir"}) == TrainConfig().model_dump(exclude={"run_dir"})
+    default = load_config(TrainConfig, None)
+    assert from_file.model_dump(exclude={"run_dir"}) == default.model_dump(exclude={"run_dir"})
+    assert default.warmstart.enabled and default.model.hidden_size == 96 and default.learner.lr == 3e-4
 
 
 # ------------------------------------------------------------------------------- bad input
@@ -230,7 +248,7 @@ def test_dataset_without_the_configured_fields(ray_session, model_dir, tmp_path)
 
     data = tmp_path / "problems.jsonl"
     data.write_text("".join(json.dumps({"question": f"{i} + 1", "solution": str(i + 1)}) + "\n" for i in range(4)))
-    cfg = tiny_job(model_dir, tmp_path / "run", f"data.source={data}", "task.name=math")
+    cfg = tiny_job(model_dir, tmp_path / "run", f"data.source={data}", "task.type=math")
     before = len(placement_group_table())
     with pytest.raises(ConfigError, match=r"has no field 'prompt'; its fields are question, solution"):
         train(cfg)
@@ -249,20 +267,25 @@ def test_unreachable_ray_address_is_a_clear_error(model_dir, tmp_path):
     assert f"cannot reach the Ray cluster at '127.0.0.1:{port}'" in proc.stderr
 
 
-def test_task_and_warm_start_settings_reach_the_generator_and_the_warm_start():
-    from trainer.warmstart import WarmStartSettings
+def test_task_and_warm_start_settings_reach_the_generator_and_the_sft_stage(tmp_path):
+    # Catches: task or warm-start keys accepted by the config but not used (the generator's range,
+    # the stage's learner settings and stopping rule, its visibility = the rollouts' engine.kv).
+    from cluster.sft_job import stage_examples
 
-    cfg = load_config(TrainConfig, None, ["task.min_value=40", "task.max_value=60", "warmstart.target_accuracy=0.3"])
+    cfg = load_config(TrainConfig, None, ["task.min_value=40", "task.max_value=60", "warmstart.sft.target_accuracy=0.3",
+                                          "warmstart.sft.steps=3", "warmstart.sft.batch_size=2", "warmstart.learner.lr=0.5"])
     for problem in cfg.task.arith().problems(50):
         lines = problem["solution"].split("\n")  # "<think>", the start value, step lines "a+5=52", ...
         values = [int(lines[1])] + [int(line.split("=")[1]) for line in lines if "=" in line]
         assert 40 <= min(values) and max(values) <= 60
-    assert cfg.warmstart.settings()["target_accuracy"] == 0.3
-    # every warm-start setting is a config key, and the default job's are the documented checkpoint's
-    assert set(TrainConfig().warmstart.settings()) == {f.name for f in dataclasses.fields(WarmStartSettings)}
-    assert WarmStartSettings(**TrainConfig().warmstart.settings()) == WarmStartSettings()
+    assert cfg.warmstart.sft.target_accuracy == 0.3 and cfg.warmstart.learner.lr == 0.5
+    assert cfg.warmstart.learner.algo.type == "sft" and cfg.warmstart.learner.total_steps == 3  # cosine over the stage
+    train_examples, held_out = stage_examples(cfg.warmstart, cfg.task)
+    problems = cfg.task.arith().problems(3 * 2 + 64, "train")
+    assert [e.prompt for e in train_examples] == [p["prompt"] for p in problems[:6]]  # each problem seen once
+    assert [e.completion for e in held_out] == [p["solution"] for p in problems[6:]]  # never trained on
     with pytest.raises(ConfigError, match=r"unknown key 'target_acuracy' \(did you mean 'target_accuracy'\?\)"):
-        load_config(TrainConfig, None, ["warmstart.target_acuracy=0.3"])
+        load_config(TrainConfig, None, ["warmstart.sft.target_acuracy=0.3"])
 
 
 def test_more_eval_problems_than_the_task_writes_is_rejected():

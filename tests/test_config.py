@@ -1,4 +1,4 @@
-"""Config schema: YAML + overrides, clear errors, the model sources, and agreement with the engine API."""
+"""Config loading: YAML + overrides, clear errors, the model sources, and the records the configs compose."""
 
 import dataclasses
 import inspect
@@ -7,22 +7,18 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cluster.config import (
-    ConfigError,
-    EngineConfig,
-    GenerateConfig,
-    HFModel,
-    SamplingConfig,
-    TinyModel,
-    load_config,
-    save_config,
-)
+from cluster.config import ConfigError, GenerateConfig, HFModel, TinyModel, field_docs, load_config, save_config
+from rollout.engine_args import EngineArgs
+from rollout.sampling import SamplingParams
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_defaults_are_the_embedded_job():
+def test_no_file_runs_the_recipe():
+    # Catches: `sliderl generate` without a file running the library defaults instead of its recipe.
     cfg = load_config(GenerateConfig, None, [])
+    assert cfg == load_config(GenerateConfig, str(REPO / "configs" / "generate-tiny.yaml"), []).model_copy(
+        update={"output_dir": cfg.output_dir})
     assert isinstance(cfg.model, TinyModel) and cfg.model.arch == "qwen3"
     assert cfg.engine.kv == "prefix_sliding:64"
     assert (cfg.engine.device, cfg.engine.dtype) == ("cpu", "float32")
@@ -55,7 +51,17 @@ def test_overrides_win_over_the_file_and_the_file_over_defaults(tmp_path):
 
 
 def test_kv_spec_is_canonicalised():
-    assert EngineConfig(kv=" prefix_sliding:128 ").kv == "prefix_sliding:128"
+    assert EngineArgs(kv=" prefix_sliding:128 ").kv == "prefix_sliding:128"
+
+
+def test_switching_a_variant_drops_the_other_variants_keys(tmp_path):
+    # Catches: `model.type=hf` over a file's tiny model keeping hidden_size etc. (an unknown key for hf).
+    path = tmp_path / "job.yaml"
+    path.write_text("model:\n  type: tiny\n  hidden_size: 32\n")
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")
+    cfg = load_config(GenerateConfig, str(path), ["model.type=hf", f"model.path={tmp_path / 'm'}"])
+    assert isinstance(cfg.model, HFModel)
 
 
 @pytest.mark.parametrize("override, expected", [
@@ -63,6 +69,7 @@ def test_kv_spec_is_canonicalised():
     ("sampling.temprature=0.5", ["sampling", "'temprature'", "temperature", "top_p"]),
     ("modle.arch=llama", ["top level", "'modle'", "model", "output_dir"]),
     ("model.hiden=3", ["model", "'hiden'", "hidden_size", "cache_dir"]),
+    ("engine.overlaps=true", ["engine", "'overlaps'", "did you mean 'overlap'", "cuda_graphs"]),
 ])
 def test_unknown_key_names_the_key_and_the_valid_ones(override, expected):
     with pytest.raises(ConfigError) as err:
@@ -85,21 +92,21 @@ def test_malformed_override(override):
 
 
 @pytest.mark.parametrize("override, expected", [
-    ("engine.block_size=0", "engine.block_size: Input should be greater than or equal to 1 (got 0)"),
+    ("engine.block_size=0", "engine: block_size must be >= 1, got 0"),
     ("engine.block_size=abc", "engine.block_size: Input should be a valid integer"),
-    ("engine.kv=prefix:3", "engine.kv: unknown KV policy 'prefix'"),
-    ("engine.kv=prefix_sliding:0", "engine.kv: window must be >= 1"),
-    ("engine.device=gpu", "engine.device: device must be cpu, cuda or cuda:N, got 'gpu'"),
-    ("engine.dtype=fp16", "engine.dtype: Input should be 'float32' or 'bfloat16' (got 'fp16')"),
-    ("engine.kv_cache_gb=0", "engine.kv_cache_gb: Input should be greater than 0"),
-    ("sampling.top_p=1.5", "sampling.top_p: Input should be less than or equal to 1"),
-    ("sampling.top_k=0", "sampling.top_k: top_k must be -1 (off) or >= 1, got 0"),
+    ("engine.kv=prefix:3", "engine: unknown KV policy 'prefix'"),
+    ("engine.kv=prefix_sliding:0", "engine: window must be >= 1"),
+    ("engine.device=gpu", "engine: device must be cpu, cuda or cuda:N, got 'gpu'"),
+    ("engine.dtype=fp16", "engine: dtype must be float32, bfloat16 or float16, got 'fp16'"),
+    ("engine.kv_cache_gb=0", "engine: kv_cache_gb must be None or > 0, got 0"),
+    ("sampling.top_p=1.5", "sampling: SamplingParams.top_p must be in (0, 1], got 1.5"),
+    ("sampling.top_k=0", "sampling: SamplingParams.top_k must be -1 (off) or an integer >= 1, got 0"),
     ("n=0", "n: Input should be greater than or equal to 1"),
     ("prompts=[]", "prompts: List should have at least 1 item"),
-    ("model.type=gguf", "model: model.type must be 'tiny' or 'hf'"),
+    ("model.type=gguf", "model.type must be one of 'tiny', 'hf', got 'gguf'"),
     ("model.type=hf", "model.path: Field required"),
     ("model.num_kv_heads=3", "model: num_kv_heads (3) must divide num_heads (4)"),
-    ("engine.block_size.x=1", "engine.block_size: Input should be a valid integer"),
+    ("engine.block_size.x=1", "engine.block_size holds a value, not a section"),
 ])
 def test_bad_values_name_the_key_and_the_rule(override, expected):
     with pytest.raises(ConfigError) as err:
@@ -128,7 +135,7 @@ def test_bad_files(tmp_path):
         load_config(GenerateConfig, str(listing), [])
     empty = tmp_path / "empty.yaml"
     empty.write_text("")
-    assert load_config(GenerateConfig, str(empty), []).engine.kv == "prefix_sliding:64"
+    assert load_config(GenerateConfig, str(empty), []).engine.kv == "full"  # a file replaces the recipe
 
 
 def test_saved_config_is_complete_and_loads_back(tmp_path):
@@ -143,35 +150,33 @@ def test_saved_config_is_complete_and_loads_back(tmp_path):
 
 
 def test_every_field_is_documented():
-    for section in (GenerateConfig, EngineConfig, SamplingConfig, TinyModel, HFModel):
+    # Catches: a knob added to a record or section without the docstring --help prints for it.
+    for section in (GenerateConfig, HFModel):
         for name, field in section.model_fields.items():
             assert field.description, f"{section.__name__}.{name} has no docstring"
+    for record in (EngineArgs, SamplingParams, TinyModel):
+        docs = field_docs(record)
+        for field in dataclasses.fields(record):
+            assert docs.get(field.name), f"{record.__name__}.{field.name} has no docstring"
 
 
-def test_llm_kwargs_match_the_engine_constructor():
-    from rollout.engine import LLM
-
-    accepted = set(inspect.signature(LLM.__init__).parameters) - {"self", "model"}
-    kwargs = EngineConfig().llm_kwargs()
-    assert set(kwargs) <= accepted
-    assert kwargs["kv"] == "prefix_sliding:64" and kwargs["block_size"] == 16
-
-
-def test_sampling_config_mirrors_sampling_params():
-    from rollout.sampling import SamplingParams
-
-    params_fields = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
-    assert set(SamplingConfig.model_fields) == set(params_fields)
-    # same defaults, up to SamplingParams normalising None stop lists to []
-    assert SamplingConfig().params() == SamplingParams()
+def test_generate_composes_the_engine_and_sampling_records():
+    # Catches: a config section that re-declares the engine's or the sampler's settings (with its own
+    # defaults) instead of validating the records themselves.
+    cfg = load_config(GenerateConfig, None, ["engine.overlap=false", "engine.cuda_graphs=false"])
+    assert type(cfg.engine) is EngineArgs and type(cfg.sampling) is SamplingParams
+    assert cfg.engine.overlap is False and cfg.engine.cuda_graphs is False
+    assert GenerateConfig.model_fields["engine"].default_factory() == EngineArgs()
 
 
 def test_sampling_seed_is_offset_per_sample():
-    cfg = SamplingConfig(seed=10, temperature=0.7, top_k=5, stop=["\n"])
-    p0, p3 = cfg.params(0), cfg.params(3)
+    # Catches: the per-sample seed computed differently for generate and for rollout groups.
+    params = SamplingParams(seed=10, temperature=0.7, top_k=5, stop=["\n"])
+    p0, p3 = params.for_sample(0), params.for_sample(3)
     assert (p0.seed, p3.seed) == (10, 13)
     assert (p3.temperature, p3.top_k, p3.stop) == (0.7, 5, ["\n"])
-    assert SamplingConfig().params(3).seed is None  # the engine derives per-request seeds
+    assert SamplingParams().for_sample(3).seed is None  # the engine derives per-request seeds
+    assert SamplingParams().for_sample(3, base_seed=100).seed == 103  # a rollout group's base seed
 
 
 def test_tiny_model_is_built_once_in_a_folder_named_by_its_parameters(tmp_path):
@@ -180,7 +185,7 @@ def test_tiny_model_is_built_once_in_a_folder_named_by_its_parameters(tmp_path):
     source = TinyModel(arch="llama", hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
                        intermediate_size=48, seed=3, cache_dir=str(tmp_path))
     path = Path(source.resolve())
-    assert path == tmp_path / "tiny-llama-h32-l1-q2-kv1-i48-s3"
+    assert path == tmp_path / "tiny-llama-h32-l1-q2-kv1-i48-p4096-s3"
     config = AutoConfig.from_pretrained(path)
     assert config.model_type == "llama"
     assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads,

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from rewards import CompositeReward, KVPenalty, MathReward, RewardInput, RewardRecord, SpeedupReward, ThinkingPenalty
+from rewards import (CorrectnessTerm, KVPenalty, KVPenaltyTerm, MathReward, RewardInput, RewardRecord, RewardSpec,
+                     SpeedupReward, SpeedupTerm, ThinkingPenalty)
 from rewards.math import last_boxed
 from rewards.pasta_lang import schedule
 
@@ -169,18 +170,14 @@ def test_malformed_pasta_is_scored_leniently_and_counted():
 # --------------------------------------------------------------------------- composite
 
 
-def test_composite_weights_terms_and_keeps_components():
-    reward = CompositeReward.from_config(
-        {
-            "correctness": 1.0,
-            "kv_penalty": {"budget": 1000, "coef": 0.5, "weight": 2.0},
-            "latency": {"type": "speedup", "weight": 0.1},
-        }
-    )
+def test_reward_spec_weights_terms_and_keeps_components():
+    # Catches: a term's weight applied twice or not at all, or a component stored after weighting.
+    spec = RewardSpec(kv_penalty=KVPenaltyTerm(budget=1000, coef=0.5, weight=2.0), speedup=SpeedupTerm(weight=0.1))
+    reward = spec.build("math")
     record = reward(RewardInput("<think>hmm</think> so \\boxed{42}", answer="42", mean_visible_kv=1500.0))
     # 1.0 * 1 + 2.0 * (-0.5 * 500 / 1000) + 0.1 * 1.0 (no Pasta tags) = 1 - 0.5 + 0.1 = 0.6
     assert record.total == pytest.approx(0.6)
-    assert record.components == pytest.approx({"correctness": 1.0, "kv_penalty": -0.25, "latency": 1.0})
+    assert record.components == pytest.approx({"correctness": 1.0, "kv_penalty": -0.25, "speedup": 1.0})
     assert record.parsed == "42"
     metrics = record.as_metrics("train/reward")
     assert metrics["train/reward/total"] == pytest.approx(0.6)
@@ -189,13 +186,24 @@ def test_composite_weights_terms_and_keeps_components():
     assert all(isinstance(v, float) for v in metrics.values())
 
 
-def test_composite_config_errors_name_the_bad_value():
-    with pytest.raises(ValueError, match="unknown reward 'acc'.*correctness"):
-        CompositeReward.from_config({"acc": 1.0})
-    with pytest.raises(ValueError, match=r"unknown option\(s\) \['budgt'\]"):
-        CompositeReward.from_config({"kv_penalty": {"budgt": 100}})
-    with pytest.raises(ValueError, match="budget must be > 0"):
-        CompositeReward.from_config({"kv_penalty": {"budget": -1}})
+def test_reward_spec_picks_the_tasks_verifier():
+    # Catches: the arith task scored by math_verify (or math by exact integers): "\\boxed{1/2}" is
+    # right for math's answer 0.5 and not an integer for arith.
+    text = "<think>x</think> \\boxed{1/2}"
+    assert RewardSpec().build("math")(RewardInput(text, answer="0.5")).total == 1.0
+    assert RewardSpec().build("arith")(RewardInput(text, answer="0")).total == 0.0
+    assert RewardSpec(correctness=CorrectnessTerm(weight=3.0)).build("arith")(
+        RewardInput("</think> \\boxed{7}", answer="7")).total == 3.0
+
+
+def test_reward_term_errors_name_the_bad_value():
+    # Catches: a bad option accepted by the record and failing later inside a rollout worker.
+    with pytest.raises(ValueError, match="budget must be > 0, got -1"):
+        KVPenaltyTerm(budget=-1)
+    with pytest.raises(ValueError, match="timeout_s must be a whole number of seconds >= 1"):
+        CorrectnessTerm(timeout_s=0)
+    with pytest.raises(ValueError, match="at least one term"):
+        RewardSpec(correctness=None)
 
 
 def test_record_metrics_prefix():
