@@ -42,37 +42,19 @@ def main(argv: list[str] | None = None) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sliderl", description="Bounded-KV rollouts and RL for reasoning models.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    generate = commands.add_parser(
-        "generate", help="sample completions with the paged-KV engine and report KV usage",
-        usage="%(prog)s [-h] [CONFIG] [key=value ...]",
-        description="Sample n completions per prompt; write config.yaml and completions.jsonl to output_dir.",
-        epilog=_keys_help(GenerateConfig), formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    generate.add_argument("args", nargs="*", metavar="CONFIG | key=value",
-                          help="an optional YAML file, then overrides such as engine.kv=full sampling.max_tokens=16")
-    generate.set_defaults(run=run_generate)
-    train = commands.add_parser(
-        "train", help="RL on Ray with bounded-KV rollouts (no arguments: the tiny-arith job)",
-        usage="%(prog)s [-h] [CONFIG] [key=value ...]",
-        description="Train a policy with GRPO/BoNBoN on a local Ray instance or, under `ray job submit` "
-                    "(RAY_ADDRESS set), on the cluster. Writes config.yaml, traces/, checkpoints/, "
-                    "metrics.jsonl, plots and summary.txt to run_dir. resume=true continues a run.",
-        epilog=_keys_help(TrainConfig), formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    train.add_argument("args", nargs="*", metavar="CONFIG | key=value",
-                       help="an optional YAML file, then overrides such as train.steps=5 rollout.num_workers=2")
-    train.set_defaults(run=run_train)
-    sft = commands.add_parser(
-        "sft", help="supervised fine-tuning on prompt/completion pairs (no arguments: the tiny-arith SFT job)",
-        usage="%(prog)s [-h] [CONFIG] [key=value ...]",
-        description="Fine-tune model on (prompt, completion) pairs — the arith task's solutions or a .jsonl/"
-                    ".parquet file (data.source) — with the learner's SFT algorithm under one KV policy (kv). "
-                    "Writes config.yaml and the checkpoint (model/) to output_dir.",
-        epilog=_keys_help(SFTJobConfig), formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    sft.add_argument("args", nargs="*", metavar="CONFIG | key=value",
-                     help="an optional YAML file, then overrides such as data.source=pairs.jsonl sft.steps=100")
-    sft.set_defaults(run=run_sft)
+    _job(commands, "generate", run_generate, GenerateConfig,
+         "sample completions with the paged-KV engine and report KV usage",
+         "Sample n completions per prompt; write config.yaml and completions.jsonl to output_dir.",
+         "engine.kv=full sampling.max_tokens=16")
+    _job(commands, "train", run_train, TrainConfig, "RL on Ray with bounded-KV rollouts (no arguments: the tiny-arith job)",
+         "Train a policy with GRPO/BoNBoN on a local Ray instance or, under `ray job submit` (RAY_ADDRESS set), on "
+         "the cluster. Writes config.yaml, traces/, checkpoints/, metrics.jsonl, plots and summary.txt to run_dir. "
+         "resume=true continues a run.", "train.steps=5 rollout.num_workers=2")
+    _job(commands, "sft", run_sft, SFTJobConfig,
+         "supervised fine-tuning on prompt/completion pairs (no arguments: the tiny-arith SFT job)",
+         "Fine-tune model on (prompt, completion) pairs — the arith task's solutions or a .jsonl/.parquet file "
+         "(data.source) — with the learner's SFT algorithm under one KV policy (kv). Writes config.yaml and the "
+         "checkpoint (model/) to output_dir.", "data.source=pairs.jsonl sft.steps=100")
     evaluate = commands.add_parser(
         "eval", help="score a checkpoint on the task's eval split with the engine",
         usage="%(prog)s [-h] CHECKPOINT [key=value ...]",
@@ -85,6 +67,16 @@ def build_parser() -> argparse.ArgumentParser:
                           help="the checkpoint directory, then overrides such as engine.kv=sliding_window:32")
     evaluate.set_defaults(run=run_eval)
     return parser
+
+
+def _job(commands, name: str, run, schema, summary: str, description: str, example: str) -> None:
+    """A ``[CONFIG] [key=value ...]`` subcommand whose help lists the recipe's keys and values."""
+    job = commands.add_parser(name, help=summary, usage="%(prog)s [-h] [CONFIG] [key=value ...]",
+                              description=description, epilog=_keys_help(schema),
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    job.add_argument("args", nargs="*", metavar="CONFIG | key=value",
+                     help=f"an optional YAML file (default: configs/{schema.RECIPE}), then overrides such as {example}")
+    job.set_defaults(run=run)
 
 
 def _keys_help(schema) -> str:
