@@ -61,7 +61,9 @@ class LLM:
                                   self.max_model_len, args.cuda_graphs)
         self.scheduler = Scheduler(BlockManager(num_blocks), args.max_num_seqs, args.max_num_batched_tokens,
                                    self.max_model_len)
-        overlap = self.device.type == "cuda" and self.policy.kind != "registers" if args.overlap is None else args.overlap
+        overlap = args.overlap
+        if overlap is None:  # registers' overlap (a redo after each kill) is not yet measured on the GPU
+            overlap = self.device.type == "cuda" and self.policy.kind != "registers"
         self.run_ahead = RunAhead(self.runner, self.scheduler, overlap)
         self.eos_ids = self._eos_ids(model)
         self.postprocess = Postprocessor(self.tokenizer, self.eos_ids, self.max_model_len, self.scheduler,

@@ -35,7 +35,7 @@ class EngineArgs:
     num_blocks: int | None = None
     """Blocks in the KV pool (>= 1); None sizes the pool from kv_cache_gb."""
     kv_cache_gb: float | None = None
-    """KV pool size in GiB (> 0) when num_blocks is None; None: 1 GiB on CPU, 90% of free memory less 4 GiB on CUDA."""
+    """KV pool size in GiB (> 0) if num_blocks is None; None: 1 on CPU, on CUDA 90% of free memory less 4."""
     max_num_seqs: int = 64
     """Most sequences scheduled in one engine step (>= 1)."""
     max_num_batched_tokens: int = 1024
@@ -47,8 +47,7 @@ class EngineArgs:
     cuda_graphs: bool = True
     """On CUDA, replay decode steps as captured CUDA graphs (outputs are the same without)."""
     overlap: bool | None = None
-    """Queue each decode step on the GPU before the previous one's tokens are read back; None: on for CUDA
-    under every policy but registers."""
+    """Queue each decode step before the previous one's tokens are read back; None: on for CUDA but not registers."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kv", KVPolicy.parse(self.kv).spec)

@@ -149,9 +149,9 @@ def test_every_field_is_documented():
 
 
 def test_llm_kwargs_match_the_engine_constructor():
-    from rollout.engine import LLM
+    from rollout.engine_args import EngineArgs
 
-    accepted = set(inspect.signature(LLM.__init__).parameters) - {"self", "model"}
+    accepted = {f.name for f in dataclasses.fields(EngineArgs)}  # LLM(model, **kwargs) builds an EngineArgs
     kwargs = EngineConfig().llm_kwargs()
     assert set(kwargs) <= accepted
     assert kwargs["kv"] == "prefix_sliding:64" and kwargs["block_size"] == 16
