@@ -104,7 +104,7 @@ def inject_registers(llm: LLM, position: int) -> None:
     cycle (the one whose step is oldest), killing that step; the replacement happens on the device,
     so the overlapped engine's queued step reads it. Sequence i is offset by i tokens, spreading
     the kills over the steps."""
-    regs, sample = llm.policy.register_ids, llm._sample
+    regs, sample = llm.policy.register_ids, llm.runner.sample
     turn: dict[int, int] = {}  # request id -> registers emitted so far (history's included)
     emitted = len(range(PROMPT, position, STEP_TOKENS))  # the registers history() wrote
 
@@ -121,7 +121,7 @@ def inject_registers(llm: LLM, position: int) -> None:
             tokens[host(due, torch.long).to(tokens.device, non_blocking=True)] = host(ids, torch.long).to(
                 tokens.device, non_blocking=True)
         return tokens, logprobs
-    llm._sample = sample_with_registers
+    llm.runner.sample = sample_with_registers
 
 
 def decode_rate(llm: LLM, steps: int, warmup: int) -> float:
@@ -140,13 +140,13 @@ def decode_rate(llm: LLM, steps: int, warmup: int) -> float:
 @contextlib.contextmanager
 def serial_steps(llm: LLM):
     """Steps with ``overlap`` off, after running the step already queued ahead (outside any timer)."""
-    overlap, llm.overlap = llm.overlap, False
+    overlap, llm.run_ahead.enabled = llm.run_ahead.enabled, False
     llm.step()
     torch.cuda.synchronize()
     try:
         yield
     finally:
-        llm.overlap = overlap
+        llm.run_ahead.enabled = overlap
 
 
 def step_breakdown(llm: LLM, steps: int) -> dict:
@@ -210,7 +210,7 @@ def bench_engine(path: Path, spec: str, position: int, steps: int, kv_gb: float,
     per_token = 2 * 28 * 8 * 128 * 2
     n = max(1, min(max_seqs, int(kv_gb * 2**30 / (per_token * (live_tokens(spec, position) + 64 + steps)))))
     llm = LLM(str(path), kv=spec, device="cuda", dtype="bfloat16", block_size=16, max_num_seqs=n,
-              kv_cache_gb=kv_gb, max_model_len=position + 4096, overlap=True)  # registers' too (see rollout.engine)
+              kv_cache_gb=kv_gb, max_model_len=position + 4096, overlap=True)  # registers' too (see rollout.run_ahead)
     for k, v in zip(llm.runner.cache.k, llm.runner.cache.v):  # random K/V, never zeros
         k.normal_()
         v.normal_()

@@ -12,11 +12,14 @@ from __future__ import annotations
 import torch
 
 from kernels.metadata import AttentionMetadata
+from rollout.paged_attention import PagedAttention
 
 BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
 
 class DecodeGraphs:
+    """The captured decode forwards of one ``ModelRunner`` (its model, cache, scale and scratch slot)."""
+
     def __init__(self, runner, max_num_seqs: int, max_blocks: int):
         self.runner = runner
         self.buckets = [b for b in BUCKETS if b < max_num_seqs] + [max_num_seqs]
@@ -76,7 +79,6 @@ class DecodeGraphs:
 
     def _capture(self, bucket: int, splits: int):
         from kernels.decode import decode_config
-        from rollout.model_runner import PagedAttention
 
         r, st = self.runner, self.static
         cfg = r.model.config

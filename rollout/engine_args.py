@@ -1,51 +1,91 @@
-"""STUB (lead's placeholder until the engine branch merges): EngineArgs record."""
+"""``EngineArgs``: every setting of the generation engine (``rollout.LLM``), declared once.
+
+A frozen stdlib dataclass, so ``rollout`` imports without pydantic while the job config validates
+it directly (``__pydantic_config__``: unknown keys are rejected, each field's docstring is its help).
+``LLM(model, kv=..., device=..., ...)`` builds one from its keywords; ``llm.args`` is the record.
+"""
 
 from __future__ import annotations
 
+import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import ClassVar
 
 from rollout.kv_policy import KVPolicy
+from rollout.loader import DTYPES
+
+DEVICE_PATTERN = r"cpu|cuda(:\d+)?"
 
 
 @dataclass(frozen=True)
 class EngineArgs:
-    """Arguments of the generation engine."""
+    """The KV policy, the paged pool, the batch limits and the device of one generation engine."""
 
     __pydantic_config__: ClassVar[dict] = {"extra": "forbid", "use_attribute_docstrings": True}
 
     kv: str = "full"
-    """KV retention policy: full, prefix_sliding:W, sliding_window:W, streaming:S:W or registers:N."""
+    """KV retention policy: full, prefix_sliding:W, sliding_window:W, streaming:S:W or registers:N (canonicalised)."""
     device: str = "cpu"
     """Where the engine runs: cpu, cuda or cuda:N."""
     dtype: str = "float32"
     """Weight and KV dtype: float32, bfloat16 or float16."""
     block_size: int = 16
-    """Token slots per KV block."""
+    """Token slots per KV block (>= 1)."""
     num_blocks: int | None = None
-    """Blocks in the KV pool; None sizes the pool from kv_cache_gb."""
+    """Blocks in the KV pool (>= 1); None sizes the pool from kv_cache_gb."""
     kv_cache_gb: float | None = None
-    """KV pool size in GiB when num_blocks is None; None lets the engine choose."""
+    """KV pool size in GiB (> 0) if num_blocks is None; None: 1 on CPU, on CUDA 90% of free memory less 4."""
     max_num_seqs: int = 64
-    """Most sequences scheduled in one engine step."""
+    """Most sequences scheduled in one engine step (>= 1)."""
     max_num_batched_tokens: int = 1024
-    """Most tokens (prefill + decode) in one engine step."""
+    """Most tokens (prefill + decode) in one engine step (>= 1)."""
     max_model_len: int | None = None
-    """Longest sequence (prompt + completion); None takes the model's own limit."""
+    """Longest sequence, prompt + completion (>= 1); None takes the model's max_position_embeddings."""
     seed: int = 0
-    """Engine seed; requests without their own seed derive one from it and their index."""
+    """Engine seed; a request without its own seed derives one from it and its request index."""
     cuda_graphs: bool = True
-    """Replay decode steps as CUDA graphs (CUDA only)."""
+    """On CUDA, replay decode steps as captured CUDA graphs (outputs are the same without)."""
     overlap: bool | None = None
-    """Queue the next decode step before reading this one's tokens; None: on for CUDA except registers."""
+    """Queue each decode step before the previous one's tokens are read back; None: on for CUDA but not registers."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kv", KVPolicy.parse(self.kv).spec)
-        if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
+        if not isinstance(self.device, str) or not re.fullmatch(DEVICE_PATTERN, self.device):
             raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+            _check_int(name, getattr(self, name), optional=False)
+        for name in ("num_blocks", "max_model_len"):
+            _check_int(name, getattr(self, name), optional=True)
+        gb = self.kv_cache_gb
+        if gb is not None and (isinstance(gb, bool) or not isinstance(gb, (int, float))
+                               or not 0 < gb < math.inf):
+            raise ValueError(f"kv_cache_gb must be None or a finite number > 0, got {gb!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if not isinstance(self.cuda_graphs, bool):
+            raise ValueError(f"cuda_graphs must be true or false, got {self.cuda_graphs!r}")
+        if self.overlap is not None and not isinstance(self.overlap, bool):
+            raise ValueError(f"overlap must be None, true or false, got {self.overlap!r}")
+
+    @classmethod
+    def from_keywords(cls, base: EngineArgs | None = None, **keywords) -> EngineArgs:
+        """``base`` (default: the library defaults) with ``keywords`` replacing its fields.
+
+        An unknown keyword raises TypeError naming it and listing the valid ones.
+        """
+        names = [f.name for f in fields(cls)]
+        unknown = sorted(set(keywords) - set(names))
+        if unknown:
+            raise TypeError(f"unknown engine argument(s) {', '.join(unknown)}; valid: {', '.join(names)}")
+        return replace(base if base is not None else cls(), **keywords)
+
+
+def _check_int(name: str, value, optional: bool) -> None:
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        valid = "None or an integer >= 1" if optional else "an integer >= 1"
+        raise ValueError(f"{name} must be {valid}, got {value!r}")

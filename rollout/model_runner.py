@@ -1,7 +1,8 @@
-"""Turns a scheduled batch into tensors, runs the model over the paged cache, returns logits.
+"""Turns a scheduled batch into tensors, runs the model over the paged cache, samples from the logits.
 
 On CUDA, decode steps replay CUDA graphs captured per batch-size bucket; prefill runs eagerly.
 Host work per step is proportional to the batch and its live blocks, never to sequence length.
+Nothing here waits for the device: tensors cross to it from pinned memory, results stay on it.
 """
 
 from __future__ import annotations
@@ -11,32 +12,12 @@ import math
 import numpy as np
 import torch
 
-import kernels.reference as torch_attention
 from kernels.metadata import AttentionMetadata, PagedKVCache
 from rollout.decode_graphs import DecodeGraphs
+from rollout.paged_attention import PagedAttention, attention_impl
+from rollout.sampling import sample
 from rollout.scheduler import ScheduledBatch
-
-
-class PagedAttention:
-    """The model's attention backend during generation: write new K/V, attend over live blocks."""
-
-    def __init__(self, cache: PagedKVCache, meta: AttentionMetadata, scale: float, impl, decode_config=None):
-        self.cache, self.meta, self.scale, self.impl, self.decode_config = cache, meta, scale, impl, decode_config
-
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        self.impl.write_kv(self.cache, layer, k, v, self.meta)
-        if self.decode_config is not None:
-            from kernels.decode import decode_attention
-            return decode_attention(q, self.cache, layer, self.meta, self.scale, config=self.decode_config)
-        return self.impl.paged_attention(q, self.cache, layer, self.meta, self.scale)
-
-
-def attention_impl(device: torch.device):
-    """Triton kernels on CUDA, the pure-torch reference elsewhere; both take the same arguments."""
-    if device.type == "cuda":
-        import kernels
-        return kernels
-    return torch_attention
+from rollout.sequence import Sequence
 
 
 class ModelRunner:
@@ -63,21 +44,19 @@ class ModelRunner:
             max_blocks = math.ceil(max_model_len / block_size) + 1
             self.graphs = DecodeGraphs(self, max_num_seqs, max_blocks)
 
-    def prepare(self, batch: ScheduledBatch, ahead: bool = False) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Flatten the batch on the host: input ids ``[N]``, positions ``[N]`` and the attention metadata.
+    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, AttentionMetadata]:
+        """Flatten the batch on the host: positions ``[N]`` and the attention metadata.
 
-        ``ahead``: a decode step queued before its input tokens are known (one token per sequence at
-        ``num_computed == len(token_ids)``): ids are placeholders and each new key's death comes
-        from its position alone (a register kill is applied later, by ``set_death``).
+        A new key's death is the one known now (``Sequence.key_deaths``); a register kill that comes
+        later reaches the cache through ``set_death``.
         """
         bs = self.block_size
-        ids, pos, slots, deaths, starts = [], [], [], [], [0]
+        pos, slots, deaths, starts = [], [], [], [0]
         for seq, n in zip(batch.seqs, batch.num_tokens):
             a = seq.num_computed
-            ids.extend(seq.token_ids[a:a + n] if not ahead else [0])
             pos.extend(range(a, a + n))
             slots.extend(seq.blocks[p // bs] * bs + p % bs for p in range(a, a + n))
-            deaths.extend(seq.tracker.death[a:a + n] if not ahead else [seq.tracker.initial_death(a)])
+            deaths.extend(seq.key_deaths(a, n))
             starts.append(starts[-1] + n)
         live = [len(seq.blocks) for seq in batch.seqs]
         width = max(live)
@@ -98,7 +77,7 @@ class ModelRunner:
             max_query_len=max(batch.num_tokens),
             max_live_blocks=width,
         )
-        return host(ids, torch.long), host(pos, torch.long), meta
+        return host(pos, torch.long), meta
 
     def host_tensor(self, values, dtype: torch.dtype | None = None) -> torch.Tensor:
         """A CPU tensor of ``values`` (list or numpy array), in pinned memory when the model is on CUDA.
@@ -113,12 +92,11 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch, sample_rows: list[int], input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Forward the batch; logits ``[len(sample_rows), V]`` (fp32) at the last token of those sequences.
 
-        Nothing waits for the device. ``input_ids`` (on the device, one per sequence): the batch is a
-        decode step queued ahead of its tokens (see ``prepare``), which are read from here on the GPU.
+        ``input_ids``: the batch's input tokens already on the device (a decode step queued before
+        they were read back); by default they are read from the sequences.
         """
-        ids, pos, meta = self.prepare(batch, ahead=input_ids is not None)
-        if input_ids is not None:
-            ids = input_ids
+        pos, meta = self.prepare(batch)
+        ids = input_ids if input_ids is not None else self.host_tensor(batch.input_ids(), torch.long)
         if self.graphs is not None and meta.is_decode and self.graphs.fits(meta):
             hidden = self.graphs.run(ids, pos, meta)
         else:
@@ -129,6 +107,24 @@ class ModelRunner:
             hidden = hidden[meta.query_start[1:].long() - 1]
         rows = self.host_tensor(sample_rows, torch.long).to(hidden.device, non_blocking=True)
         return self.model.compute_logits(hidden[rows])
+
+    def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens and logprobs of ``seqs`` (rows of ``logits``), left on the device."""
+        dev = logits.device
+        if not seqs:
+            return torch.empty(0, dtype=torch.long, device=dev), torch.empty(0, device=dev)
+        col = lambda values, dtype: self.host_tensor(values, dtype).to(dev, non_blocking=True)  # noqa: E731
+        params = [s.params for s in seqs]
+        return sample(
+            logits,
+            col([p.temperature for p in params], torch.float32),
+            col([p.top_p for p in params], torch.float32),
+            col([p.top_k for p in params], torch.int64),
+            col([s.seed for s in seqs], torch.int64),
+            col([s.num_output for s in seqs], torch.int64),
+            all_greedy=all(p.temperature <= 0 for p in params),
+            any_truncation=any(p.top_k > 0 or p.top_p < 1 for p in params),
+        )
 
     def set_death(self, slots: list[int], death: int) -> None:
         """Registers: keys at ``slots`` die at position ``death`` (their step was killed)."""

@@ -15,6 +15,7 @@ class ScheduledBatch:
 
     seqs: list[Sequence] = field(default_factory=list)
     num_tokens: list[int] = field(default_factory=list)
+    computed: bool = False  # its tokens were marked computed (``mark_computed``)
 
     def add(self, seq: Sequence, n: int) -> None:
         self.seqs.append(seq)
@@ -22,6 +23,24 @@ class ScheduledBatch:
 
     def __len__(self) -> int:
         return len(self.seqs)
+
+    def input_ids(self) -> list[int]:
+        """The tokens this step feeds, flattened in row order."""
+        ids = []
+        for seq, n in zip(self.seqs, self.num_tokens):
+            ids.extend(seq.token_ids[seq.num_computed:seq.num_computed + n])
+        return ids
+
+    def sampling_rows(self) -> list[int]:
+        """Rows whose tokens reach their sequence's last token: they sample this step (before ``mark_computed``)."""
+        return [i for i, (s, n) in enumerate(zip(self.seqs, self.num_tokens)) if s.num_computed + n == len(s.token_ids)]
+
+    def mark_computed(self) -> None:
+        """The step's K/V is in the cache (or queued to be, before anything reads it); once only."""
+        if not self.computed:
+            for seq, n in zip(self.seqs, self.num_tokens):
+                seq.mark_computed(n)
+            self.computed = True
 
 
 class Scheduler:
@@ -31,10 +50,12 @@ class Scheduler:
     is preempted: its blocks go back to the pool and it is recomputed from its tokens later.
     """
 
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int):
         self.blocks = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -50,6 +71,32 @@ class Scheduler:
         budget = self._schedule_running(batch, self.max_num_batched_tokens)
         self._admit_waiting(batch, budget)
         return batch
+
+    def schedule_ahead(self, batch: ScheduledBatch) -> ScheduledBatch | None:
+        """The next decode step of ``batch``'s sequences, allocated now, before ``batch``'s sampled tokens are known.
+
+        Only when that step is certain to be needed as it is: every sequence samples in ``batch``, no
+        request waits for admission (it would be starved), budget forcing cannot replace a sampled
+        token, every sequence stays within ``max_model_len``, and the pool has the blocks without
+        preempting anyone. ``batch`` is then marked computed. (A register kill is known only once the
+        tokens are read: the run-ahead stepper redoes the rows it affects.)
+        """
+        if self.waiting or len(batch.sampling_rows()) != len(batch):
+            return None
+        new_blocks = 0
+        for seq in batch.seqs:
+            if seq.may_be_forced or len(seq.token_ids) + 2 > self.max_model_len:
+                return None
+            new_blocks += len(seq.token_ids) // seq.block_size not in seq.blocks
+        if new_blocks > self.blocks.num_free:
+            return None
+        batch.mark_computed()
+        nxt = ScheduledBatch()
+        for seq in batch.seqs:
+            self.free_dead_blocks(seq)  # the device reads them in ``batch``, before the next step writes
+            self.allocate(seq, 1)
+            nxt.add(seq, 1)
+        return nxt
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
         i = 0

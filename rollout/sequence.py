@@ -97,6 +97,26 @@ class Sequence:
     def num_uncomputed(self) -> int:
         return len(self.token_ids) - self.num_computed
 
+    @property
+    def may_be_forced(self) -> bool:
+        """Budget forcing may replace the token sampled next (a forced token is due, or thinking is capped)."""
+        return bool(self.pending_forced) or (self.params.max_thinking_tokens is not None and not self.thinking_done)
+
+    def key_deaths(self, start: int, n: int) -> list[int]:
+        """Deaths of positions ``start .. start + n - 1`` as known now.
+
+        A position whose token is not appended yet (a decode step queued before its token was read
+        back) gets the death its position alone gives; a later register kill reaches the cache apart.
+        """
+        known = self.tracker.death[start:start + n]
+        return known + [self.tracker.initial_death(p) for p in range(start + len(known), start + n)]
+
+    def mark_computed(self, n: int) -> None:
+        """The next ``n`` tokens now have their K/V in the cache; blocks they complete may be freed later."""
+        before, self.num_computed = self.num_computed, self.num_computed + n
+        for j in range(before // self.block_size, self.num_computed // self.block_size):
+            self.block_completed(j)
+
     def blocks_needed(self, n_tokens: int) -> int:
         """New blocks required to write the next ``n_tokens`` positions."""
         first, last = self.num_computed // self.block_size, (self.num_computed + n_tokens - 1) // self.block_size

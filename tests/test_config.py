@@ -92,13 +92,13 @@ def test_malformed_override(override):
 
 
 @pytest.mark.parametrize("override, expected", [
-    ("engine.block_size=0", "engine: block_size must be >= 1, got 0"),
+    ("engine.block_size=0", "engine: block_size must be an integer >= 1, got 0"),
     ("engine.block_size=abc", "engine.block_size: Input should be a valid integer"),
     ("engine.kv=prefix:3", "engine: unknown KV policy 'prefix'"),
     ("engine.kv=prefix_sliding:0", "engine: window must be >= 1"),
     ("engine.device=gpu", "engine: device must be cpu, cuda or cuda:N, got 'gpu'"),
-    ("engine.dtype=fp16", "engine: dtype must be float32, bfloat16 or float16, got 'fp16'"),
-    ("engine.kv_cache_gb=0", "engine: kv_cache_gb must be None or > 0, got 0"),
+    ("engine.dtype=fp16", "engine: dtype must be one of float32, bfloat16, float16, got 'fp16'"),
+    ("engine.kv_cache_gb=0", "engine: kv_cache_gb must be None or a finite number > 0, got 0"),
     ("sampling.top_p=1.5", "sampling: SamplingParams.top_p must be in (0, 1], got 1.5"),
     ("sampling.top_k=0", "sampling: SamplingParams.top_k must be -1 (off) or an integer >= 1, got 0"),
     ("n=0", "n: Input should be greater than or equal to 1"),

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from rollout.kv_policy import KVPolicy, register_tokens
-from rollout.loader import load_model, load_tokenizer
+from rollout.loader import DTYPES, load_model, load_tokenizer
 from rollout.trace import Trace
 from rollout.vocab import bind_policy_vocab
 from trainer.algorithms import Algorithm, Row, Selection, Totals, make_algorithm
@@ -27,7 +27,6 @@ from trainer.checkpoint import (TRAINER_STATE, load_trainer_state, rng_state, sa
 from trainer.logprobs import PackedWindows, WindowInput, logprob_mismatch, pack_windows, packed_logprobs
 from trainer.masks import WINDOW_MODES, training_windows
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 WINDOWED_KINDS = ("prefix_sliding", "sliding_window", "streaming")
 
 

@@ -1,0 +1,121 @@
+"""What happens to a sequence once its token is sampled: append it (or the token budget forcing puts
+in its place), apply register kills, stop on eos / stop ids / stop strings / length, finish, free
+the blocks no future query sees; and the ``RequestOutput`` of a finished request."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from rollout.sampling import logprobs_at
+from rollout.scheduler import ScheduledBatch, Scheduler
+from rollout.sequence import RequestOutput, Sequence, Status
+
+
+class Postprocessor:
+    """Turns one step's sampled tokens into sequence state.
+
+    ``set_death(slots, death)`` writes the death of cached keys (``ModelRunner.set_death``).
+    """
+
+    def __init__(self, tokenizer, eos_ids: set[int], max_model_len: int, scheduler: Scheduler, set_death):
+        self.tokenizer = tokenizer
+        self.eos_ids = eos_ids
+        self.max_model_len = max_model_len
+        self.scheduler = scheduler
+        self.set_death = set_death
+        self._encoded: dict[str, tuple[int, ...]] = {}
+
+    def __call__(self, batch: ScheduledBatch, rows: list[int], tokens: list[int], logprobs: list[float],
+                 logits: torch.Tensor) -> tuple[list[Sequence], set[int]]:
+        """Append the tokens sampled for ``batch``'s ``rows`` (``logits`` their rows); the sequences that
+        finished, and the request ids whose token killed a register step."""
+        batch.mark_computed()
+        finished, killers = [], set()
+        for row, i in enumerate(rows):
+            seq = batch.seqs[i]
+            if self._append(seq, tokens[row], logprobs[row], logits[row]):
+                killers.add(seq.request_id)
+            if self._check_finish(seq):
+                self._finish(seq)
+                finished.append(seq)
+        for seq in batch.seqs:
+            if seq.status is Status.RUNNING:
+                self.scheduler.free_dead_blocks(seq)
+        return finished, killers
+
+    def _append(self, seq: Sequence, token: int, logprob: float, logits: torch.Tensor) -> bool:
+        """Record the token (or the one budget forcing puts in its place); whether it killed a register step."""
+        p = seq.params
+        if p.max_thinking_tokens is not None and not seq.thinking_done and not seq.pending_forced \
+                and seq.num_output >= p.max_thinking_tokens:
+            seq.pending_forced = list(self._token_ids(p.think_end))
+        forced = bool(seq.pending_forced)
+        if forced:
+            token = seq.pending_forced.pop(0)
+            temp = torch.tensor([p.temperature], device=logits.device)
+            logprob = float(logprobs_at(logits[None], torch.tensor([token], device=logits.device), temp)[0])
+        killed = seq.append_token(token, logprob, forced)
+        if p.max_thinking_tokens is not None and not seq.thinking_done:
+            end = list(self._token_ids(p.think_end))
+            seq.thinking_done = seq.output_token_ids[-len(end):] == end
+        if killed:
+            self._kill(seq, killed)
+        return bool(killed)
+
+    def _token_ids(self, text: str) -> tuple[int, ...]:
+        """Token ids of ``text`` (cached: budget forcing asks for them every step)."""
+        if text not in self._encoded:
+            self._encoded[text] = tuple(self.tokenizer.encode(text, add_special_tokens=False))
+        return self._encoded[text]
+
+    def _kill(self, seq: Sequence, ranges: list[tuple[int, int]]) -> None:
+        """Registers: cached keys of a dead step get their death; complete blocks may now be freed."""
+        bs, r = seq.block_size, len(seq.token_ids) - 1
+        slots, touched = [], set()
+        for start, end in ranges:
+            for p in range(start, min(end, seq.num_computed)):
+                if p // bs in seq.blocks:
+                    slots.append(seq.blocks[p // bs] * bs + p % bs)
+                    touched.add(p // bs)
+        if slots:
+            self.set_death(slots, r)
+        for j in touched:
+            if (j + 1) * bs <= seq.num_computed:
+                seq.push_free_candidate(j)
+
+    def _check_finish(self, seq: Sequence) -> bool:
+        p, token = seq.params, seq.token_ids[-1]
+        if not seq.forced[-1] and ((token in self.eos_ids and not p.ignore_eos) or token in (p.stop_token_ids or ())):
+            seq.finish_reason = "stop"
+        elif p.stop and self._stop_string(seq) is not None:
+            seq.finish_reason = "stop"
+        elif seq.num_output >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
+            seq.finish_reason = "length"
+        return seq.finish_reason is not None
+
+    def _stop_string(self, seq: Sequence, text: str | None = None) -> int | None:
+        """Index in ``text`` (default: the decoded tail) where the earliest stop string starts."""
+        if text is None:
+            tail = max(len(s) for s in seq.params.stop) + 4
+            text = self.tokenizer.decode(seq.output_token_ids[-tail:])
+        hits = [text.find(s) for s in seq.params.stop if s in text]
+        return min(hits) if hits else None
+
+    def _finish(self, seq: Sequence) -> None:
+        self.scheduler.finish(seq)
+        n = max(seq.num_output, 1)
+        seq.kv.mean_visible_tokens = seq.visible_sum / n
+        seq.finished_at = time.perf_counter()
+
+    def output(self, seq: Sequence) -> RequestOutput:
+        """The output record of a finished request: text decoded without a final eos, cut at a stop string."""
+        out = seq.output_token_ids
+        shown = out[:-1] if out and out[-1] in self.eos_ids and seq.finish_reason == "stop" else out
+        text = self.tokenizer.decode(shown)
+        if seq.params.stop:
+            cut = self._stop_string(seq, text)
+            text = text if cut is None else text[:cut]
+        return RequestOutput(seq.request_id, seq.prompt_token_ids, out, seq.logprobs, text, seq.finish_reason,
+                             seq.kv, seq.forced, seq.num_preemptions, seq.finished_at - seq.arrival)
