@@ -89,7 +89,7 @@ class LearnerActor:
 
 def _learner_metrics():
     try:
-        from cluster.metrics import LearnerMetrics
+        from cluster.ray_metrics import LearnerMetrics
 
         return LearnerMetrics()
     except Exception:  # metrics are best-effort: a missing metrics agent must not stop training

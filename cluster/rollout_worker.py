@@ -177,9 +177,6 @@ class RolloutWorker:
         """Join the learner's broadcast process group (see ``cluster.weight_sync``)."""
         self.receiver.join(address, world_size, rank, group_name, backend, timeout_s)
 
-    def leave_broadcast(self) -> None:
-        self.receiver.leave()
-
     def status(self) -> WorkerStatus:
         """Identity, version, held groups, and the error that stopped a thread (if any)."""
         with self._lock:
@@ -342,7 +339,7 @@ def _restarted() -> bool:
 def _rollout_metrics(worker_id: int):
     """Ray custom metrics of this worker, or None outside a Ray worker process."""
     try:
-        from cluster.metrics import RolloutMetrics
+        from cluster.ray_metrics import RolloutMetrics
 
         return RolloutMetrics(worker_id)
     except Exception:  # metrics are best-effort: no metrics agent (e.g. outside Ray) must not stop rollouts

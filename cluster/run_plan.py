@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from cluster.checkpoint import Checkpoints, DriverState
+from cluster.run_checkpoints import Checkpoints, DriverState
 from cluster.config import ConfigError, save_config
 from cluster.data import Problem, data_sources, load_split
 from cluster.train_config import TrainConfig

@@ -15,7 +15,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from cluster.config import EngineConfig, ModelSource, SamplingConfig, Section, TinyModel
-from cluster.metrics import MonitorConfig
+from cluster.monitor import MonitorConfig
 
 DEFAULT_CACHE = "~/.cache/sliderl"
 

@@ -185,9 +185,6 @@ class WeightSender:
         """Become rank 0 of the group ``name`` (the workers join at the same time)."""
         self._group = _Group(address, world_size, 0, name, backend, timeout_s, self.device, store=self._store)
 
-    def leave(self) -> None:
-        self._group = None
-
 
 class WeightReceiver:
     """A worker's end: ``receive(payload)`` -> ``{name: tensor}`` ready for ``LLM.load_weights``."""
@@ -226,9 +223,6 @@ class WeightReceiver:
 
     def join(self, address: str, world_size: int, rank: int, name: str, backend: str, timeout_s: float) -> None:
         self._group = _Group(address, world_size, rank, name, backend, timeout_s, self.device)
-
-    def leave(self) -> None:
-        self._group = None
 
 
 def local_cuda_index(device_uuid: str) -> int:

@@ -67,7 +67,7 @@ def test_sync_run_steps_versions_and_traces_add_up(sync_run):
     versions = stepped_versions(rows)
     assert [rows[s]["version"] for s in (1, 2, 3)] == versions and result.state.version == versions[-1]
     assert versions[0] == 1  # the first step had signal (lengths, hence KV penalties, differ)
-    trained = result.state.trained_group_ids
+    trained = result.state.ledger.trained
     assert len(trained) == len(set(trained)) == 3 * 2
     traces = logged_traces(result.run_dir)
     assert len(traces) == 3 * 2 * 4  # sync: exactly the groups that were trained, 4 samples each
@@ -91,7 +91,7 @@ def test_sync_run_checkpoint_and_state_on_disk(sync_run):
     ckpt = result.run_dir / "checkpoints" / "step_000003"
     assert (ckpt / "COMPLETE").is_file() and (ckpt / "config.json").is_file()
     state = json.loads((ckpt / "driver_state.json").read_text())
-    assert state["step"] == 3 and state["trained_group_ids"] == result.state.trained_group_ids
+    assert state["step"] == 3 and state["ledger"]["trained"] == result.state.ledger.trained
     assert state["cursor"] == 6 and state["outstanding"] == []
     assert (result.run_dir / "config.yaml").is_file() and (result.run_dir / "summary.txt").is_file()
 
@@ -127,10 +127,10 @@ def test_async_grpo_drops_stale_groups_and_trains_fresh_ones(async_grpo_run):
     rows = metric_rows(result.run_dir)
     state = result.state
     dropped = sum(rows[s]["stale_groups_dropped"] for s in rows)
-    assert dropped > 0 and dropped == len(state.stale_group_ids)
+    assert dropped > 0 and dropped == len(state.ledger.stale)
     assert all(rows[s]["staleness_max"] == 0 for s in rows)
     assert state.step == 3 and state.version == stepped_versions(rows)[-1]
-    trained, stale = state.trained_group_ids, state.stale_group_ids
+    trained, stale = state.ledger.trained, state.ledger.stale
     assert len(trained) == 6 and not set(trained) & set(stale)
     traces = logged_traces(result.run_dir)
     logged = {t["group_id"] for t in traces}
@@ -157,8 +157,8 @@ def test_async_bonbon_run(ray_session, model_dir, tmp_path):
     assert sorted(rows) == [1, 2] and result.state.version == stepped_versions(rows)[-1] >= 1
     assert all("learner/no_pair_groups" in rows[s] for s in rows)
     traces = logged_traces(result.run_dir)
-    assert {t["group_id"] for t in traces} >= set(result.state.trained_group_ids)
-    assert len(result.state.trained_group_ids) == 4
+    assert {t["group_id"] for t in traces} >= set(result.state.ledger.trained)
+    assert len(result.state.ledger.trained) == 4
 
 
 @pytest.mark.gpu

@@ -14,7 +14,8 @@ import matplotlib.image
 import pytest
 from pydantic import ValidationError
 
-from cluster.metrics import LearnerMetrics, MonitorConfig, Monitor, RolloutMetrics, WandbConfig
+from cluster.monitor import MonitorConfig, Monitor, WandbConfig
+from cluster.ray_metrics import LearnerMetrics, RolloutMetrics
 from cluster.trace_log import TraceLog
 from rollout.trace import Trace
 
