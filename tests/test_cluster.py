@@ -19,9 +19,10 @@ import torch
 from cluster.cli import main
 from cluster.config import ConfigError, load_config
 from cluster.data import Problem, PromptGroup
-from cluster.ledger import GroupLedger
+from cluster.ledger import GroupLedger, LedgerState
 from cluster.resources import ResourceError
 from cluster.rollout_worker import RolloutGroup
+from cluster.run_checkpoints import Checkpoints, DriverState
 from cluster.train_config import TrainConfig
 from cluster.weight_sync import FlatLayout, flatten, unflatten
 from cluster_jobs import initial_weight, logged_traces, metric_rows, model_dir, ray_session, tiny_job, tiny_overrides  # noqa: F401 (fixtures)
@@ -315,6 +316,46 @@ def test_ledger_drops_groups_from_a_newer_version():
     ledger.receive(arrival(0, 0, version=5))  # sampled before the learner was rolled back to 3
     take = ledger.take(1, version=3, max_staleness=None)
     assert take.groups == [] and ledger.stale == ["g00000000"]
+
+
+def test_checkpointed_books_refuse_a_group_resolved_before_the_resume(tmp_path):
+    # catches: a ledger rebuilt from a checkpoint's DriverState that forgets which groups were
+    # resolved (a re-dealt trained group would be trained twice), or a list lost on the way
+    # through driver_state.json
+    ledger = GroupLedger()
+    ledger.deal(0, [group(0), group(1), group(2)])
+    assert ledger.receive(arrival(0, 0, version=0)) and ledger.receive(arrival(1, 0, version=0))
+    ledger.mark_trained(ledger.take(1, version=0, max_staleness=0).groups)  # group 0 trained
+    assert ledger.take(1, version=2, max_staleness=0).stale  # group 1: age 2, dropped
+    ledger.orphans(0)  # worker 0 died holding group 2
+    assert not ledger.receive(arrival(0, 1, version=0))  # a late copy of group 0
+    books = LedgerState(trained=["g00000000"], stale=["g00000001"], duplicates=["g00000000"],
+                        reissued=["g00000002"])
+    assert ledger.state() == books
+
+    Checkpoints(tmp_path).save(1, DriverState(step=1, cursor=3, outstanding=[2], ledger=ledger.state()),
+                               lambda path: None)
+    _, state = Checkpoints(tmp_path).latest()
+    assert state == DriverState(step=1, cursor=3, outstanding=[2], ledger=books)
+    resumed = GroupLedger(state.ledger)
+    resumed.deal(0, [group(0), group(1), group(2)])  # dealt again by mistake: 0 and 1 are resolved
+    assert not resumed.receive(arrival(0, 0, version=1)) and not resumed.receive(arrival(1, 0, version=1))
+    assert resumed.receive(arrival(2, 0, version=1))
+    assert resumed.state().duplicates == ["g00000000", "g00000000", "g00000001"]
+
+
+def test_driver_state_written_with_flat_group_id_lists_still_loads():
+    # catches: resuming a run checkpointed before DriverState held a LedgerState, whose
+    # driver_state.json has the four lists as top-level *_group_ids keys, with empty books
+    old = {"step": 2, "version": 1, "published_version": 1, "cursor": 5, "outstanding": [4],
+           "trained_group_ids": ["g00000000", "g00000001"], "stale_group_ids": ["g00000002"],
+           "duplicate_group_ids": [], "reissued_group_ids": ["g00000003"], "worker_restarts": 1,
+           "learner_restarts": 0}
+    state = DriverState.from_json(json.dumps(old))
+    assert state == DriverState(step=2, version=1, published_version=1, cursor=5, outstanding=[4],
+                                ledger=LedgerState(trained=["g00000000", "g00000001"], stale=["g00000002"],
+                                                   duplicates=[], reissued=["g00000003"]),
+                                worker_restarts=1)
 
 
 # ------------------------------------------------------------------------- weight-sync buffers
