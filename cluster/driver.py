@@ -117,8 +117,8 @@ class Session:
         checkpoint = str(plan.resume[0]) if plan.resume else None
         self.learner = make_learner(cfg, pg, plan.model_path, checkpoint)
         self.pool = WorkerPool(cfg, pg, plan.model_path, 0, self.queue)
-        self.sync = WeightSync(cfg.weight_sync.backend, cfg.weight_sync.broadcast_backend, cfg.learner.device,
-                               cfg.weight_sync.timeout_s)
+        self.weight_sync = WeightSync(cfg.weight_sync.backend, cfg.weight_sync.broadcast_backend,
+                                      cfg.learner.device, cfg.weight_sync.timeout_s)
         self.awaiting_weights: set[int] = set()
         self._step_counters = _Counters()
         self._learner_busy = False
@@ -276,7 +276,7 @@ class Session:
             print(f"sliderl: rollout worker {wid} restarted (pid {self.pool.pids.get(wid)}); "
                   "sending weights and re-issuing its groups", flush=True)
             self.backlog += self.ledger.orphans(wid)
-            if not self.sync.catch_up(self.state.published_version, self.pool.handles[wid]):
+            if not self.weight_sync.catch_up(self.state.published_version, self.pool.handles[wid]):
                 self.awaiting_weights.add(wid)
         for wid in health.died:
             self.backlog += self.ledger.orphans(wid)
@@ -289,7 +289,7 @@ class Session:
 
     def _publish(self) -> float:
         self._learner_call(self.learner.version.remote())  # a dead learner is LearnerLost, not a worker failure
-        report = self.sync.publish(self.state.version, self.learner, self.pool.live())
+        report = self.weight_sync.publish(self.state.version, self.learner, self.pool.live())
         self.state.published_version = self.state.version
         self.awaiting_weights -= set(self.pool.live()) - set(report.failed)
         return report.seconds
@@ -302,7 +302,7 @@ class Session:
     def _snapshot(self) -> DriverState:
         undealt = [int(g.group_id[1:]) for g in self.backlog if g.group_id not in self.ledger.outstanding]
         return replace(self.state, cursor=self.stream.cursor, ledger=self.ledger.state(),
-                       outstanding=sorted(self.ledger.unresolved_numbers() + undealt))
+                       outstanding=sorted(self.ledger.outstanding_indices() + undealt))
 
     def _learner_call(self, ref):
         import ray

@@ -113,7 +113,7 @@ class GroupLedger:
             self._resolve(group.group_id)
             self.trained.append(group.group_id)
 
-    def unresolved_numbers(self) -> list[int]:
+    def outstanding_indices(self) -> list[int]:
         """Stream indices of the outstanding groups (ids ``g{n:08d}``), for a checkpoint."""
         return sorted(int(g[1:]) for g in self.outstanding)
 

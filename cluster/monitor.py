@@ -278,12 +278,12 @@ def format_summary(run_dir: Path, history: dict[int, dict], total_steps: int, wa
         f"sliderl run {run_dir}",
         f"  steps            {last} / {total_steps}",
         f"  wall time        {_duration(wall_s)}",
-        f"  reward           {_first_last(history, KEYS.reward)}",
-        f"  accuracy         {_first_last(history, KEYS.accuracy)}",
-        f"  visible KV       {_mean(history, KEYS.visible_kv, '{:.1f} tokens (mean over steps)')}",
-        f"  rollout tok/s    {_mean(history, KEYS.rollout_tokens_per_s, '{:.1f} (mean over steps)')}",
-        f"  learner step     {_mean(history, KEYS.learner_step_seconds, '{:.3f} s (mean)')}",
-        f"  stale dropped    {_total(history, KEYS.stale_groups_dropped, '{:g} groups')}",
+        f"  reward           {_first_last_text(history, KEYS.reward)}",
+        f"  accuracy         {_first_last_text(history, KEYS.accuracy)}",
+        f"  visible KV       {_mean_text(history, KEYS.visible_kv, '{:.1f} tokens (mean over steps)')}",
+        f"  rollout tok/s    {_mean_text(history, KEYS.rollout_tokens_per_s, '{:.1f} (mean over steps)')}",
+        f"  learner step     {_mean_text(history, KEYS.learner_step_seconds, '{:.3f} s (mean)')}",
+        f"  stale dropped    {_total_text(history, KEYS.stale_groups_dropped, '{:g} groups')}",
         f"  traces           {_trace_count(run_dir)}",
         f"  metrics          {run_dir / METRICS_FILE}",
     ]
@@ -294,19 +294,19 @@ def format_summary(run_dir: Path, history: dict[int, dict], total_steps: int, wa
     return "\n".join(lines) + "\n"
 
 
-def _first_last(history: dict[int, dict], key: str) -> str:
+def _first_last_text(history: dict[int, dict], key: str) -> str:
     steps, values = _series(history, key)
     if not steps:
         return "n/a"
     return f"{values[0]:.4f} (step {steps[0]}) -> {values[-1]:.4f} (step {steps[-1]})"
 
 
-def _mean(history: dict[int, dict], key: str, fmt: str) -> str:
+def _mean_text(history: dict[int, dict], key: str, fmt: str) -> str:
     _, values = _series(history, key)
     return fmt.format(sum(values) / len(values)) if values else "n/a"
 
 
-def _total(history: dict[int, dict], key: str, fmt: str) -> str:
+def _total_text(history: dict[int, dict], key: str, fmt: str) -> str:
     _, values = _series(history, key)
     return fmt.format(sum(values)) if values else "n/a"
 

@@ -307,7 +307,7 @@ def test_ledger_trains_each_group_once_and_counts_the_rest():
     assert not ledger.receive(arrival(2, 0, version=0))
     assert ledger.duplicates == ["g00000002"] and ledger.reissued == ["g00000002"]
     assert ledger.trained == ["g00000001", "g00000002"] and ledger.stale == ["g00000000"]
-    assert ledger.unresolved_numbers() == [3]
+    assert ledger.outstanding_indices() == [3]
 
 
 def test_ledger_drops_groups_from_a_newer_version():

@@ -249,7 +249,8 @@ def test_summary_reads_the_step_reports_metrics(tmp_path):
     # summary would say n/a, the plot would be missing)
     monitor = Monitor(tmp_path, MonitorConfig(wandb=WandbConfig(mode="disabled")), total_steps=2)
     monitor.log(1, step_report().as_dict())
-    monitor.log(2, step_report(reward=0.75, visible_kv=50.0, stale_groups_dropped=0, learner_step_seconds=0.75).as_dict())
+    monitor.log(2, step_report(reward=0.75, visible_kv=50.0, stale_groups_dropped=0,
+                               learner_step_seconds=0.75).as_dict())
     summary = monitor.finish()
     assert "0.5000 (step 1) -> 0.7500 (step 2)" in summary  # reward
     assert "0.2500 (step 1) -> 0.2500 (step 2)" in summary  # accuracy
