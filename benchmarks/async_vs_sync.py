@@ -60,7 +60,7 @@ def run_mode(args, model_dir: Path, scratch: Path, mode: str) -> dict:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     # elapsed_s counts from the Monitor's start, after every actor is up: the loop alone
     return {"mode": mode, "loop_s": rows[-1]["elapsed_s"], "train_call_s": total, "steps": result.state.step,
-            "trained_groups": len(result.state.trained_group_ids), "stale_dropped": len(result.state.stale_group_ids),
+            "trained_groups": len(result.state.ledger.trained), "stale_dropped": len(result.state.ledger.stale),
             "learner_step_s": statistics.mean(r["learner_step_seconds"] for r in rows), "version": result.state.version}
 
 

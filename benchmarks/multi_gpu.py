@@ -106,7 +106,7 @@ def run_mode(args, model_dir: Path, scratch: Path, mode: str) -> dict:
     busy = sum(r["learner_step_seconds"] for r in rows[1:])
     syncs = [r["weight_sync_seconds"] for r in rows[1:] if "weight_sync_seconds" in r]
     return {"mode": mode, "loop_s": loop, "train_call_s": total, "steps": result.state.step,
-            "trained_groups": len(result.state.trained_group_ids), "stale_dropped": len(result.state.stale_group_ids),
+            "trained_groups": len(result.state.ledger.trained), "stale_dropped": len(result.state.ledger.stale),
             "rollout_tok_s_per_gpu": statistics.mean(r["rollout_tokens_per_s"] for r in rows[1:]) / args.workers,
             "learner_util": busy / max(loop, 1e-9), "sync_s": statistics.mean(syncs) if syncs else float("nan")}
 

@@ -1,4 +1,5 @@
 """Everything that runs jobs: the config schema (``config``, ``train_config``), the ``sliderl`` CLI,
 Ray connection and placement (``resources``), the rollout-worker and learner actors, weight sync,
-the trace queue and the driver loop (``driver``, ``ledger``, ``worker_pool``), data, checkpoints,
-the trace log and monitoring. Ray is imported only here."""
+the trace queue and the driver loop (``driver``, ``ledger``, ``worker_pool``), data, the run's
+checkpoints (``run_checkpoints``), the trace log and monitoring (``step_report``, ``monitor``,
+``ray_metrics``). Ray is imported only here."""

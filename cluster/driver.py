@@ -23,17 +23,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from cluster.checkpoint import Checkpoints, DriverState
 from cluster.data import PromptGroup, PromptStream
 from cluster.evaluation import EvalResult, score
 from cluster.ledger import GroupLedger
 from cluster.resources import check_resources, cluster_capacity, connect, make_learner, make_queue, release, reserve
+from cluster.run_checkpoints import STATE_FILE, Checkpoints, DriverState
 from cluster.run_plan import RunPlan, prepare
+from cluster.step_report import StepReport
 from cluster.train_config import TrainConfig
 from cluster.weight_sync import WeightSync
 from cluster.worker_pool import Health, RunError, WorkerPool
-
-STATE_FILE = "driver_state.json"  # the final driver state, beside the checkpoints
 
 
 class LearnerLost(RuntimeError):
@@ -52,13 +51,13 @@ class RunResult:
     stopped_early: bool = False
 
 
-StepHook = Callable[["Session", int, dict], "bool | None"]
+StepHook = Callable[["Session", int, StepReport], "bool | None"]
 
 
 def train(cfg: TrainConfig, on_step: StepHook | None = None) -> RunResult:
     """Run the job ``cfg`` to ``train.steps`` (or until ``on_step`` returns False).
 
-    ``on_step(session, step, metrics)`` is called after every step; returning False ends the run
+    ``on_step(session, step, report)`` is called after every step; returning False ends the run
     there, without a final checkpoint (as an interruption would). An existing ``ray.init`` in this
     process is used as it is; otherwise Ray is started (or joined) and shut down at the end.
     """
@@ -107,7 +106,7 @@ class Session:
         self.cfg, self.plan, self.on_step = cfg, plan, on_step
         self.state = plan.resume[1] if plan.resume else DriverState()
         self.state.learner_restarts = learner_restarts
-        self.ledger = _restore_ledger(self.state)
+        self.ledger = GroupLedger(self.state.ledger)
         self.stream = PromptStream(plan.train_problems, cfg.rollout.group_size, cfg.train.seed,
                                    cfg.data.shuffle, cursor=self.state.cursor)
         self.backlog: list[PromptGroup] = [self.stream.group(n) for n in self.state.outstanding]
@@ -118,18 +117,18 @@ class Session:
         checkpoint = str(plan.resume[0]) if plan.resume else None
         self.learner = make_learner(cfg, pg, plan.model_path, checkpoint)
         self.pool = WorkerPool(cfg, pg, plan.model_path, 0, self.queue)
-        self.sync = WeightSync(cfg.weight_sync.backend, cfg.weight_sync.broadcast_backend, cfg.learner.device,
-                               cfg.weight_sync.timeout_s)
+        self.weight_sync = WeightSync(cfg.weight_sync.backend, cfg.weight_sync.broadcast_backend,
+                                      cfg.learner.device, cfg.weight_sync.timeout_s)
         self.awaiting_weights: set[int] = set()
         self._step_counters = _Counters()
         self._learner_busy = False
-        self._extra_metrics: dict[str, float] = {}  # merged into the next logged step
         self.eval_before: EvalResult | None = None
+        self._unlogged_eval_before: EvalResult | None = None  # goes into the next step's report
         self.eval_after: EvalResult | None = None
 
     # ---- the run -------------------------------------------------------------------------------
     def run(self) -> RunResult:
-        from cluster.metrics import Monitor
+        from cluster.monitor import Monitor
 
         self.pool.start(self.cfg.ray.placement_timeout_s + 600)
         self.state.version = self._learner_call(self.learner.version.remote())
@@ -138,12 +137,11 @@ class Session:
         if self.plan.resume is not None:
             self._publish()  # workers start from the initial model: give them the checkpoint's weights
         if self.cfg.eval.before and self.state.step == 0:
-            self.eval_before = self._evaluate("before")
-            self._extra_metrics.update(self.eval_before.as_metrics("eval_before"))
+            self.eval_before = self._unlogged_eval_before = self._evaluate("before")
         stopped = False
         while self.state.step < self.cfg.train.steps and not stopped:
-            metrics = self._step()
-            stopped = self.on_step is not None and self.on_step(self, self.state.step, metrics) is False
+            report = self._step()
+            stopped = self.on_step is not None and self.on_step(self, self.state.step, report) is False
         if not stopped and not (self.checkpoints.path(self.state.step) / "COMPLETE").is_file():
             self._checkpoint()
         (self.plan.run_dir / STATE_FILE).write_text(self._snapshot().to_json())
@@ -164,14 +162,13 @@ class Session:
                 pass
 
     # ---- one step ------------------------------------------------------------------------------
-    def _step(self) -> dict:
+    def _step(self) -> StepReport:
         n = self.cfg.train.groups_per_step
         batch = self._collect(n)
         trained_at = self.state.version
-        learner_metrics = self._train(batch)
+        self.state.version, step_seconds, learner_metrics = _learner_part(self._train(batch))
         self.ledger.mark_trained(batch)
         self.state.step += 1
-        self.state.version = int(learner_metrics.pop("version"))
         sync_seconds = None
         due = self.state.step % self.cfg.train.sync_every == 0 or self.state.step == self.cfg.train.steps
         if due and self.state.version != self.state.published_version:  # a step without signal changes nothing
@@ -181,14 +178,11 @@ class Session:
             self._checkpoint()
         if last and self.cfg.eval.after:
             self.eval_after = self._evaluate("after")
-            self._extra_metrics.update(self.eval_after.as_metrics("eval_after"))
-        metrics = self._metrics(batch, trained_at, learner_metrics, sync_seconds)
-        metrics.update(self._extra_metrics)
-        self._extra_metrics = {}
-        self.monitor.log(self.state.step, metrics)
-        self.learner.record.remote(staleness=metrics["staleness_mean"], weight_sync_seconds=sync_seconds,
-                                   queue_depth=metrics["queue_depth"], reward=metrics["reward"])
-        return metrics
+        report = self._report(batch, trained_at, step_seconds, sync_seconds, learner_metrics)
+        self.monitor.log(self.state.step, report.as_dict())
+        self.learner.record.remote(staleness=report.staleness_mean, weight_sync_seconds=sync_seconds,
+                                   queue_depth=report.queue_depth, reward=report.reward)
+        return report
 
     def _collect(self, n: int) -> list:
         """``n`` groups fit to train at the current version, dealing and waiting as needed."""
@@ -282,7 +276,7 @@ class Session:
             print(f"sliderl: rollout worker {wid} restarted (pid {self.pool.pids.get(wid)}); "
                   "sending weights and re-issuing its groups", flush=True)
             self.backlog += self.ledger.orphans(wid)
-            if not self.sync.catch_up(self.state.published_version, self.pool.handles[wid]):
+            if not self.weight_sync.catch_up(self.state.published_version, self.pool.handles[wid]):
                 self.awaiting_weights.add(wid)
         for wid in health.died:
             self.backlog += self.ledger.orphans(wid)
@@ -295,7 +289,7 @@ class Session:
 
     def _publish(self) -> float:
         self._learner_call(self.learner.version.remote())  # a dead learner is LearnerLost, not a worker failure
-        report = self.sync.publish(self.state.version, self.learner, self.pool.live())
+        report = self.weight_sync.publish(self.state.version, self.learner, self.pool.live())
         self.state.published_version = self.state.version
         self.awaiting_weights -= set(self.pool.live()) - set(report.failed)
         return report.seconds
@@ -307,10 +301,8 @@ class Session:
 
     def _snapshot(self) -> DriverState:
         undealt = [int(g.group_id[1:]) for g in self.backlog if g.group_id not in self.ledger.outstanding]
-        return replace(self.state, cursor=self.stream.cursor,
-                       outstanding=sorted(self.ledger.unresolved_numbers() + undealt),
-                       trained_group_ids=list(self.ledger.trained), stale_group_ids=list(self.ledger.stale),
-                       duplicate_group_ids=list(self.ledger.duplicates), reissued_group_ids=list(self.ledger.reissued))
+        return replace(self.state, cursor=self.stream.cursor, ledger=self.ledger.state(),
+                       outstanding=sorted(self.ledger.outstanding_indices() + undealt))
 
     def _learner_call(self, ref):
         import ray
@@ -331,30 +323,32 @@ class Session:
         print(f"sliderl: eval {label} (version {self.state.version}, worker {wid}): {result.line()}", flush=True)
         return result
 
-    def _metrics(self, batch: list, trained_at: int, learner_metrics: dict, sync_seconds: float | None) -> dict:
+    def _report(self, batch: list, trained_at: int, step_seconds: float, sync_seconds: float | None,
+                learner_metrics: dict[str, float]) -> StepReport:
         traces = [t for g in batch for t in g.traces]
         ages = [trained_at - g.policy_version for g in batch]
         counters, self._step_counters = self._step_counters, _Counters()
-        metrics = {
-            "reward": _mean(t.reward for t in traces),
-            "accuracy": _mean(float(t.reward_components.get("correctness", 0.0) >= 1.0) for t in traces),
-            "visible_kv": _mean(t.mean_visible_kv for t in traces),
-            "completion_tokens": _mean(t.num_tokens for t in traces),
-            "rollout_tokens_per_s": counters.tokens / max(time.monotonic() - counters.since, 1e-9),
-            "stale_groups_dropped": counters.stale,
-            "staleness_mean": _mean(ages),
-            "staleness_max": max(ages),
-            "queue_depth": self.queue.qsize(),
-            "version": self.state.version,
-            "worker_restarts": self.state.worker_restarts,
-            "duplicate_groups": len(self.ledger.duplicates),
-            "reissued_groups": len(self.ledger.reissued),
-            "learner_step_seconds": learner_metrics.pop("learner_step_seconds"),
-        }
-        if sync_seconds is not None:
-            metrics["weight_sync_seconds"] = sync_seconds
-        metrics.update({f"learner/{k}": v for k, v in learner_metrics.items() if _is_number(v)})
-        return metrics
+        eval_before, self._unlogged_eval_before = self._unlogged_eval_before, None
+        return StepReport(
+            reward=_mean(t.reward for t in traces),
+            accuracy=_mean(float(t.reward_components.get("correctness", 0.0) >= 1.0) for t in traces),
+            visible_kv=_mean(t.mean_visible_kv for t in traces),
+            completion_tokens=_mean(t.num_tokens for t in traces),
+            rollout_tokens_per_s=counters.tokens / max(time.monotonic() - counters.since, 1e-9),
+            stale_groups_dropped=counters.stale,
+            staleness_mean=_mean(ages),
+            staleness_max=max(ages),
+            queue_depth=self.queue.qsize(),
+            version=self.state.version,
+            worker_restarts=self.state.worker_restarts,
+            duplicate_groups=len(self.ledger.duplicates),
+            reissued_groups=len(self.ledger.reissued),
+            learner_step_seconds=step_seconds,
+            weight_sync_seconds=sync_seconds,
+            learner=learner_metrics,
+            eval_before=eval_before,
+            eval_after=self.eval_after if self.state.step == self.cfg.train.steps else None,
+        )
 
 
 @dataclass
@@ -369,14 +363,15 @@ class _Counters:
         self.since = time.monotonic()
 
 
-def _restore_ledger(state: DriverState) -> GroupLedger:
-    ledger = GroupLedger()
-    ledger.trained = list(state.trained_group_ids)
-    ledger.stale = list(state.stale_group_ids)
-    ledger.duplicates = list(state.duplicate_group_ids)
-    ledger.reissued = list(state.reissued_group_ids)
-    ledger.restore_resolved(ledger.trained + ledger.stale)
-    return ledger
+def _learner_part(result: dict) -> tuple[int, float, dict[str, float]]:
+    """``LearnerActor.step``'s result as (policy version, step wall seconds, the learner's metrics).
+
+    The one place that reads it; with the learner's ``StepMetrics`` record this becomes
+    ``(metrics.version, metrics.step_seconds, metrics.as_dict())``.
+    """
+    metrics = dict(result)
+    version, step_seconds = int(metrics.pop("version")), metrics.pop("learner_step_seconds")
+    return version, step_seconds, {k: v for k, v in metrics.items() if _is_number(v)}
 
 
 def _mean(values) -> float:

@@ -34,15 +34,15 @@ class LearnerActor:
         else:
             self.learner = Learner(model_path, args)
         self.sender = WeightSender(sync_backend, args.device)
-        self._metrics = _learner_metrics()
+        self._ray_metrics = _ray_metrics()
 
     def step(self, groups: list[list[Trace]]) -> dict[str, float]:
         """One optimizer step on ``groups``; the learner's metrics plus ``version`` and step seconds."""
         start = time.perf_counter()
         metrics = dict(self.learner.step(groups))
         seconds = time.perf_counter() - start
-        if self._metrics is not None:
-            self._metrics.record(step_seconds=seconds)
+        if self._ray_metrics is not None:
+            self._ray_metrics.record(step_seconds=seconds)
         return {**metrics, "version": float(self.learner.version), "learner_step_seconds": seconds}
 
     def args(self) -> LearnerArgs:
@@ -80,8 +80,8 @@ class LearnerActor:
     def record(self, staleness: float | None = None, weight_sync_seconds: float | None = None,
                queue_depth: float | None = None, reward: float | None = None) -> None:
         """Driver-side numbers exported as the learner's Ray metrics."""
-        if self._metrics is not None:
-            self._metrics.record(staleness=staleness, weight_sync_seconds=weight_sync_seconds,
+        if self._ray_metrics is not None:
+            self._ray_metrics.record(staleness=staleness, weight_sync_seconds=weight_sync_seconds,
                                  queue_depth=queue_depth, reward=reward)
 
     def parameter(self, name: str) -> list[float]:
@@ -92,9 +92,9 @@ class LearnerActor:
         return os.getpid()
 
 
-def _learner_metrics():
+def _ray_metrics():
     try:
-        from cluster.metrics import LearnerMetrics
+        from cluster.ray_metrics import LearnerMetrics
 
         return LearnerMetrics()
     except Exception:  # metrics are best-effort: a missing metrics agent must not stop training

@@ -25,19 +25,43 @@ class Take:
     stale: list = field(default_factory=list)
 
 
-class GroupLedger:
-    """Bookkeeping of groups between the prompt stream, the workers and the learner."""
+@dataclass(frozen=True)
+class LedgerState:
+    """The ledger's history, as a checkpoint keeps it: group ids in the order they happened."""
 
-    def __init__(self):
+    trained: list[str] = field(default_factory=list)
+    """groups trained, each exactly once"""
+    stale: list[str] = field(default_factory=list)
+    """groups dropped as too stale (or from a newer version), never trained"""
+    duplicates: list[str] = field(default_factory=list)
+    """second arrivals of a group, never trained"""
+    reissued: list[str] = field(default_factory=list)
+    """groups dealt again after their worker died or restarted"""
+
+
+class GroupLedger:
+    """Bookkeeping of groups between the prompt stream, the workers and the learner.
+
+    ``GroupLedger(state)`` continues the books of a checkpoint: the groups it resolved stay
+    resolved, so a late arrival of one of them is a duplicate.
+    """
+
+    def __init__(self, state: LedgerState | None = None):
+        state = state or LedgerState()
         self.outstanding: dict[str, PromptGroup] = {}
         self.held: dict[int, set[str]] = {}
         self.ready: deque = deque()  # RolloutGroup, received and not yet resolved
-        self.trained: list[str] = []
-        self.stale: list[str] = []
-        self.duplicates: list[str] = []
-        self.reissued: list[str] = []
-        self._resolved: set[str] = set()
+        self.trained: list[str] = list(state.trained)
+        self.stale: list[str] = list(state.stale)
+        self.duplicates: list[str] = list(state.duplicates)
+        self.reissued: list[str] = list(state.reissued)
+        self._resolved: set[str] = set(self.trained + self.stale)
         self._arrived: set[str] = set()
+
+    def state(self) -> LedgerState:
+        """A copy of the books for a checkpoint (``GroupLedger(state)`` continues from it)."""
+        return LedgerState(trained=list(self.trained), stale=list(self.stale), duplicates=list(self.duplicates),
+                           reissued=list(self.reissued))
 
     def deal(self, worker_id: int, groups: list[PromptGroup]) -> None:
         """``groups`` were submitted to ``worker_id``."""
@@ -84,22 +108,14 @@ class GroupLedger:
                 take.groups.append(group)
         return take
 
-    def give_back(self, groups: list) -> None:
-        """Return groups taken but not trained (the step did not happen) to the front of ready."""
-        self.ready.extendleft(reversed(groups))
-
     def mark_trained(self, groups: list) -> None:
         for group in groups:
             self._resolve(group.group_id)
             self.trained.append(group.group_id)
 
-    def unresolved_numbers(self) -> list[int]:
+    def outstanding_indices(self) -> list[int]:
         """Stream indices of the outstanding groups (ids ``g{n:08d}``), for a checkpoint."""
         return sorted(int(g[1:]) for g in self.outstanding)
-
-    def restore_resolved(self, group_ids: list[str]) -> None:
-        """Mark groups resolved in an earlier session (a resumed run): later arrivals are duplicates."""
-        self._resolved.update(group_ids)
 
     def _resolve(self, group_id: str) -> None:
         assert group_id not in self._resolved, f"group {group_id} resolved twice"

@@ -108,7 +108,7 @@ class RolloutWorker:
         self.receiver = WeightReceiver(self.llm.device)
         self.trace_queue = trace_queue
         self._fenced = _restarted()  # a restarted process has stale weights: no work until it gets new ones
-        self._metrics = _rollout_metrics(worker_id)
+        self._ray_metrics = _ray_metrics(worker_id)
         self._lock = threading.Condition()
         self._inbox: list[PromptGroup] = []
         self._evals: list[_EvalJob] = []
@@ -163,9 +163,6 @@ class RolloutWorker:
                        timeout_s: float) -> None:
         """Join the learner's broadcast process group (see ``cluster.weight_sync``)."""
         self.receiver.join(address, world_size, rank, group_name, backend, timeout_s)
-
-    def leave_broadcast(self) -> None:
-        self.receiver.leave()
 
     def status(self) -> WorkerStatus:
         """Identity, version, held groups, and the error that stopped a thread (if any)."""
@@ -296,10 +293,10 @@ class RolloutWorker:
         )
 
     def _record(self, group: RolloutGroup) -> None:
-        if self._metrics is None or not group.traces:
+        if self._ray_metrics is None or not group.traces:
             return
         n = len(group.traces)
-        self._metrics.record(tokens_per_s=group.num_tokens / max(group.generate_seconds, 1e-9),
+        self._ray_metrics.record(tokens_per_s=group.num_tokens / max(group.generate_seconds, 1e-9),
                              visible_kv=sum(t.mean_visible_kv for t in group.traces) / n,
                              reward=sum(t.reward for t in group.traces) / n)
 
@@ -325,10 +322,10 @@ def _restarted() -> bool:
         return ray.is_initialized() and ray.get_runtime_context().was_current_actor_reconstructed
 
 
-def _rollout_metrics(worker_id: int):
+def _ray_metrics(worker_id: int):
     """Ray custom metrics of this worker, or None outside a Ray worker process."""
     try:
-        from cluster.metrics import RolloutMetrics
+        from cluster.ray_metrics import RolloutMetrics
 
         return RolloutMetrics(worker_id)
     except Exception:  # metrics are best-effort: no metrics agent (e.g. outside Ray) must not stop rollouts

@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from cluster.checkpoint import Checkpoints, DriverState
 from cluster.config import ConfigError, check_device, save_config
+from cluster.run_checkpoints import Checkpoints, DriverState
 from cluster.data import Problem, data_sources, load_split
 from cluster.train_config import TrainConfig
 

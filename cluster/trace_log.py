@@ -49,7 +49,7 @@ class TraceLog:
         temp = self.dir / f".{PART_NAME.format(self._next)}.tmp-{os.getpid()}"
         try:
             _write_synced(table, temp)
-            path = self._publish(temp)
+            path = self._move_into_place(temp)
         finally:
             temp.unlink(missing_ok=True)
         self._rows[path.name] = table.num_rows
@@ -77,7 +77,7 @@ class TraceLog:
             total += self._rows[part.name]
         return total
 
-    def _publish(self, temp: Path) -> Path:
+    def _move_into_place(self, temp: Path) -> Path:
         """Give ``temp`` the next free part name without ever replacing an existing part."""
         while True:
             path = self.dir / PART_NAME.format(self._next)

@@ -17,7 +17,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
 from cluster.config import ModelSource, Section, TinyModel
-from cluster.metrics import MonitorConfig
+from cluster.monitor import MonitorConfig
 from rewards.arith import ArithTask
 from rewards.spec import CorrectnessTerm, RewardSpec
 from rollout.engine_args import EngineArgs

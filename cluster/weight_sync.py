@@ -99,7 +99,7 @@ class BroadcastNotice:
 # ----------------------------------------------------------------------------- the two ends
 
 
-class _Group:
+class _BroadcastGroup:
     """A process group of the learner (rank 0) and the workers, built without a default group."""
 
     def __init__(self, address: str, world_size: int, rank: int, name: str, backend: str, timeout_s: float,
@@ -145,7 +145,7 @@ class WeightSender:
         self.backend = backend
         self.device = torch.device(device)
         self._kept: dict[str, torch.Tensor] | None = None  # cuda_ipc buffers the workers map
-        self._group: _Group | None = None
+        self._group: _BroadcastGroup | None = None
         self._store = None
         self.layout: FlatLayout | None = None
 
@@ -183,10 +183,7 @@ class WeightSender:
 
     def join(self, address: str, world_size: int, name: str, backend: str, timeout_s: float) -> None:
         """Become rank 0 of the group ``name`` (the workers join at the same time)."""
-        self._group = _Group(address, world_size, 0, name, backend, timeout_s, self.device, store=self._store)
-
-    def leave(self) -> None:
-        self._group = None
+        self._group = _BroadcastGroup(address, world_size, 0, name, backend, timeout_s, self.device, store=self._store)
 
 
 class WeightReceiver:
@@ -194,7 +191,7 @@ class WeightReceiver:
 
     def __init__(self, device: torch.device | str = "cpu"):
         self.device = torch.device(device)
-        self._group: _Group | None = None
+        self._group: _BroadcastGroup | None = None
 
     def receive(self, payload: Any) -> dict[str, torch.Tensor]:
         if isinstance(payload, dict):
@@ -225,10 +222,7 @@ class WeightReceiver:
         return unflatten(buffers, notice.layout)
 
     def join(self, address: str, world_size: int, rank: int, name: str, backend: str, timeout_s: float) -> None:
-        self._group = _Group(address, world_size, rank, name, backend, timeout_s, self.device)
-
-    def leave(self) -> None:
-        self._group = None
+        self._group = _BroadcastGroup(address, world_size, rank, name, backend, timeout_s, self.device)
 
 
 def local_cuda_index(device_uuid: str) -> int:

@@ -39,7 +39,6 @@ class WorkerPool:
                         for wid in range(cfg.rollout.num_workers)}
         self.incarnations: dict[int, str] = {}
         self.pids: dict[int, int] = {}
-        self.versions: dict[int, int] = {}
         self.dead: set[int] = set()
         self._failures: dict[int, int] = {}
         self._pending: dict[int, object] = {}  # worker id -> status ref of the check in flight
@@ -109,7 +108,6 @@ class WorkerPool:
     def _saw(self, status) -> None:
         self.incarnations[status.worker_id] = status.incarnation
         self.pids[status.worker_id] = status.pid
-        self.versions[status.worker_id] = status.version
 
     def stop(self) -> None:
         """Kill every worker (no restart)."""

@@ -7,34 +7,47 @@ record carries the policy spec string rather than any mask.
 
 from __future__ import annotations
 
+import typing
 from dataclasses import asdict, dataclass, field, fields
+from typing import Annotated
 
 import pyarrow as pa
+
+# Python type + the Arrow type of its Parquet column; every Trace field is declared with one of these
+String = Annotated[str, pa.string()]
+Int32 = Annotated[int, pa.int32()]
+Int64 = Annotated[int, pa.int64()]
+Float32 = Annotated[float, pa.float32()]
+Float64 = Annotated[float, pa.float64()]
+Int32List = Annotated[list[int], pa.list_(pa.int32())]
+Float32List = Annotated[list[float], pa.list_(pa.float32())]
+BoolList = Annotated[list[bool], pa.list_(pa.bool_())]
+Float64Map = Annotated[dict[str, float], pa.map_(pa.string(), pa.float64())]  # stored as (key, value) pairs
 
 
 @dataclass
 class Trace:
-    trace_id: str
-    group_id: str  # the n samples of one prompt share it; groups are atomic for the learner
-    prompt_id: str
-    worker_id: int
-    policy_version: int  # weights version when sampling started
-    kv_policy: str  # spec string, e.g. "prefix_sliding:4096"
-    prompt_token_ids: list[int]
-    completion_token_ids: list[int]
-    logprobs: list[float]  # the sampler's, per completion token
-    finish_reason: str
-    temperature: float = 1.0
-    weight_update_token_index: int = -1  # completion index where newer weights took over, -1 if none
-    forced: list[bool] = field(default_factory=list)  # budget-forced tokens (excluded from the loss)
-    reward: float = 0.0
-    reward_components: dict[str, float] = field(default_factory=dict)
-    answer: str = ""
-    completion_text: str = ""
-    num_tokens: int = 0
-    peak_visible_kv: int = 0
-    mean_visible_kv: float = 0.0
-    decode_seconds: float = 0.0
+    trace_id: String
+    group_id: String  # the n samples of one prompt share it; groups are atomic for the learner
+    prompt_id: String
+    worker_id: Int32
+    policy_version: Int64  # weights version when sampling started
+    kv_policy: String  # spec string, e.g. "prefix_sliding:4096"
+    prompt_token_ids: Int32List
+    completion_token_ids: Int32List
+    logprobs: Float32List  # the sampler's, per completion token
+    finish_reason: String
+    temperature: Float32 = 1.0
+    weight_update_token_index: Int32 = -1  # completion index where newer weights took over, -1 if none
+    forced: BoolList = field(default_factory=list)  # budget-forced tokens (excluded from the loss)
+    reward: Float64 = 0.0
+    reward_components: Float64Map = field(default_factory=dict)
+    answer: String = ""
+    completion_text: String = ""
+    num_tokens: Int32 = 0
+    peak_visible_kv: Int32 = 0
+    mean_visible_kv: Float64 = 0.0
+    decode_seconds: Float64 = 0.0
 
     def to_row(self) -> dict:
         row = asdict(self)
@@ -49,29 +62,21 @@ class Trace:
         return cls(**{k: v for k, v in row.items() if k in names})
 
 
-TRACE_SCHEMA = pa.schema([
-    ("trace_id", pa.string()),
-    ("group_id", pa.string()),
-    ("prompt_id", pa.string()),
-    ("worker_id", pa.int32()),
-    ("policy_version", pa.int64()),
-    ("kv_policy", pa.string()),
-    ("prompt_token_ids", pa.list_(pa.int32())),
-    ("completion_token_ids", pa.list_(pa.int32())),
-    ("logprobs", pa.list_(pa.float32())),
-    ("finish_reason", pa.string()),
-    ("temperature", pa.float32()),
-    ("weight_update_token_index", pa.int32()),
-    ("forced", pa.list_(pa.bool_())),
-    ("reward", pa.float64()),
-    ("reward_components", pa.map_(pa.string(), pa.float64())),
-    ("answer", pa.string()),
-    ("completion_text", pa.string()),
-    ("num_tokens", pa.int32()),
-    ("peak_visible_kv", pa.int32()),
-    ("mean_visible_kv", pa.float64()),
-    ("decode_seconds", pa.float64()),
-])
+def arrow_schema(record: type) -> pa.Schema:
+    """The Arrow schema of a dataclass whose fields are all annotated ``Annotated[T, <pa.DataType>]``,
+    one column per field in declaration order; TypeError naming a field without an Arrow type."""
+    hints = typing.get_type_hints(record, include_extras=True)
+    columns = []
+    for f in fields(record):
+        arrow = [m for m in getattr(hints[f.name], "__metadata__", ()) if isinstance(m, pa.DataType)]
+        if len(arrow) != 1:
+            raise TypeError(f"{record.__name__}.{f.name} needs exactly one Arrow type (e.g. Int32), "
+                            f"got {hints[f.name]!r}")
+        columns.append((f.name, arrow[0]))
+    return pa.schema(columns)
+
+
+TRACE_SCHEMA = arrow_schema(Trace)
 
 
 def traces_to_table(traces: list[Trace]) -> pa.Table:

@@ -19,9 +19,10 @@ import torch
 from cluster.cli import main
 from cluster.config import ConfigError, load_config
 from cluster.data import Problem, PromptGroup
-from cluster.ledger import GroupLedger
+from cluster.ledger import GroupLedger, LedgerState
 from cluster.resources import ResourceError
 from cluster.rollout_worker import RolloutGroup
+from cluster.run_checkpoints import Checkpoints, DriverState
 from cluster.train_config import TrainConfig
 from cluster.weight_sync import FlatLayout, flatten, unflatten
 from cluster_jobs import initial_weight, logged_traces, metric_rows, model_dir, ray_session, tiny_job, tiny_overrides  # noqa: F401 (fixtures)
@@ -70,7 +71,7 @@ def test_sync_run_steps_versions_and_traces_add_up(sync_run):
     versions = stepped_versions(rows)
     assert [rows[s]["version"] for s in (1, 2, 3)] == versions and result.state.version == versions[-1]
     assert versions[0] == 1  # the first step had signal (lengths, hence KV penalties, differ)
-    trained = result.state.trained_group_ids
+    trained = result.state.ledger.trained
     assert len(trained) == len(set(trained)) == 3 * 2
     traces = logged_traces(result.run_dir)
     assert len(traces) == 3 * 2 * 4  # sync: exactly the groups that were trained, 4 samples each
@@ -105,7 +106,7 @@ def test_sync_run_checkpoint_and_state_on_disk(sync_run):
     ckpt = result.run_dir / "checkpoints" / "step_000003"
     assert (ckpt / "COMPLETE").is_file() and (ckpt / "config.json").is_file()
     state = json.loads((ckpt / "driver_state.json").read_text())
-    assert state["step"] == 3 and state["trained_group_ids"] == result.state.trained_group_ids
+    assert state["step"] == 3 and state["ledger"]["trained"] == result.state.ledger.trained
     assert state["cursor"] == 6 and state["outstanding"] == []
     assert (result.run_dir / "config.yaml").is_file() and (result.run_dir / "summary.txt").is_file()
 
@@ -141,10 +142,10 @@ def test_async_grpo_drops_stale_groups_and_trains_fresh_ones(async_grpo_run):
     rows = metric_rows(result.run_dir)
     state = result.state
     dropped = sum(rows[s]["stale_groups_dropped"] for s in rows)
-    assert dropped > 0 and dropped == len(state.stale_group_ids)
+    assert dropped > 0 and dropped == len(state.ledger.stale)
     assert all(rows[s]["staleness_max"] == 0 for s in rows)
     assert state.step == 3 and state.version == stepped_versions(rows)[-1]
-    trained, stale = state.trained_group_ids, state.stale_group_ids
+    trained, stale = state.ledger.trained, state.ledger.stale
     assert len(trained) == 6 and not set(trained) & set(stale)
     traces = logged_traces(result.run_dir)
     logged = {t["group_id"] for t in traces}
@@ -171,8 +172,8 @@ def test_async_bonbon_run(ray_session, model_dir, tmp_path):
     assert sorted(rows) == [1, 2] and result.state.version == stepped_versions(rows)[-1] >= 1
     assert all("learner/no_pair_groups" in rows[s] for s in rows)
     traces = logged_traces(result.run_dir)
-    assert {t["group_id"] for t in traces} >= set(result.state.trained_group_ids)
-    assert len(result.state.trained_group_ids) == 4
+    assert {t["group_id"] for t in traces} >= set(result.state.ledger.trained)
+    assert len(result.state.ledger.trained) == 4
 
 
 @pytest.mark.gpu
@@ -329,7 +330,7 @@ def test_ledger_trains_each_group_once_and_counts_the_rest():
     assert not ledger.receive(arrival(2, 0, version=0))
     assert ledger.duplicates == ["g00000002"] and ledger.reissued == ["g00000002"]
     assert ledger.trained == ["g00000001", "g00000002"] and ledger.stale == ["g00000000"]
-    assert ledger.unresolved_numbers() == [3]
+    assert ledger.outstanding_indices() == [3]
 
 
 def test_ledger_drops_groups_from_a_newer_version():
@@ -338,6 +339,46 @@ def test_ledger_drops_groups_from_a_newer_version():
     ledger.receive(arrival(0, 0, version=5))  # sampled before the learner was rolled back to 3
     take = ledger.take(1, version=3, max_staleness=None)
     assert take.groups == [] and ledger.stale == ["g00000000"]
+
+
+def test_checkpointed_books_refuse_a_group_resolved_before_the_resume(tmp_path):
+    # catches: a ledger rebuilt from a checkpoint's DriverState that forgets which groups were
+    # resolved (a re-dealt trained group would be trained twice), or a list lost on the way
+    # through driver_state.json
+    ledger = GroupLedger()
+    ledger.deal(0, [group(0), group(1), group(2)])
+    assert ledger.receive(arrival(0, 0, version=0)) and ledger.receive(arrival(1, 0, version=0))
+    ledger.mark_trained(ledger.take(1, version=0, max_staleness=0).groups)  # group 0 trained
+    assert ledger.take(1, version=2, max_staleness=0).stale  # group 1: age 2, dropped
+    ledger.orphans(0)  # worker 0 died holding group 2
+    assert not ledger.receive(arrival(0, 1, version=0))  # a late copy of group 0
+    books = LedgerState(trained=["g00000000"], stale=["g00000001"], duplicates=["g00000000"],
+                        reissued=["g00000002"])
+    assert ledger.state() == books
+
+    Checkpoints(tmp_path).save(1, DriverState(step=1, cursor=3, outstanding=[2], ledger=ledger.state()),
+                               lambda path: None)
+    _, state = Checkpoints(tmp_path).latest()
+    assert state == DriverState(step=1, cursor=3, outstanding=[2], ledger=books)
+    resumed = GroupLedger(state.ledger)
+    resumed.deal(0, [group(0), group(1), group(2)])  # dealt again by mistake: 0 and 1 are resolved
+    assert not resumed.receive(arrival(0, 0, version=1)) and not resumed.receive(arrival(1, 0, version=1))
+    assert resumed.receive(arrival(2, 0, version=1))
+    assert resumed.state().duplicates == ["g00000000", "g00000000", "g00000001"]
+
+
+def test_driver_state_written_with_flat_group_id_lists_still_loads():
+    # catches: resuming a run checkpointed before DriverState held a LedgerState, whose
+    # driver_state.json has the four lists as top-level *_group_ids keys, with empty books
+    old = {"step": 2, "version": 1, "published_version": 1, "cursor": 5, "outstanding": [4],
+           "trained_group_ids": ["g00000000", "g00000001"], "stale_group_ids": ["g00000002"],
+           "duplicate_group_ids": [], "reissued_group_ids": ["g00000003"], "worker_restarts": 1,
+           "learner_restarts": 0}
+    state = DriverState.from_json(json.dumps(old))
+    assert state == DriverState(step=2, version=1, published_version=1, cursor=5, outstanding=[4],
+                                ledger=LedgerState(trained=["g00000000", "g00000001"], stale=["g00000002"],
+                                                   duplicates=[], reissued=["g00000003"]),
+                                worker_restarts=1)
 
 
 # ------------------------------------------------------------------------- weight-sync buffers

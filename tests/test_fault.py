@@ -41,12 +41,12 @@ def test_killed_worker_is_restarted_and_its_groups_reissued(killed_worker_run):
     state = result.state
     assert state.step == 4 and state.worker_restarts == 1
     assert seen["pid_after"] != seen["pid"]  # a new process took the worker's place
-    assert seen.get("held") and set(seen["held"]) <= set(state.reissued_group_ids)
+    assert seen.get("held") and set(seen["held"]) <= set(state.ledger.reissued)
 
 
 def test_every_logged_group_is_trained_exactly_once(killed_worker_run):
     result, seen = killed_worker_run
-    trained = result.state.trained_group_ids
+    trained = result.state.ledger.trained
     assert len(trained) == 4 * 2 and all(n == 1 for n in Counter(trained).values())
     traces = logged_traces(result.run_dir)
     assert {t["group_id"] for t in traces} == set(trained)  # max_staleness 10: nothing was dropped
@@ -84,10 +84,10 @@ def test_resume_continues_to_the_same_final_step(resumed_runs):
     assert sorted(p.name for p in (first.run_dir / "checkpoints").iterdir()) == ["step_000002", "step_000004"]
     assert second.state.step == 4 and (second.run_dir / "checkpoints" / "step_000004" / "COMPLETE").is_file()
     assert sorted(metric_rows(second.run_dir)) == [1, 2, 3, 4]
-    trained = second.state.trained_group_ids
+    trained = second.state.ledger.trained
     assert len(trained) == 4 * 2 and len(set(trained)) == len(trained)
     # the first 2 steps' groups come from the checkpoint, unchanged
-    assert trained[:4] == first.state.trained_group_ids[:4]
+    assert trained[:4] == first.state.ledger.trained[:4]
 
 
 def test_learner_crash_resumes_from_the_last_checkpoint(resumed_runs):

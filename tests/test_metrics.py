@@ -14,7 +14,10 @@ import matplotlib.image
 import pytest
 from pydantic import ValidationError
 
-from cluster.metrics import LearnerMetrics, MonitorConfig, Monitor, RolloutMetrics, WandbConfig
+from cluster.evaluation import EvalResult
+from cluster.monitor import MonitorConfig, Monitor, WandbConfig
+from cluster.ray_metrics import LearnerMetrics, RolloutMetrics
+from cluster.step_report import KEYS, StepReport
 from cluster.trace_log import TraceLog
 from rollout.trace import Trace
 
@@ -210,6 +213,54 @@ def test_monitor_config_documents_and_checks_every_key():
         MonitorConfig.model_validate({"wandb": {"mode": "onlin"}})
     with pytest.raises(ValidationError, match="dashboard_port"):
         MonitorConfig.model_validate({"dashboard_port": 70000})
+
+
+# ------------------------------------------------------------------------------ the step report
+
+# metrics.jsonl keys that tests, benchmarks and users' dashboards read
+JSONL_KEYS = {"reward", "accuracy", "visible_kv", "completion_tokens", "rollout_tokens_per_s",
+              "stale_groups_dropped", "staleness_mean", "staleness_max", "queue_depth", "version",
+              "worker_restarts", "duplicate_groups", "reissued_groups", "learner_step_seconds"}
+
+
+def step_report(**overrides) -> StepReport:
+    values = dict(reward=0.5, accuracy=0.25, visible_kv=40.0, completion_tokens=12.0, rollout_tokens_per_s=300.0,
+                  stale_groups_dropped=3, staleness_mean=0.5, staleness_max=1, queue_depth=2, version=7,
+                  worker_restarts=0, duplicate_groups=1, reissued_groups=1, learner_step_seconds=1.25)
+    return StepReport(**{**values, **overrides})
+
+
+def test_step_report_flattens_to_the_metrics_jsonl_names():
+    # catches: a renamed or unprefixed metric (metrics.jsonl keys are read by tests, benchmarks and
+    # dashboards), a None written as a value, an evaluation logged without its eval_before/ prefix
+    assert set(step_report().as_dict()) == JSONL_KEYS  # no sync, no learner metrics, no eval
+    report = step_report(weight_sync_seconds=0.5, learner={"loss": 0.25, "stepped": 1.0, "kl_mismatch": None},
+                         eval_before=EvalResult(4, 0.75, 10.0, 8.5, 9, "full"))
+    flat = report.as_dict()
+    assert set(flat) == JSONL_KEYS | {"weight_sync_seconds", "learner/loss", "learner/stepped",
+                                      "eval_before/num_problems", "eval_before/accuracy", "eval_before/mean_tokens",
+                                      "eval_before/mean_visible_kv", "eval_before/peak_visible_kv"}
+    assert (flat["version"], flat["learner/loss"], flat["eval_before/accuracy"], flat["eval_before/peak_visible_kv"]) \
+        == (7, 0.25, 0.75, 9.0)
+
+
+def test_summary_reads_the_step_reports_metrics(tmp_path):
+    # catches: a StepReport field and the name the summary/plots look up drifting apart (the
+    # summary would say n/a, the plot would be missing)
+    monitor = Monitor(tmp_path, MonitorConfig(wandb=WandbConfig(mode="disabled")), total_steps=2)
+    monitor.log(1, step_report().as_dict())
+    monitor.log(2, step_report(reward=0.75, visible_kv=50.0, stale_groups_dropped=0,
+                               learner_step_seconds=0.75).as_dict())
+    summary = monitor.finish()
+    assert "0.5000 (step 1) -> 0.7500 (step 2)" in summary  # reward
+    assert "0.2500 (step 1) -> 0.2500 (step 2)" in summary  # accuracy
+    assert "45.0 tokens" in summary  # visible KV (40 + 50) / 2
+    assert "300.0 (mean" in summary  # rollout tok/s
+    assert "1.000 s" in summary  # learner step (1.25 + 0.75) / 2
+    assert "stale dropped    3 groups" in summary  # 3 + 0
+    assert (tmp_path / "reward.png").is_file() and (tmp_path / "visible_kv.png").is_file()
+    with pytest.raises(AttributeError, match="no metric 'visible_kv_tokens'"):
+        KEYS.visible_kv_tokens
 
 
 # ----------------------------------------------------------------------------------- Ray metrics

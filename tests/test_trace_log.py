@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
-from dataclasses import asdict
+from dataclasses import asdict, field, make_dataclass
 from pathlib import Path
 
 import pyarrow as pa
@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from cluster.trace_log import TraceLog
-from rollout.trace import Trace
+from rollout.trace import TRACE_SCHEMA, Int32, Trace, arrow_schema
 
 ROOT = Path(__file__).resolve().parents[1]
 FLOAT32_FIELDS = {"logprobs", "temperature"}  # float32 in TRACE_SCHEMA
@@ -168,3 +168,33 @@ def test_pyarrow_dataset_reads_the_folder_and_ignores_temp_files(tmp_path):
     assert sorted(table.column("trace_id").to_pylist()) == ["t0", "t1", "t2"]
     assert table.schema.field("logprobs").type == pa.list_(pa.float32())
     assert TraceLog(tmp_path).append([make_trace(3)]).name == "part-000002.parquet"
+
+
+# The column types of every Parquet part written so far: a trace log must stay readable.
+PARQUET_COLUMNS = [
+    ("trace_id", pa.string()), ("group_id", pa.string()), ("prompt_id", pa.string()),
+    ("worker_id", pa.int32()), ("policy_version", pa.int64()), ("kv_policy", pa.string()),
+    ("prompt_token_ids", pa.list_(pa.int32())), ("completion_token_ids", pa.list_(pa.int32())),
+    ("logprobs", pa.list_(pa.float32())), ("finish_reason", pa.string()), ("temperature", pa.float32()),
+    ("weight_update_token_index", pa.int32()), ("forced", pa.list_(pa.bool_())), ("reward", pa.float64()),
+    ("reward_components", pa.map_(pa.string(), pa.float64())), ("answer", pa.string()),
+    ("completion_text", pa.string()), ("num_tokens", pa.int32()), ("peak_visible_kv", pa.int32()),
+    ("mean_visible_kv", pa.float64()), ("decode_seconds", pa.float64()),
+]
+
+
+def test_trace_schema_is_the_parquet_columns_in_field_order():
+    # catches: a Trace field whose Arrow type changed (int32 -> int64, float32 -> float64, ...) or a
+    # field added, removed or moved, so the trace log would no longer read the parts already written
+    assert TRACE_SCHEMA.equals(pa.schema(PARQUET_COLUMNS))
+    assert TRACE_SCHEMA.names == [f.name for f in Trace.__dataclass_fields__.values()]
+
+
+def test_a_trace_field_without_an_arrow_type_is_refused():
+    # catches: a field added to Trace as a plain ``int`` that the derivation would skip or guess,
+    # leaving the dataclass and the Parquet schema out of step
+    extended = make_dataclass("Extended", [("extra", int, field(default=0))], bases=(Trace,))
+    with pytest.raises(TypeError, match=r"Extended\.extra needs exactly one Arrow type"):
+        arrow_schema(extended)
+    typed = make_dataclass("Typed", [("extra", Int32, field(default=0))], bases=(Trace,))
+    assert arrow_schema(typed).field("extra").type == pa.int32()

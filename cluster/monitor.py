@@ -1,23 +1,11 @@
-"""Monitoring: the driver's ``Monitor`` (metrics JSONL, W&B, progress bar, plots, summary) and the
-Ray custom metrics the actors export (``RolloutMetrics``, ``LearnerMetrics``).
+"""The driver's ``Monitor``: metrics.jsonl, W&B, a progress bar, plots and the end-of-run summary,
+with its settings (``MonitorConfig``, ``WandbConfig``).
 
-``Monitor.log(step, metrics)`` takes a flat dict of numbers. ``step`` counts optimizer steps done
-(1 after the first). These keys have a meaning to the progress bar, the plots and the summary;
-any other key is logged as it is:
-
-    reward                mean reward of the groups trained at this step
-    accuracy              fraction of those traces the verifier scored correct (optional)
-    visible_kv            mean visible KV tokens per decode step of those traces
-    rollout_tokens_per_s  generated tokens per second, all rollout workers together
-    learner_step_seconds  wall seconds of the learner step
-    stale_groups_dropped  groups dropped as too stale since the previous step (summed)
-
-Ray metrics (names as Prometheus shows them carry Ray's ``ray_`` prefix), tagged ``role``
-(rollout | learner) and ``worker_id``: ``sliderl_rollout_tokens_per_s``,
-``sliderl_visible_kv_tokens``, ``sliderl_reward``, ``sliderl_learner_step_seconds`` (histogram),
-``sliderl_staleness_versions``, ``sliderl_weight_sync_seconds`` (histogram),
-``sliderl_queue_depth`` and ``sliderl_learner_steps`` (counter). Create the metric classes inside
-the actor that records them: Ray metrics belong to the process that made them.
+``Monitor.log(step, metrics)`` takes a flat dict of numbers (``StepReport.as_dict()``, or an
+evaluation's). ``step`` counts optimizer steps done (1 after the first). The progress bar, the
+plots and the summary read some of ``StepReport``'s metrics by their field names (``KEYS``), each
+optional; any other key is logged as it is. The Ray metrics the actors export are in
+``cluster.ray_metrics``.
 """
 
 from __future__ import annotations
@@ -35,19 +23,14 @@ from typing import Any, Literal
 from pydantic import Field
 
 from cluster.config import Section
+from cluster.step_report import KEYS
 
-REWARD = "reward"
-ACCURACY = "accuracy"
-VISIBLE_KV = "visible_kv"
-TOKENS_PER_S = "rollout_tokens_per_s"
-STEP_SECONDS = "learner_step_seconds"
-STALE_DROPPED = "stale_groups_dropped"
 RESERVED = ("step", "elapsed_s")  # written by the Monitor on every JSONL line
 
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.txt"
 WANDB_ID_FILE = "wandb_run_id"
-PLOTS = {REWARD: ("reward.png", "reward"), VISIBLE_KV: ("visible_kv.png", "visible KV tokens")}
+PLOTS = {KEYS.reward: ("reward.png", "reward"), KEYS.visible_kv: ("visible_kv.png", "visible KV tokens")}
 
 
 # -------------------------------------------------------------------------------------- config
@@ -250,7 +233,8 @@ def _progress_bar(total_steps: int, done: int):
 
 
 def _postfix(row: dict) -> str:
-    shown = [(REWARD, "reward", "{:.3f}"), (VISIBLE_KV, "kv", "{:.0f}"), (TOKENS_PER_S, "tok/s", "{:.0f}")]
+    shown = [(KEYS.reward, "reward", "{:.3f}"), (KEYS.visible_kv, "kv", "{:.0f}"),
+             (KEYS.rollout_tokens_per_s, "tok/s", "{:.0f}")]
     return " ".join(f"{label}={fmt.format(row[key])}" for key, label, fmt in shown if key in row)
 
 
@@ -294,12 +278,12 @@ def format_summary(run_dir: Path, history: dict[int, dict], total_steps: int, wa
         f"sliderl run {run_dir}",
         f"  steps            {last} / {total_steps}",
         f"  wall time        {_duration(wall_s)}",
-        f"  reward           {_first_last(history, REWARD)}",
-        f"  accuracy         {_first_last(history, ACCURACY)}",
-        f"  visible KV       {_mean(history, VISIBLE_KV, '{:.1f} tokens (mean over steps)')}",
-        f"  rollout tok/s    {_mean(history, TOKENS_PER_S, '{:.1f} (mean over steps)')}",
-        f"  learner step     {_mean(history, STEP_SECONDS, '{:.3f} s (mean)')}",
-        f"  stale dropped    {_total(history, STALE_DROPPED, '{:g} groups')}",
+        f"  reward           {_first_last_text(history, KEYS.reward)}",
+        f"  accuracy         {_first_last_text(history, KEYS.accuracy)}",
+        f"  visible KV       {_mean_text(history, KEYS.visible_kv, '{:.1f} tokens (mean over steps)')}",
+        f"  rollout tok/s    {_mean_text(history, KEYS.rollout_tokens_per_s, '{:.1f} (mean over steps)')}",
+        f"  learner step     {_mean_text(history, KEYS.learner_step_seconds, '{:.3f} s (mean)')}",
+        f"  stale dropped    {_total_text(history, KEYS.stale_groups_dropped, '{:g} groups')}",
         f"  traces           {_trace_count(run_dir)}",
         f"  metrics          {run_dir / METRICS_FILE}",
     ]
@@ -310,19 +294,19 @@ def format_summary(run_dir: Path, history: dict[int, dict], total_steps: int, wa
     return "\n".join(lines) + "\n"
 
 
-def _first_last(history: dict[int, dict], key: str) -> str:
+def _first_last_text(history: dict[int, dict], key: str) -> str:
     steps, values = _series(history, key)
     if not steps:
         return "n/a"
     return f"{values[0]:.4f} (step {steps[0]}) -> {values[-1]:.4f} (step {steps[-1]})"
 
 
-def _mean(history: dict[int, dict], key: str, fmt: str) -> str:
+def _mean_text(history: dict[int, dict], key: str, fmt: str) -> str:
     _, values = _series(history, key)
     return fmt.format(sum(values) / len(values)) if values else "n/a"
 
 
-def _total(history: dict[int, dict], key: str, fmt: str) -> str:
+def _total_text(history: dict[int, dict], key: str, fmt: str) -> str:
     _, values = _series(history, key)
     return fmt.format(sum(values)) if values else "n/a"
 
@@ -339,75 +323,3 @@ def _duration(seconds: float) -> str:
     minutes, secs = divmod(int(round(seconds)), 60)
     hours, minutes = divmod(minutes, 60)
     return f"{hours}h {minutes:02d}m {secs:02d}s" if hours else f"{minutes}m {secs:02d}s"
-
-
-# --------------------------------------------------------------------------------- Ray metrics
-
-_TAG_KEYS = ("role", "worker_id")
-_SECONDS_BUCKETS = [0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600]
-
-
-def _gauge(name: str, description: str, tags: dict[str, str]):
-    from ray.util.metrics import Gauge
-
-    return Gauge(name, description, tag_keys=_TAG_KEYS).set_default_tags(tags)
-
-
-def _histogram(name: str, description: str, tags: dict[str, str]):
-    from ray.util.metrics import Histogram
-
-    return Histogram(name, description, boundaries=_SECONDS_BUCKETS, tag_keys=_TAG_KEYS).set_default_tags(tags)
-
-
-def _counter(name: str, description: str, tags: dict[str, str]):
-    from ray.util.metrics import Counter
-
-    return Counter(name, description, tag_keys=_TAG_KEYS).set_default_tags(tags)
-
-
-class RolloutMetrics:
-    """A rollout worker's Ray metrics; make it inside the worker actor."""
-
-    def __init__(self, worker_id: int | str):
-        tags = {"role": "rollout", "worker_id": str(worker_id)}
-        self.tokens_per_s = _gauge("sliderl_rollout_tokens_per_s", "generated tokens per second", tags)
-        self.visible_kv = _gauge("sliderl_visible_kv_tokens", "mean visible KV tokens per decode step", tags)
-        self.reward = _gauge("sliderl_reward", "mean reward of the latest traces", tags)
-
-    def record(self, tokens_per_s: float | None = None, visible_kv: float | None = None,
-               reward: float | None = None) -> None:
-        """Set the latest values; None leaves a metric as it was."""
-        _set(self.tokens_per_s, tokens_per_s)
-        _set(self.visible_kv, visible_kv)
-        _set(self.reward, reward)
-
-
-class LearnerMetrics:
-    """The learner's Ray metrics; make it inside the learner actor."""
-
-    def __init__(self, worker_id: int | str = "learner"):
-        tags = {"role": "learner", "worker_id": str(worker_id)}
-        self.step_seconds = _histogram("sliderl_learner_step_seconds", "wall seconds per learner step", tags)
-        self.staleness = _gauge("sliderl_staleness_versions", "policy versions between sampling and training", tags)
-        self.weight_sync_seconds = _histogram("sliderl_weight_sync_seconds", "wall seconds per weight sync", tags)
-        self.queue_depth = _gauge("sliderl_queue_depth", "groups waiting in the trace queue", tags)
-        self.reward = _gauge("sliderl_reward", "mean reward of the trained groups", tags)
-        self.steps = _counter("sliderl_learner_steps", "learner steps done", tags)
-
-    def record(self, step_seconds: float | None = None, staleness: float | None = None,
-               weight_sync_seconds: float | None = None, queue_depth: float | None = None,
-               reward: float | None = None) -> None:
-        """Record one learner step (counted when ``step_seconds`` is given); None skips a value."""
-        if step_seconds is not None:
-            self.step_seconds.observe(float(step_seconds))
-            self.steps.inc()
-        if weight_sync_seconds is not None:
-            self.weight_sync_seconds.observe(float(weight_sync_seconds))
-        _set(self.staleness, staleness)
-        _set(self.queue_depth, queue_depth)
-        _set(self.reward, reward)
-
-
-def _set(gauge, value: float | None) -> None:
-    if value is not None:
-        gauge.set(float(value))

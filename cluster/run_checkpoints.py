@@ -1,4 +1,4 @@
-"""Checkpoints: ``run_dir/checkpoints/step_NNNNNN/`` = the learner's checkpoint + the driver's state.
+"""A run's checkpoints: ``run_dir/checkpoints/step_NNNNNN/`` = the learner's checkpoint + ``DriverState``.
 
 The learner writes its part (Hugging Face layout loadable by transformers and the engine, plus
 optimizer, version and RNG) with ``Learner.save_checkpoint``; the driver then writes
@@ -16,9 +16,14 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+from cluster.ledger import LedgerState
+
 MARKER = "COMPLETE"
-STATE_FILE = "driver_state.json"
+STATE_FILE = "driver_state.json"  # in every checkpoint, and the final state beside them
 _STEP_RE = re.compile(r"step_(\d{6,})")
+# driver_state.json before the ledger kept its own state: flat keys -> LedgerState fields
+_OLD_LEDGER_KEYS = {"trained_group_ids": "trained", "stale_group_ids": "stale",
+                    "duplicate_group_ids": "duplicates", "reissued_group_ids": "reissued"}
 
 
 @dataclass
@@ -29,11 +34,8 @@ class DriverState:
     version: int = 0  # learner policy version after ``step`` steps
     published_version: int = 0  # newest version the workers were given
     cursor: int = 0  # groups dealt from the prompt stream
-    outstanding: list[int] = field(default_factory=list)  # stream indices dealt but not resolved
-    trained_group_ids: list[str] = field(default_factory=list)
-    stale_group_ids: list[str] = field(default_factory=list)
-    duplicate_group_ids: list[str] = field(default_factory=list)
-    reissued_group_ids: list[str] = field(default_factory=list)
+    outstanding: list[int] = field(default_factory=list)  # stream indices dealt (or due again) but not resolved
+    ledger: LedgerState = field(default_factory=LedgerState)  # how each resolved group ended
     worker_restarts: int = 0
     learner_restarts: int = 0
 
@@ -42,9 +44,11 @@ class DriverState:
 
     @classmethod
     def from_json(cls, text: str) -> DriverState:
+        """Reads what ``to_json`` writes, and the flat ``*_group_ids`` keys written before ``ledger``."""
         data = json.loads(text)
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in known})
+        ledger = data.get("ledger") or {new: data[old] for old, new in _OLD_LEDGER_KEYS.items() if old in data}
+        known = {f.name for f in fields(cls)} - {"ledger"}
+        return cls(**{k: v for k, v in data.items() if k in known}, ledger=LedgerState(**ledger))
 
 
 class Checkpoints:
