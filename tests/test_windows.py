@@ -16,7 +16,7 @@ import torch
 
 from rollout.kv_policy import NEVER, KVPolicy
 from trainer.attention import FlexPolicyAttention, MaskedSDPA, PackedVisibility, flex_bucket, training_attention
-from trainer.masks import chunked_windows, full_window, training_windows, truncated_window
+from trainer.windows import chunked_windows, full_window, training_windows, truncated_window
 
 P, T, W = 5, 100, 8  # prompt tokens, generated tokens, window: T is much longer than k·W for k = 1, 2, 4
 
@@ -190,3 +190,31 @@ def test_compiled_flex_forward_and_backward_match_sdpa_on_cuda():
     assert (out - ref).abs().max() < 1e-4
     for g, rg in zip(grads, ref_grads):
         assert (g - rg).abs().max() < 1e-3
+
+
+def test_many_short_documents_batch_per_document_and_match_the_reference_with_gradients():
+    # catches: a wrong slot/gather map or a mask leaking across documents in the per-document SDPA
+    # (six windows of 7..20 tokens: 6·20² = 2400 mask entries < 73²/2, so sdpa batches by document)
+    specs = ["prefix_sliding:4", "full", "streaming:1:3", "sliding_window:5", "full", "prefix_sliding:2"]
+    parts, masks = [], []
+    for i, spec in enumerate(specs):
+        w = truncated_window(3, 4 + 3 * i, 100, 1)  # whole trace: 3 + 4 + 3i - 1 inputs
+        pos = w.input_positions()
+        death = KVPolicy.parse(spec).death_positions(w.prompt_len, torch.zeros(w.prompt_len + w.num_generated))
+        parts.append((pos, death[pos]))
+        masks.append(rule_mask(spec, pos.tolist(), w.prompt_len))
+    vis, mask = PackedVisibility.pack(parts), torch.block_diag(*masks).bool()
+    attn = training_attention(vis, "cpu", "sdpa")
+    assert isinstance(attn, MaskedSDPA) and attn.documents is not None
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(len(vis), h, 8, generator=gen, dtype=torch.float64, requires_grad=True) for h in (4, 2, 2))
+    weights = torch.randn(len(vis), 4, 8, generator=gen, dtype=torch.float64)
+    (attn(0, q, k, v) * weights).sum().backward()
+    got = [x.grad.clone() for x in (q, k, v)]
+    for x in (q, k, v):
+        x.grad = None
+    out = reference_attention(q, k, v, mask)
+    (out * weights).sum().backward()
+    torch.testing.assert_close(attn(0, q, k, v), out)
+    for g, x in zip(got, (q, k, v)):
+        torch.testing.assert_close(g, x.grad)
