@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cluster.weight_sync import FlatLayout, WeightSender
 from rollout.trace import Trace
+
+if TYPE_CHECKING:
+    from trainer.learner_args import LearnerArgs
 
 
 class LearnerActor:
@@ -21,7 +24,7 @@ class LearnerActor:
     ``model_path`` is ignored); else the learner starts from the HF directory ``model_path``.
     """
 
-    def __init__(self, model_path: str, learner_kwargs: dict[str, Any], sync_backend: str,
+    def __init__(self, model_path: str, args: LearnerArgs, sync_backend: str,
                  num_threads: int = 1, checkpoint: str | None = None):
         import torch
 
@@ -29,16 +32,16 @@ class LearnerActor:
 
         torch.set_num_threads(max(1, num_threads))
         if checkpoint is not None:
-            self.learner = Learner.from_checkpoint(checkpoint, **learner_kwargs)
+            self.learner = Learner.from_checkpoint(checkpoint, args)
         else:
-            self.learner = Learner(model_path, **learner_kwargs)
-        self.sender = WeightSender(sync_backend, learner_kwargs.get("device", "cpu"))
+            self.learner = Learner(model_path, args)
+        self.sender = WeightSender(sync_backend, args.device)
         self._metrics = _learner_metrics()
 
     def step(self, groups: list[list[Trace]]) -> dict[str, float]:
         """One optimizer step on ``groups``; the learner's metrics plus ``version`` and step seconds."""
         start = time.perf_counter()
-        metrics = dict(self.learner.step(groups))
+        metrics = self.learner.step(groups).as_dict()
         seconds = time.perf_counter() - start
         if self._metrics is not None:
             self._metrics.record(step_seconds=seconds)

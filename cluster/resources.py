@@ -166,12 +166,16 @@ def make_learner(cfg: TrainConfig, pg, model_path: str, checkpoint: str | None =
     import ray
 
     from cluster.learner_actor import LearnerActor
+    from trainer.algorithms import options_from_dict
+    from trainer.learner_args import LearnerArgs
 
     options = _options(cfg, pg, 0, cfg.learner.num_cpus, cfg.learner.num_gpus)
     kwargs = cfg.learner.learner_kwargs(cfg.train.seed)
-    kwargs["kv_policy"] = cfg.engine.kv
+    algo = kwargs.pop("algo")
+    algo_options = {"grpo": kwargs.pop("grpo"), "bonbon": kwargs.pop("bonbon")}.get(algo) or {}
+    args = LearnerArgs(**kwargs, algo=options_from_dict({"type": algo, **algo_options}), vocab_policy=cfg.engine.kv)
     return ray.remote(LearnerActor).options(max_restarts=0, **options).remote(
-        model_path, kwargs, cfg.weight_sync.backend, _threads(cfg.learner.num_cpus), checkpoint)
+        model_path, args, cfg.weight_sync.backend, _threads(cfg.learner.num_cpus), checkpoint)
 
 
 def make_worker(cfg: TrainConfig, pg, worker_id: int, model_path: str, version: int, trace_queue):
