@@ -3,7 +3,6 @@ few steps on a tiny model; the driver's books; weight-sync buffers; bad input ca
 actor starts. One Ray instance serves the whole module.
 """
 
-import dataclasses
 import json
 import os
 import socket
@@ -250,17 +249,21 @@ def test_unreachable_ray_address_is_a_clear_error(model_dir, tmp_path):
 
 
 def test_task_and_warm_start_settings_reach_the_generator_and_the_warm_start():
-    from trainer.warmstart import WarmStartSettings
+    from cluster.run_plan import warmstart_learner_args, warmstart_sft_args
 
     cfg = load_config(TrainConfig, None, ["task.min_value=40", "task.max_value=60", "warmstart.target_accuracy=0.3"])
     for problem in cfg.task.arith().problems(50):
         lines = problem["solution"].split("\n")  # "<think>", the start value, step lines "a+5=52", ...
         values = [int(lines[1])] + [int(line.split("=")[1]) for line in lines if "=" in line]
         assert 40 <= min(values) and max(values) <= 60
-    assert cfg.warmstart.settings()["target_accuracy"] == 0.3
-    # every warm-start setting is a config key, and the default job's are the documented checkpoint's
-    assert set(TrainConfig().warmstart.settings()) == {f.name for f in dataclasses.fields(WarmStartSettings)}
-    assert WarmStartSettings(**TrainConfig().warmstart.settings()) == WarmStartSettings()
+    assert warmstart_sft_args(cfg).target_accuracy == 0.3
+    # the default job's warm start is the documented one: SFT through Learner with AdamW (0.9, 0.98), lr 1e-2,
+    # wd 0.01, 20 warm-up steps then cosine to 0.1 at 1500 steps, clip 1.0, the loss on every completion token
+    args, sft = warmstart_learner_args(TrainConfig()), warmstart_sft_args(TrainConfig())
+    assert (args.algo.type, args.lr, args.weight_decay, args.adam_betas, args.max_grad_norm, args.lr_schedule,
+            args.warmup_steps, args.total_steps, args.min_lr_ratio, args.window_mode) == \
+        ("sft", 1e-2, 0.01, (0.9, 0.98), 1.0, "cosine", 20, 1500, 0.1, "full")
+    assert (sft.steps, sft.batch_size, sft.check_every, sft.target_accuracy) == (1500, 16, 25, 0.4)
     with pytest.raises(ConfigError, match=r"unknown key 'target_acuracy' \(did you mean 'target_accuracy'\?\)"):
         load_config(TrainConfig, None, ["warmstart.target_acuracy=0.3"])
 
