@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cluster.weight_sync import FlatLayout, WeightSender
 from rollout.trace import Trace
 from trainer.learner_args import LearnerArgs
+
+if TYPE_CHECKING:
+    from trainer.learner_args import LearnerArgs
 
 
 class LearnerActor:
@@ -39,7 +42,7 @@ class LearnerActor:
     def step(self, groups: list[list[Trace]]) -> dict[str, float]:
         """One optimizer step on ``groups``; the learner's metrics plus ``version`` and step seconds."""
         start = time.perf_counter()
-        metrics = dict(self.learner.step(groups))
+        metrics = self.learner.step(groups).as_dict()
         seconds = time.perf_counter() - start
         if self._ray_metrics is not None:
             self._ray_metrics.record(step_seconds=seconds)

@@ -49,8 +49,9 @@ def warm_start(cfg: TrainConfig, model_path: str) -> str:
     train, held_out = stage_examples(stage, cfg.task)
     print(f"sliderl: warm start from {model_path} (at most {stage.sft.steps} SFT steps under {cfg.engine.kv}, "
           f"cached in {stage.cache_dir})", flush=True)
-    return str(cached_sft(stage.cache_dir, model_path, train, held_out, cfg.engine.kv, stage.learner,
-                          stage.sft))
+    result = cached_sft(stage.cache_dir, model_path, train, held_out, cfg.engine.kv, stage.learner, stage.sft)
+    print(f"sliderl: warm start {result.line()} -> {result.path}", flush=True)
+    return result.path
 
 
 def run_sft_job(cfg: SFTJobConfig):

@@ -3,7 +3,6 @@ few steps on a tiny model; the driver's books; weight-sync buffers; bad input ca
 actor starts. One Ray instance serves the whole module.
 """
 
-import dataclasses
 import json
 import os
 import socket
@@ -285,6 +284,13 @@ def test_task_and_warm_start_settings_reach_the_generator_and_the_sft_stage(tmp_
     problems = cfg.task.arith().problems(3 * 2 + 64, "train")
     assert [e.prompt for e in train_examples] == [p["prompt"] for p in problems[:6]]  # each problem seen once
     assert [e.completion for e in held_out] == [p["solution"] for p in problems[6:]]  # never trained on
+    # the default job's warm start is the documented one: SFT through Learner with AdamW (0.9, 0.98), lr 1e-2,
+    # wd 0.01, 20 warm-up steps then cosine to 0.1 at 1500 steps, clip 1.0, the loss on every completion token
+    args, sft = load_config(TrainConfig, None).warmstart.learner, load_config(TrainConfig, None).warmstart.sft
+    assert (args.algo.type, args.lr, args.weight_decay, args.adam_betas, args.max_grad_norm, args.lr_schedule,
+            args.warmup_steps, args.total_steps, args.min_lr_ratio, args.window_mode) == \
+        ("sft", 1e-2, 0.01, (0.9, 0.98), 1.0, "cosine", 20, 1500, 0.1, "full")
+    assert (sft.steps, sft.batch_size, sft.check_every, sft.target_accuracy) == (1500, 16, 25, 0.4)
     with pytest.raises(ConfigError, match=r"unknown key 'target_acuracy' \(did you mean 'target_accuracy'\?\)"):
         load_config(TrainConfig, None, ["warmstart.sft.target_acuracy=0.3"])
 

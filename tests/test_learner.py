@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -11,6 +12,7 @@ from transformers import AutoModelForCausalLM
 from rollout import LLM, SamplingParams
 from rollout.loader import load_model
 from rollout.trace import Trace
+from trainer.algorithms import BoNBoNOptions, GRPOOptions, SFTOptions
 from trainer.learner import Learner
 from trainer.logprobs import trace_logprobs
 
@@ -68,7 +70,7 @@ def test_grpo_gradient_matches_hf_reference_and_ignores_non_loss_tokens(tiny_mod
         noise = (torch.rand(W, generator=gen) - 0.5) * 0.6
         trace.logprobs = [-1e3] * (t - W) + (lp[-W:].detach() + noise).tolist()
     learner = Learner(str(path), lr=1e-3, max_grad_norm=1e9, multiplier=k, micro_batch_tokens=1,
-                      grpo=dict(clip_low=0.2, clip_high=0.28))
+                      algo=GRPOOptions(clip_low=0.2, clip_high=0.28))
     metrics = learner.step([traces])
     # reference: advantages r - mean = [+0.5, -0.5]; loss tokens = last 8 targets, minus trace 2's forced
     # j = 55, so 8 + 7 = 15 tokens; loss = sum over them of -min(r·A, clip(r, 0.8, 1.28)·A) / 15
@@ -80,9 +82,9 @@ def test_grpo_gradient_matches_hf_reference_and_ignores_non_loss_tokens(tiny_mod
         total = total - torch.minimum(ratio * adv, ratio.clamp(0.8, 1.28) * adv).sum()
     loss = total / 15
     loss.backward()
-    assert metrics["num_loss_tokens"] == 15 and metrics["loss"] == pytest.approx(loss.item(), abs=1e-5)
-    assert metrics["clip_frac_low"] + metrics["clip_frac_high"] > 0  # the test exercises clipping
-    assert metrics["num_micro_batches"] == 2 and metrics["version"] == 1
+    assert metrics.num_loss_tokens == 15 and metrics.loss == pytest.approx(loss.item(), abs=1e-5)
+    assert metrics.algorithm["clip_frac_low"] + metrics.algorithm["clip_frac_high"] > 0  # the test exercises clipping
+    assert metrics.num_micro_batches == 2 and metrics.version == 1
     mine = grads(learner.model)
     for name, p in hf.named_parameters():
         assert torch.allclose(mine[name], p.grad, atol=1e-6, rtol=1e-4), name
@@ -97,9 +99,9 @@ def test_step_on_a_4000_token_trace_with_window_256(tiny_model_factory):
     learner = Learner(str(path), lr=1e-3)
     before = learner.state_dict()
     m = learner.step([traces])
-    assert m["num_tokens"] == 2 * (P + 1024) and m["num_loss_tokens"] == 2 * 256
-    assert m["kl_mismatch"] < 1e-8 and m["logprob_diff_max"] < 1e-4
-    assert m["stepped"] == 1 and learner.version == 1 and math.isfinite(m["loss"]) and m["grad_norm"] > 0
+    assert m.num_tokens == 2 * (P + 1024) and m.num_loss_tokens == 2 * 256
+    assert m.kl_mismatch < 1e-8 and m.logprob_diff_max < 1e-4
+    assert m.stepped == 1 and learner.version == 1 and math.isfinite(m.loss) and m.grad_norm > 0
     after = learner.state_dict()
     assert any(not torch.equal(before[n], after[n]) for n in before)
 
@@ -109,15 +111,15 @@ def test_chunked_accumulation_equals_full_backprop_when_context_covers_the_recep
     so summing the chunks' gradients gives the whole-trace gradient (seq_mean_token_mean weights per trace)."""
     path = tiny_model_factory(arch="qwen3")
     traces = [with_model_logprobs(path, make_trace(i, 70 + 9 * i, reward=float(i))) for i in (0, 1)]  # 9, 10 chunks
-    grpo = dict(aggregation="seq_mean_token_mean")
-    chunked = Learner(str(path), window_mode="chunked", micro_batch_tokens=40, max_grad_norm=1e9, grpo=grpo)
-    full = Learner(str(path), window_mode="full", max_grad_norm=1e9, grpo=grpo)
-    checkpointed = Learner(str(path), window_mode="full", max_grad_norm=1e9, grpo=grpo, gradient_checkpointing=True)
+    grpo = GRPOOptions(aggregation="seq_mean_token_mean")
+    chunked = Learner(str(path), window_mode="chunked", micro_batch_tokens=40, max_grad_norm=1e9, algo=grpo)
+    full = Learner(str(path), window_mode="full", max_grad_norm=1e9, algo=grpo)
+    checkpointed = Learner(str(path), window_mode="full", max_grad_norm=1e9, algo=grpo, gradient_checkpointing=True)
     mc, mf = chunked.step([traces]), full.step([traces])
     checkpointed.step([traces])
-    assert mc["num_windows"] == 9 + 10 and mc["num_micro_batches"] > 5 and mf["num_windows"] == 2
-    assert mc["num_loss_tokens"] == mf["num_loss_tokens"] == 70 + 79
-    assert mc["loss"] == pytest.approx(mf["loss"], abs=1e-6)
+    assert mc.num_windows == 9 + 10 and mc.num_micro_batches > 5 and mf.num_windows == 2
+    assert mc.num_loss_tokens == mf.num_loss_tokens == 70 + 79
+    assert mc.loss == pytest.approx(mf.loss, abs=1e-6)
     gc, gf, gk = grads(chunked.model), grads(full.model), grads(checkpointed.model)
     for name in gf:
         assert torch.allclose(gc[name], gf[name], atol=1e-6, rtol=1e-4), name
@@ -131,23 +133,23 @@ def test_bonbon_pairs_best_and_worst_and_starts_at_zero_margin(tiny_model_factor
     parts = [dict(speedup=1.0, correctness=1.0), dict(speedup=2.0, correctness=0.0), dict(speedup=1.5, correctness=1.0)]
     group = [make_trace(i, 30, components=c) for i, c in enumerate(parts)]
     tie = [make_trace(10 + i, 30, components=dict(speedup=1.0, correctness=1.0)) for i in range(2)]
-    learner = Learner(str(path), algo="bonbon", lr=1e-2, bonbon=dict(quality_weight=2.0, beta=0.1, alpha=0.5))
+    learner = Learner(str(path), algo=BoNBoNOptions(quality_weight=2.0, beta=0.1, alpha=0.5), lr=1e-2)
     selection = learner.algorithm.select([group, tie])
     assert [t.trace_id for t in selection.traces] == ["t2", "t1"] and selection.roles == ["chosen", "rejected"]
     assert selection.metrics["no_pair_groups"] == 1
     m1 = learner.step([group, tie])
     # the policy starts equal to the frozen reference: h = 0, IPO = (0 - 1/(2·0.1))² = 25
-    assert m1["ipo/margin_mean"] == 0.0 and m1["ipo/loss"] == pytest.approx(25.0)
-    assert m1["loss"] == pytest.approx(0.5 * m1["sft/loss"] + 0.5 * 25.0, rel=1e-6)
+    assert m1.algorithm["ipo/margin_mean"] == 0.0 and m1.algorithm["ipo/loss"] == pytest.approx(25.0)
+    assert m1.loss == pytest.approx(0.5 * m1.algorithm["sft/loss"] + 0.5 * 25.0, rel=1e-6)
     m2 = learner.step([group])
-    assert m2["ipo/margin_mean"] != 0.0  # the reference stayed frozen while the policy moved
+    assert m2.algorithm["ipo/margin_mean"] != 0.0  # the reference stayed frozen while the policy moved
 
 
 def test_sft_loss_is_the_token_mean_nll_over_non_forced_tokens(tiny_model_factory):
     path = tiny_model_factory(arch="qwen3")
     traces = [make_trace(1, 12, spec="full", temperature=1.0, forced=[False] * 11 + [True]),
               make_trace(2, 5, spec="full", temperature=1.0)]
-    learner = Learner(str(path), algo="sft", lr=0.0)
+    learner = Learner(str(path), algo=SFTOptions(), lr=0.0)
     m = learner.step([traces])
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     nll = []
@@ -157,20 +159,20 @@ def test_sft_loss_is_the_token_mean_nll_over_non_forced_tokens(tiny_model_factor
             logp = torch.log_softmax(hf(ids).logits[0, P - 1:-1], -1)
         picked = logp.gather(1, torch.tensor(trace.completion_token_ids)[:, None])[:, 0]
         nll += [-x for x, f in zip(picked.tolist(), trace.forced or [False] * 5) if not f]
-    assert m["num_loss_tokens"] == 11 + 5
-    assert m["loss"] == pytest.approx(sum(nll) / 16, abs=1e-5)
+    assert m.num_loss_tokens == 11 + 5
+    assert m.loss == pytest.approx(sum(nll) / 16, abs=1e-5)
 
 
 def test_grpo_against_recomputed_logprobs_with_tis_and_reference_kl(tiny_model_factory):
     path = tiny_model_factory(arch="qwen3")
     traces = [make_trace(i, 30, reward=float(i)) for i in (0, 1)]  # sampler logprobs -5.0 everywhere
-    learner = Learner(str(path), lr=1e-2, grpo=dict(old_logprobs="recomputed", tis_cap=2.0, kl_coef=0.1))
+    learner = Learner(str(path), lr=1e-2, algo=GRPOOptions(old_logprobs="recomputed", tis_cap=2.0, kl_coef=0.1))
     m = learner.step([traces])
     # old = the trainer's own detached logprobs: every ratio is exactly 1, nothing clips; the policy
     # equals the frozen reference at the first step, so k3 KL is 0; the sampler's -5.0 only feeds TIS
-    assert m["ratio_mean"] == 1.0 and m["clip_frac_low"] == m["clip_frac_high"] == 0.0 and m["kl"] == 0.0
-    assert 0 < m["tis_weight_mean"] <= 2.0 and m["mismatch_kl"] > 0
-    assert learner.step([traces])["kl"] > 0  # the policy moved away from the reference
+    assert m.algorithm["ratio_mean"] == 1.0 and m.algorithm["clip_frac_low"] == m.algorithm["clip_frac_high"] == 0.0 and m.algorithm["kl"] == 0.0
+    assert 0 < m.algorithm["tis_weight_mean"] <= 2.0 and m.algorithm["mismatch_kl"] > 0
+    assert learner.step([traces]).algorithm["kl"] > 0  # the policy moved away from the reference
 
 
 # ---- bad input ------------------------------------------------------------------------------------
@@ -189,18 +191,18 @@ def test_bad_input_raises_or_is_counted_never_nan(tiny_model_factory):
     flat = [make_trace(5, 20, reward=1.0), make_trace(6, 20, reward=1.0)]
     all_forced = [make_trace(7, 4, reward=1.0, forced=[True] * 4), make_trace(8, 4, reward=0.0, forced=[True] * 4)]
     m = learner.step([nan_group, flat, all_forced])  # nothing to train on: counted, not stepped
-    assert m["skipped_groups_nonfinite_reward"] == 1 and m["zero_variance_groups"] == 1
-    assert m["skipped_traces_no_loss"] == 2 and m["stepped"] == 0 and m["loss"] == 0.0
+    assert m.algorithm["skipped_groups_nonfinite_reward"] == 1 and m.algorithm["zero_variance_groups"] == 1
+    assert m.skipped_traces_no_loss == 2 and m.stepped == 0 and m.loss == 0.0
     assert learner.version == 0
     m = learner.step([nan_group, good])
-    assert m["stepped"] == 1 and m["skipped_groups_nonfinite_reward"] == 1 and math.isfinite(m["loss"])
-    with pytest.raises(ValueError, match="unknown algorithm 'ppo'"):
-        Learner(str(path), algo="ppo")
-    with pytest.raises(ValueError, match="not 'chunked'"):
-        Learner(str(path), algo="bonbon", window_mode="chunked")
+    assert m.stepped == 1 and m.algorithm["skipped_groups_nonfinite_reward"] == 1 and math.isfinite(m.loss)
+    with pytest.raises(ValueError, match="type must be one of grpo, bonbon, sft, got 'ppo'"):
+        Learner(str(path), algo=dict(type="ppo"))
+    with pytest.raises(ValueError, match="got 'chunked'"):
+        Learner(str(path), algo=BoNBoNOptions(), window_mode="chunked")
     with pytest.raises(ValueError, match=r"unknown grpo option\(s\) \['clip'\]"):
-        Learner(str(path), grpo=dict(clip=0.2))
-    bonbon = Learner(str(path), algo="bonbon")
+        Learner(str(path), algo=dict(type="grpo", clip=0.2))
+    bonbon = Learner(str(path), algo=BoNBoNOptions())
     with pytest.raises(ValueError, match=r"no reward component\(s\) \['speedup'\]"):
         bonbon.step([[make_trace(1, 5, components=dict(correctness=1.0)), make_trace(2, 5)]])
 
@@ -209,7 +211,7 @@ def test_bad_input_raises_or_is_counted_never_nan(tiny_model_factory):
 def test_checkpoint_round_trip_resumes_exactly_and_loads_elsewhere(tiny_model_factory, tmp_path):
     path = tiny_model_factory(arch="qwen3")  # its tokenizer has no <reg_i>: the learner adds two
     groups = [[make_trace(i, 20, spec="registers:2", reward=float(i)) for i in (0, 1)]]
-    learner = Learner(str(path), lr=1e-2, kv_policy="registers:2", seed=3)
+    learner = Learner(str(path), lr=1e-2, vocab_policy="registers:2", seed=3)
     learner.step(groups)
     ckpt = tmp_path / "ckpt"
     learner.save_checkpoint(ckpt)
@@ -217,7 +219,7 @@ def test_checkpoint_round_trip_resumes_exactly_and_loads_elsewhere(tiny_model_fa
     rng_after_save = torch.rand(3)
     resumed = Learner.from_checkpoint(ckpt)
     assert torch.equal(torch.rand(3), rng_after_save)  # RNG state restored
-    assert resumed.version == 1 and resumed.config == learner.config
+    assert resumed.version == 1 and resumed.args == learner.args
     b = resumed.state_dict()
     assert saved.keys() == b.keys() and all(torch.equal(saved[n], b[n]) for n in saved)
     sa, sb = learner.optimizer.state_dict()["state"], resumed.optimizer.state_dict()["state"]
@@ -232,6 +234,105 @@ def test_checkpoint_round_trip_resumes_exactly_and_loads_elsewhere(tiny_model_fa
     hf_weights = {n: p.detach() for n, p in hf.named_parameters()}
     assert hf_weights.keys() == saved.keys() and all(torch.equal(hf_weights[n], saved[n]) for n in saved)
     llm = LLM(str(ckpt), kv="registers:2", block_size=4, num_blocks=64)
-    assert llm.policy.register_ids == learner.policy.register_ids
+    assert llm.policy.register_ids == learner.vocab_policy.register_ids
     assert torch.equal(llm.model.model.embed_tokens.weight, saved["model.embed_tokens.weight"])
     assert len(llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0.0))[0].token_ids) == 4
+
+
+# ---- settings: the lr schedule, option records, the trace's own policy -----------------------------
+def test_lr_schedule_warms_up_then_follows_the_cosine_and_resumes_from_a_checkpoint(tiny_model_factory, tmp_path):
+    # catches: an off-by-one in the warm-up or cosine, a schedule that is not applied to the optimizer,
+    # or one that restarts after from_checkpoint
+    from trainer.learner_args import LearnerArgs
+
+    args = LearnerArgs(algo=SFTOptions(), lr=0.1, lr_schedule="cosine", warmup_steps=2, total_steps=6,
+                       min_lr_ratio=0.2)
+    # step s < 2: 0.1·(s+1)/2 = 0.05, 0.1; then p = (s-2)/4 and lr = 0.1·(0.2 + 0.8·(1 + cos(pi·p))/2):
+    # s=2: p=0 -> 0.1; s=3: p=1/4 -> 0.1·(0.2 + 0.4·1.70711) = 0.0882843; s=4: p=1/2 -> 0.1·0.6 = 0.06;
+    # s=5: p=3/4 -> 0.1·(0.2 + 0.4·0.29289) = 0.0317157; s=6: p=1 -> 0.02; s=7: held at 0.02
+    expected = [0.05, 0.1, 0.1, 0.0882843, 0.06, 0.0317157, 0.02, 0.02]
+    assert [args.lr_at(s) for s in range(8)] == pytest.approx(expected, abs=1e-7)
+    assert LearnerArgs(lr=0.1, warmup_steps=4).lr_at(1) == pytest.approx(0.05)  # 0.1·2/4
+    assert LearnerArgs(lr=0.1, warmup_steps=4).lr_at(9) == 0.1  # constant after the warm-up
+    path = tiny_model_factory(arch="qwen3")
+    traces = [make_trace(i, 6, spec="full", logprobs=[]) for i in (1, 2)]
+    learner = Learner(str(path), args)
+    seen = []
+    for _ in range(4):
+        m = learner.step([traces])
+        seen.append((m.lr, learner.optimizer.param_groups[0]["lr"]))
+    learner.save_checkpoint(tmp_path / "ckpt")
+    resumed = Learner.from_checkpoint(tmp_path / "ckpt")
+    assert resumed.args == args
+    seen += [(resumed.step([traces]).lr, resumed.optimizer.param_groups[0]["lr"]) for _ in range(4)]
+    assert [a for a, _ in seen] == pytest.approx(expected, abs=1e-7)
+    assert [b for _, b in seen] == pytest.approx(expected, abs=1e-7)  # what AdamW actually used
+
+
+def test_each_trace_is_trained_under_its_own_policy_whatever_the_vocab_policy(tiny_model_factory):
+    # catches: masks taken from the learner's vocab_policy instead of trace.kv_policy (the old override)
+    path = tiny_model_factory(arch="qwen3")
+    # 60 generated tokens under prefix_sliding:8, scored by the sampler under that policy; a sliding_window:3
+    # or full mask would see other keys and move the recomputed logprobs far from the sampler's
+    traces = [with_model_logprobs(path, make_trace(i, 60, reward=float(i))) for i in (0, 1)]
+    for vocab_policy in (None, "sliding_window:3", "full"):
+        learner = Learner(str(path), window_mode="full", vocab_policy=vocab_policy)
+        m = learner.step([traces])
+        assert m.kl_mismatch < 1e-8 and m.logprob_diff_max < 1e-4, vocab_policy
+
+
+def test_option_records_reject_unknown_and_ill_formed_options_with_a_clear_message():
+    # catches: options accepted without their bounds checked, or a typo passing silently
+    from pydantic import TypeAdapter, ValidationError
+
+    from trainer.algorithms import BoNBoNOptions, options_from_dict
+    from trainer.learner_args import LearnerArgs
+
+    with pytest.raises(ValueError, match="clip_low must be >= 0, got -0.1"):
+        GRPOOptions(clip_low=-0.1)
+    with pytest.raises(ValueError, match="aggregation must be one of token_mean, seq_mean_token_mean, constant"):
+        GRPOOptions(aggregation="mean")
+    with pytest.raises(ValueError, match="constant_norm must be > 0 with aggregation='constant'"):
+        GRPOOptions(aggregation="constant")
+    with pytest.raises(ValueError, match="tis_cap must be None unless old_logprobs='recomputed'"):
+        GRPOOptions(tis_cap=2.0)
+    with pytest.raises(ValueError, match=r"alpha must be in \[0, 1\], got 1.5"):
+        BoNBoNOptions(alpha=1.5)
+    with pytest.raises(ValueError, match=r"unknown bonbon option\(s\) \['gamma'\]; valid: \['alpha', 'beta'"):
+        options_from_dict(dict(type="bonbon", gamma=1.0))
+    with pytest.raises(ValueError, match="total_steps must be > 0 with lr_schedule 'cosine'"):
+        LearnerArgs(lr_schedule="cosine")
+    with pytest.raises(ValueError, match=r"adam_betas must be two numbers in \[0, 1\), got \(0.9, 1.0\)"):
+        LearnerArgs(adam_betas=(0.9, 1.0))
+    with pytest.raises(ValueError, match="device must be cpu, cuda or cuda:N, got 'gpu'"):
+        LearnerArgs(device="gpu")
+    # the job config validates the records directly: extra keys rejected, __post_init__ errors surfaced
+    adapter = TypeAdapter(LearnerArgs)
+    assert adapter.validate_python({"algo": {"type": "bonbon", "alpha": 0.1}, "lr": 1e-3}).algo == BoNBoNOptions(alpha=0.1)
+    with pytest.raises(ValidationError, match="clip"):
+        adapter.validate_python({"algo": {"type": "grpo", "clip": 0.2}})
+    with pytest.raises(ValidationError, match="kl_coef must be >= 0"):
+        adapter.validate_python({"algo": {"type": "grpo", "kl_coef": -1}})
+    schema = json.dumps(adapter.json_schema())
+    assert "Peak AdamW learning rate" in schema and "Lower PPO clip" in schema  # field docstrings are the help
+
+
+def test_sft_accepts_traces_without_sampler_logprobs_and_grpo_rejects_them(tiny_model_factory):
+    # catches: SFT data (no sampler logprobs) refused by SFT, or silently accepted by GRPO (its ratio needs them)
+    path = tiny_model_factory(arch="qwen3")
+    traces = [make_trace(i, 10, spec="full", reward=float(i), logprobs=[]) for i in (0, 1)]
+    m = Learner(str(path), algo=SFTOptions(), lr=1e-3).step([traces])
+    assert m.stepped and m.num_loss_tokens == 20 and math.isfinite(m.loss)
+    assert m.kl_mismatch is None and m.kl_mismatch_k1 is None and m.logprob_diff_max is None
+    assert "kl_mismatch" not in m.as_dict() and m.as_dict()["stepped"] == 1.0
+    with pytest.raises(ValueError, match=r"trace 't0' has 0 sampler logprobs for 10 completion tokens \(grpo needs"):
+        Learner(str(path)).step([traces])
+
+
+def test_a_registers_trace_after_step_one_needs_the_vocab_policy(tiny_model_factory):
+    # catches: the vocabulary grown (and the optimizer reset) after training started
+    path = tiny_model_factory(arch="qwen3")
+    learner = Learner(str(path), lr=1e-3)
+    learner.step([[make_trace(i, 20, reward=float(i)) for i in (0, 1)]])
+    with pytest.raises(ValueError, match=r"trace 't2'.*vocab_policy='registers:2'"):
+        learner.step([[make_trace(i, 20, spec="registers:2", reward=float(i)) for i in (2, 3)]])

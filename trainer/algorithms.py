@@ -14,8 +14,8 @@ logprobs and a loss mask, all ``[n]`` per row; ``pad`` turns them into the ``[B,
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import ClassVar
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import Tensor
@@ -25,6 +25,102 @@ from trainer.losses import (AGGREGATIONS, BONBON_NUM_SAMPLES, LossOutput, bonbon
                             group_advantages, grpo_loss, latency_aware_score, preference_pairs, sft_loss)
 
 OLD_LOGPROBS = ("sampler", "recomputed")
+RECORD_CONFIG: dict[str, Any] = {"extra": "forbid", "use_attribute_docstrings": True}
+
+
+@dataclass(frozen=True)
+class GRPOOptions:
+    """GRPO's options (``GRPO``; the loss is ``trainer.losses.grpo_loss``)."""
+
+    __pydantic_config__: ClassVar[dict] = RECORD_CONFIG
+    type: Literal["grpo"] = "grpo"
+    """The algorithm: grpo."""
+    clip_low: float = 0.2
+    """Lower PPO clip: ratios below 1 - clip_low are clipped (>= 0)."""
+    clip_high: float = 0.28
+    """Upper PPO clip: ratios above 1 + clip_high are clipped (>= 0; clip-higher keeps exploration)."""
+    tis_cap: float | None = None
+    """Truncated importance weight cap on exp(recomputed - sampler) (> 0; needs old_logprobs recomputed); None: off."""
+    kl_coef: float = 0.0
+    """Weight of the k3 KL to the frozen reference model (>= 0; 0 loads no reference)."""
+    aggregation: Literal["token_mean", "seq_mean_token_mean", "constant"] = "token_mean"
+    """token_mean: over every loss token of the step; seq_mean_token_mean: each trace's token mean, then
+    the mean over traces; constant: the step's sum / constant_norm."""
+    constant_norm: float | None = None
+    """Divisor of the constant aggregation (> 0; required by it)."""
+    scale_by_std: bool = False
+    """Divide each group's advantages by its reward standard deviation (+ eps)."""
+    eps: float = 1e-6
+    """Added to the group's standard deviation when scale_by_std (> 0)."""
+    old_logprobs: Literal["sampler", "recomputed"] = "sampler"
+    """The ratio's denominator: the sampler's logprobs, or the trainer's own detached (the sampler's then
+    feed mismatch_kl and the TIS weight)."""
+
+    def __post_init__(self) -> None:
+        _check_type(self, "grpo")
+        for name in ("clip_low", "clip_high", "kl_coef"):
+            require_field(self, name, getattr(self, name) >= 0, ">= 0")
+        require_field(self, "eps", self.eps > 0, "> 0")
+        require_field(self, "aggregation", self.aggregation in AGGREGATIONS, f"one of {', '.join(AGGREGATIONS)}")
+        require_field(self, "old_logprobs", self.old_logprobs in OLD_LOGPROBS, f"one of {', '.join(OLD_LOGPROBS)}")
+        require_field(self, "constant_norm", self.constant_norm is None or self.constant_norm > 0, "> 0 or None")
+        if self.aggregation == "constant" and self.constant_norm is None:
+            raise ValueError("constant_norm must be > 0 with aggregation='constant', got None")
+        require_field(self, "tis_cap", self.tis_cap is None or self.tis_cap > 0, "> 0 or None")
+        if self.tis_cap is not None and self.old_logprobs != "recomputed":
+            raise ValueError(f"tis_cap must be None unless old_logprobs='recomputed' (it weights by "
+                             f"exp(recomputed - sampler)), got {self.tis_cap}")
+
+
+@dataclass(frozen=True)
+class BoNBoNOptions:
+    """BoNBoN's options (``BoNBoN``; the loss is ``trainer.losses.bonbon_loss``)."""
+
+    __pydantic_config__: ClassVar[dict] = RECORD_CONFIG
+    type: Literal["bonbon"] = "bonbon"
+    """The algorithm: bonbon."""
+    alpha: float = 0.005
+    """Weight of the SFT term on the best sample, in [0, 1]; the IPO term gets 1 - alpha."""
+    beta: float = bonbon_beta(BONBON_NUM_SAMPLES)
+    """IPO's beta (> 0): the margin target is 1 / (2 beta); default bonbon_beta(10)."""
+    quality_weight: float = 1.0
+    """λ of the latency-aware score speedup + λ·quality (>= 0)."""
+    speedup_key: str | None = "speedup"
+    """Reward component holding the speedup; None scores by quality alone."""
+    quality_key: str = "correctness"
+    """Reward component holding the quality."""
+
+    def __post_init__(self) -> None:
+        _check_type(self, "bonbon")
+        require_field(self, "alpha", 0 <= self.alpha <= 1, "in [0, 1]")
+        require_field(self, "beta", self.beta > 0, "> 0")
+        require_field(self, "quality_weight", self.quality_weight >= 0, ">= 0")
+        require_field(self, "quality_key", bool(self.quality_key), "a reward component name")
+
+
+@dataclass(frozen=True)
+class SFTOptions:
+    """SFT has no options: every trace is a target, the loss is the masked token-mean NLL."""
+
+    __pydantic_config__: ClassVar[dict] = RECORD_CONFIG
+    type: Literal["sft"] = "sft"
+    """The algorithm: sft."""
+
+    def __post_init__(self) -> None:
+        _check_type(self, "sft")
+
+
+AlgorithmOptions = GRPOOptions | BoNBoNOptions | SFTOptions
+
+
+def require_field(record, name: str, ok: bool, valid: str) -> None:
+    """Raise ``ValueError("<name> must be <valid>, got <value>")`` unless ``ok``: a record's field check."""
+    if not ok:
+        raise ValueError(f"{name} must be {valid}, got {getattr(record, name)!r}")
+
+
+def _check_type(record, name: str) -> None:
+    require_field(record, "type", record.type == name, repr(name))
 
 
 @dataclass
@@ -52,7 +148,7 @@ class Row:
     advantage: float
     role: str
     loss_mask: Tensor  # [n] bool
-    behaviour: Tensor  # [n] float32, the sampler's logprobs of the targets
+    behaviour: Tensor | None  # [n] float32, the sampler's logprobs of the targets; None for SFT data
     logprobs: Tensor | None = None  # [n] float32 recomputed, with grad
     ref_logprobs: Tensor | None = None  # [n] float32 under the frozen reference, no grad
 
@@ -77,14 +173,6 @@ def pad(rows: list[Row], attr: str, fill: float = 0.0) -> Tensor:
     return out
 
 
-def _options(name: str, given: dict | None, defaults: dict) -> dict:
-    given = dict(given or {})
-    unknown = sorted(set(given) - set(defaults))
-    if unknown:
-        raise ValueError(f"unknown {name} option(s) {unknown}; valid: {sorted(defaults)}")
-    return {**defaults, **given}
-
-
 def _finite(values: list[float]) -> bool:
     return all(isinstance(v, (int, float)) and math.isfinite(v) for v in values)
 
@@ -93,7 +181,9 @@ class Algorithm:
     """Base: every trace of every group trains, one unit each."""
 
     name: ClassVar[str] = ""
+    Options: ClassVar[type]
     uses_pairs: ClassVar[bool] = False  # rows of a unit must see each other's whole loss (one window each)
+    needs_sampler_logprobs: ClassVar[bool] = True  # False: traces may carry no sampler logprobs (SFT data)
 
     @property
     def needs_reference(self) -> bool:
@@ -109,7 +199,7 @@ class Algorithm:
 class GRPO(Algorithm):
     """Group-relative policy gradient over ``trace.reward`` (``trainer.losses.grpo_loss``).
 
-    Options (``grpo={...}``): clip_low, clip_high, tis_cap, kl_coef, constant_norm as in
+    Options (``GRPOOptions``): clip_low, clip_high, tis_cap, kl_coef, constant_norm as in
     ``grpo_loss``; aggregation ``token_mean`` (over every loss token of the step),
     ``seq_mean_token_mean`` (each trace's token mean over all its windows, then the mean over
     traces) or ``constant`` (sum over the step / constant_norm); scale_by_std and eps for
@@ -119,25 +209,14 @@ class GRPO(Algorithm):
     """
 
     name = "grpo"
-    DEFAULTS = dict(clip_low=0.2, clip_high=0.28, tis_cap=None, kl_coef=0.0, aggregation="token_mean",
-                    constant_norm=None, scale_by_std=False, eps=1e-6, old_logprobs="sampler")
+    Options = GRPOOptions
 
-    def __init__(self, options: dict | None = None):
-        self.options = _options("grpo", options, self.DEFAULTS)
-        aggregation = self.options["aggregation"]
-        if aggregation not in AGGREGATIONS:
-            raise ValueError(f"unknown grpo aggregation {aggregation!r}; valid: {', '.join(AGGREGATIONS)}")
-        if self.options["old_logprobs"] not in OLD_LOGPROBS:
-            raise ValueError(f"grpo old_logprobs must be one of {OLD_LOGPROBS}, got {self.options['old_logprobs']!r}")
-        norm = self.options["constant_norm"]
-        if aggregation == "constant" and not (norm or 0) > 0:
-            raise ValueError(f"grpo aggregation='constant' needs constant_norm > 0, got {norm}")
-        if self.options["tis_cap"] is not None and self.options["old_logprobs"] != "recomputed":
-            raise ValueError("grpo tis_cap weights by exp(recomputed - sampler) and needs old_logprobs='recomputed'")
+    def __init__(self, options: GRPOOptions = GRPOOptions()):
+        self.options = options
 
     @property
     def needs_reference(self) -> bool:
-        return self.options["kl_coef"] != 0.0
+        return self.options.kl_coef != 0.0
 
     def select(self, groups: list[list[Trace]]) -> Selection:
         sel = Selection(metrics={"zero_variance_groups": 0.0, "skipped_groups_nonfinite_reward": 0.0})
@@ -146,7 +225,7 @@ class GRPO(Algorithm):
             if not _finite(rewards):
                 sel.metrics["skipped_groups_nonfinite_reward"] += 1
                 continue
-            adv = group_advantages([rewards], scale_by_std=self.options["scale_by_std"], eps=self.options["eps"])
+            adv = group_advantages([rewards], scale_by_std=self.options.scale_by_std, eps=self.options.eps)
             if adv.num_zero_variance_groups:
                 sel.metrics["zero_variance_groups"] += 1
                 continue
@@ -159,23 +238,23 @@ class GRPO(Algorithm):
         weight, norm = self._weights(rows, totals)  # [B, T], scalar
         logprobs, behaviour = pad(rows, "logprobs"), pad(rows, "behaviour")
         mask = pad(rows, "loss_mask", False)
-        sampler_old = o["old_logprobs"] == "sampler"
+        sampler_old = o.old_logprobs == "sampler"
         return grpo_loss(
             logprobs, behaviour if sampler_old else logprobs.detach(),
             torch.tensor([r.advantage for r in rows], device=logprobs.device), mask * weight,
-            behaviour_logprobs=None if sampler_old else behaviour, clip_low=o["clip_low"],
-            clip_high=o["clip_high"], tis_cap=o["tis_cap"],
-            ref_logprobs=pad(rows, "ref_logprobs") if self.needs_reference else None, kl_coef=o["kl_coef"],
+            behaviour_logprobs=None if sampler_old else behaviour, clip_low=o.clip_low,
+            clip_high=o.clip_high, tis_cap=o.tis_cap,
+            ref_logprobs=pad(rows, "ref_logprobs") if self.needs_reference else None, kl_coef=o.kl_coef,
             aggregation="constant", constant_norm=norm)
 
     def _weights(self, rows: list[Row], totals: Totals) -> tuple[Tensor, float]:
         """Per-token weights and the normaliser that make the micro-batch sums add up to the step's aggregate."""
-        aggregation = self.options["aggregation"]
+        aggregation = self.options.aggregation
         ones = pad(rows, "loss_mask", False).float()
         if aggregation == "token_mean":
             return ones, float(totals.num_loss_tokens)
         if aggregation == "constant":
-            return ones, float(self.options["constant_norm"])
+            return ones, float(self.options.constant_norm)
         per_trace = torch.tensor([1.0 / totals.trace_loss_tokens[r.trace_index] for r in rows], device=ones.device)
         return ones * per_trace[:, None], float(totals.num_traces)
 
@@ -189,18 +268,17 @@ class BoNBoN(Algorithm):
     ``speedup_key=None`` scores by quality alone). A missing key is an error; groups with a
     non-finite score or all-equal scores give no pair and are skipped and counted.
     The IPO margin uses sequence sums over each trace's loss tokens (under truncation, its last W).
-    Options (``bonbon={...}``): alpha (0.005), beta (``bonbon_beta(10)``), quality_weight λ (1.0),
+    Options (``BoNBoNOptions``): alpha (0.005), beta (``bonbon_beta(10)``), quality_weight λ (1.0),
     speedup_key, quality_key. The SFT term is the token mean within a micro-batch; micro-batches
     are weighted by their share of the step's pairs (exact when all pairs fit in one micro-batch).
     """
 
     name = "bonbon"
+    Options = BoNBoNOptions
     uses_pairs = True
-    DEFAULTS = dict(alpha=0.005, beta=bonbon_beta(BONBON_NUM_SAMPLES), quality_weight=1.0,
-                    speedup_key="speedup", quality_key="correctness")
 
-    def __init__(self, options: dict | None = None):
-        self.options = _options("bonbon", options, self.DEFAULTS)
+    def __init__(self, options: BoNBoNOptions = BoNBoNOptions()):
+        self.options = options
 
     @property
     def needs_reference(self) -> bool:
@@ -208,13 +286,13 @@ class BoNBoN(Algorithm):
 
     def score(self, trace: Trace) -> float:
         o, parts = self.options, trace.reward_components
-        keys = [k for k in (o["speedup_key"], o["quality_key"]) if k is not None]
+        keys = [k for k in (o.speedup_key, o.quality_key) if k is not None]
         missing = [k for k in keys if k not in parts]
         if missing:
             raise ValueError(f"trace {trace.trace_id!r} has no reward component(s) {missing} for BoNBoN's score; "
                              f"it has {sorted(parts)} (set bonbon speedup_key/quality_key)")
-        speedup = parts[o["speedup_key"]] if o["speedup_key"] is not None else 0.0
-        return float(latency_aware_score(speedup, parts[o["quality_key"]], o["quality_weight"]))
+        speedup = parts[o.speedup_key] if o.speedup_key is not None else 0.0
+        return float(latency_aware_score(speedup, parts[o.quality_key], o.quality_weight))
 
     def select(self, groups: list[list[Trace]]) -> Selection:
         sel = Selection(metrics={"no_pair_groups": 0.0, "skipped_groups_nonfinite_reward": 0.0})
@@ -237,18 +315,23 @@ class BoNBoN(Algorithm):
         ref_sum = lambda rs: (pad(rs, "ref_logprobs") * pad(rs, "loss_mask", False)).sum(dim=1)  # noqa: E731  [P]
         out = bonbon_loss(pad(chosen, "logprobs"), pad(chosen, "loss_mask", False), pad(rejected, "logprobs"),
                           pad(rejected, "loss_mask", False), ref_sum(chosen), ref_sum(rejected),
-                          alpha=self.options["alpha"], beta=self.options["beta"])
+                          alpha=self.options.alpha, beta=self.options.beta)
         share = len(chosen) / totals.num_units
         return LossOutput(out.loss * share, {**out.metrics, "loss": out.metrics["loss"] * share})
 
 
 class SFT(Algorithm):
-    """Supervised warm start: every trace is a target; masked token-mean NLL over the whole step."""
+    """Supervised training: every trace is a target; masked token-mean NLL over the whole step.
+
+    The only algorithm that takes traces without sampler logprobs (``Trace.logprobs == []``, SFT data).
+    """
 
     name = "sft"
+    Options = SFTOptions
+    needs_sampler_logprobs = False
 
-    def __init__(self, options: dict | None = None):
-        _options("sft", options, {})
+    def __init__(self, options: SFTOptions = SFTOptions()):
+        self.options = options
 
     def select(self, groups: list[list[Trace]]) -> Selection:
         sel = Selection()
@@ -267,45 +350,22 @@ class SFT(Algorithm):
 ALGORITHMS: dict[str, type[Algorithm]] = {cls.name: cls for cls in (GRPO, BoNBoN, SFT)}
 
 
-def make_algorithm(name: str, grpo: dict | None = None, bonbon: dict | None = None) -> Algorithm:
-    """The registered algorithm ``name`` with its options."""
+def make_algorithm(options: AlgorithmOptions) -> Algorithm:
+    """The registered algorithm for ``options`` (its ``type``), built from the record."""
+    if options.type not in ALGORITHMS:
+        raise ValueError(f"unknown algorithm {options.type!r}; valid: {', '.join(ALGORITHMS)}")
+    return ALGORITHMS[options.type](options)
+
+
+def options_from_dict(data: dict[str, Any]) -> AlgorithmOptions:
+    """The options record of ``data["type"]`` from plain values; unknown keys are an error naming the valid ones."""
+    data = dict(data)
+    name = data.get("type", "grpo")
     if name not in ALGORITHMS:
-        raise ValueError(f"unknown algorithm {name!r}; valid: {', '.join(ALGORITHMS)}")
-    options = {"grpo": grpo, "bonbon": bonbon}.get(name)
-    return ALGORITHMS[name](options)
-
-
-# ---- STUB (lead's placeholder until the trainer branch merges) ----
-from typing import Literal  # noqa: E402
-
-_CONFIG = {"extra": "forbid", "use_attribute_docstrings": True}
-
-
-@dataclass(frozen=True)
-class GRPOOptions:
-    __pydantic_config__: ClassVar[dict] = _CONFIG
-    type: Literal["grpo"] = "grpo"
-    """grpo"""
-    clip_low: float = 0.2
-    """lower clip"""
-    clip_high: float = 0.28
-    """upper clip"""
-
-
-@dataclass(frozen=True)
-class BoNBoNOptions:
-    __pydantic_config__: ClassVar[dict] = _CONFIG
-    type: Literal["bonbon"] = "bonbon"
-    """bonbon"""
-    alpha: float = 0.005
-    """sft weight"""
-
-
-@dataclass(frozen=True)
-class SFTOptions:
-    __pydantic_config__: ClassVar[dict] = _CONFIG
-    type: Literal["sft"] = "sft"
-    """sft"""
-
-
-AlgorithmOptions = GRPOOptions | BoNBoNOptions | SFTOptions
+        raise ValueError(f"type must be one of {', '.join(ALGORITHMS)}, got {name!r}")
+    record = ALGORITHMS[name].Options
+    valid = {f.name for f in fields(record)}
+    unknown = sorted(set(data) - valid)
+    if unknown:
+        raise ValueError(f"unknown {name} option(s) {unknown}; valid: {sorted(valid - {'type'})}")
+    return record(**data)

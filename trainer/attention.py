@@ -17,8 +17,10 @@ Backends (all GQA-aware, scale 1/sqrt(D), output in q's dtype):
         by default. The stream is padded to a power-of-two bucket (>= 128) so a few compiled
         shapes serve every batch. torch 2.13 has no FlexAttention backward on CPU, and compiling it
         on CPU takes tens of seconds cold, so ``auto`` uses it on CUDA only.
-  sdpa  ``scaled_dot_product_attention`` with the dense ``[N, N]`` bool mask (the CPU training
-        path: forward and backward, activations O(N), the mask N² bytes), or ``is_causal`` when the
+  sdpa  ``scaled_dot_product_attention`` (the CPU training path, forward and backward): with the
+        dense ``[N, N]`` bool mask, or — when the stream holds many short documents, so that
+        D·T² (T the longest document) is under half of N² — over the documents as a padded
+        ``[D, T]`` batch with one ``[T, T]`` mask each (``DocumentBatch``), or ``is_causal`` when the
         stream is one document under ``full``.
   dense ``rollout.model.DenseAttention`` over the same mask (reference; float64 capable).
 """
@@ -85,6 +87,27 @@ class PackedVisibility:
 
         return visible
 
+    def document_batch(self) -> DocumentBatch:
+        """The stream as a ``[D, T]`` batch of its documents (T the longest), each with its own mask."""
+        counts = torch.bincount(self.doc, minlength=self.num_docs)  # [D]
+        width, num_docs = int(counts.max()), self.num_docs
+        starts = torch.cumsum(counts, 0) - counts  # [D]
+        offset = torch.arange(len(self), device=self.doc.device) - starts[self.doc]  # [N]
+        slot = self.doc * width + offset  # [N] flat index into [D * T]
+        gather = starts.repeat_interleave(width)  # pad slots read their document's first token
+        gather[slot] = torch.arange(len(self), device=self.doc.device)
+        mask = torch.eye(width, dtype=torch.bool, device=self.doc.device).repeat(num_docs, 1, 1)  # pads see themselves
+        for d in range(num_docs):
+            a, n = int(starts[d]), int(counts[d])
+            pos, death = self.positions[a:a + n], self.death[a:a + n]
+            mask[d, :n, :n] = visible_mask(pos, pos, death)
+        return DocumentBatch(gather.view(num_docs, width), slot, mask)
+
+    def prefers_document_batch(self) -> bool:
+        """True when padding the documents into one batch needs under half the dense mask's entries."""
+        counts = torch.bincount(self.doc, minlength=self.num_docs)
+        return self.num_docs > 1 and 2 * self.num_docs * int(counts.max()) ** 2 < len(self) ** 2
+
     def padded(self, n: int) -> PackedVisibility:
         """Append ``n - N`` pad tokens (document -1, position 0, death 1): they see only each other."""
         extra = n - len(self)
@@ -93,6 +116,15 @@ class PackedVisibility:
         fill = lambda value: torch.full((extra,), value, dtype=torch.int64, device=self.positions.device)  # noqa: E731
         return PackedVisibility(torch.cat([self.positions, fill(0)]), torch.cat([self.death, fill(1)]),
                                 torch.cat([self.doc, fill(-1)]))
+
+
+@dataclass(frozen=True)
+class DocumentBatch:
+    """A packed stream's D documents as a padded ``[D, T]`` batch (``PackedVisibility.document_batch``)."""
+
+    gather: Tensor  # [D, T] int64 stream index of each slot (a pad slot repeats its document's first token)
+    slot: Tensor  # [N] int64 index into the flattened [D * T] slots of each stream token
+    mask: Tensor  # [D, T, T] bool, one document's visibility each; pad slots see only themselves
 
 
 # ---------------------------------------------------------------- backends
@@ -109,21 +141,34 @@ def _tokens_first(x: Tensor) -> Tensor:
 
 
 class MaskedSDPA:
-    """``scaled_dot_product_attention`` over an explicit ``[N, N]`` bool mask, or causal when ``mask`` is None."""
+    """``scaled_dot_product_attention`` over an explicit ``[N, N]`` bool mask, causal when ``mask`` is None,
+    or over ``documents`` (a ``DocumentBatch``: one padded row and mask per document) when given."""
 
-    def __init__(self, mask: Tensor | None):
+    def __init__(self, mask: Tensor | None, documents: DocumentBatch | None = None):
         if mask is not None and (mask.dim() != 2 or mask.shape[0] != mask.shape[1] or mask.dtype != torch.bool):
             raise ValueError(f"MaskedSDPA mask must be a square [N, N] bool tensor, "
                              f"got {mask.dtype} {tuple(mask.shape)}")
         self.mask = mask
+        self.documents = documents
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """q: [N, H_q, D], k/v: [N, H_kv, D] -> [N, H_q, D]."""
+        if self.documents is not None:
+            return self._per_document(q, k, v)
         if self.mask is not None and self.mask.shape[0] != q.shape[0]:
             raise ValueError(f"MaskedSDPA mask is for {self.mask.shape[0]} tokens, got {q.shape[0]}")
         out = F.scaled_dot_product_attention(_heads_first(q), _heads_first(k), _heads_first(v),
                                              attn_mask=self.mask, is_causal=self.mask is None, enable_gqa=True)
         return _tokens_first(out)
+
+    def _per_document(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        docs = self.documents
+        if docs.slot.shape[0] != q.shape[0]:
+            raise ValueError(f"MaskedSDPA documents are for {docs.slot.shape[0]} tokens, got {q.shape[0]}")
+        batch = lambda x: x[docs.gather].transpose(1, 2)  # noqa: E731  [N, H, D] -> [B, H, T, D]
+        out = F.scaled_dot_product_attention(batch(q), batch(k), batch(v), attn_mask=docs.mask[:, None],
+                                             enable_gqa=True)  # [B, H_q, T, D]
+        return out.transpose(1, 2).flatten(0, 1)[docs.slot]  # [N, H_q, D]
 
 
 _compiled_flex = None
@@ -182,7 +227,8 @@ def training_attention(visibility: PackedVisibility, device: torch.device | str,
                        backend: str = "auto") -> AttentionBackend:
     """The attention backend for a packed stream on ``device``; ``backend`` in ``ATTENTION_BACKENDS``.
 
-    auto: causal SDPA for one ``full`` document; otherwise compiled flex on CUDA, masked SDPA on CPU.
+    auto: causal SDPA for one ``full`` document; otherwise compiled flex on CUDA, masked SDPA on CPU
+    (per document when that is cheaper, see the module docstring).
     """
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; valid: {', '.join(ATTENTION_BACKENDS)}")
@@ -196,4 +242,6 @@ def training_attention(visibility: PackedVisibility, device: torch.device | str,
         return FlexPolicyAttention(visibility)
     if backend == "dense":
         return DenseAttention(visibility.dense_mask())
+    if visibility.prefers_document_batch():
+        return MaskedSDPA(None, visibility.document_batch())
     return MaskedSDPA(visibility.dense_mask())

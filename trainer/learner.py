@@ -1,7 +1,7 @@
 """The Learner: one optimizer step over groups of traces (no Ray; ``cluster/`` wraps it in an actor).
 
 A step: the algorithm selects traces (skipping groups without signal) -> each trace is cut into
-training windows (``trainer.masks``) under its own KV policy -> windows are packed into
+training windows (``trainer.windows``) under its own KV policy -> windows are packed into
 micro-batches of about ``micro_batch_tokens`` input tokens -> per micro-batch: recompute logprobs
 (``trainer.logprobs``), the algorithm's share of the loss, backward -> clip, optimizer step.
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
@@ -24,46 +24,53 @@ from rollout.vocab import bind_policy_vocab
 from trainer.algorithms import Algorithm, Row, Selection, Totals, make_algorithm
 from trainer.checkpoint import (TRAINER_STATE, load_trainer_state, rng_state, save_hf_model, save_trainer_state,
                                 set_rng_state)
-from trainer.logprobs import PackedWindows, WindowInput, logprob_mismatch, pack_windows, packed_logprobs
-from trainer.masks import WINDOW_MODES, training_windows
+from trainer.learner_args import LearnerArgs
+from trainer.logprobs import PackedWindows, WindowInput, logprob_mismatch, pack_windows, packed_logits, packed_logprobs
+from trainer.windows import training_windows
 
 WINDOWED_KINDS = ("prefix_sliding", "sliding_window", "streaming")
 
 
 @dataclass(frozen=True)
-class LearnerConfig:
-    """The learner's settings (saved in checkpoints; ``from_checkpoint`` reuses them)."""
+class StepMetrics:
+    """What one ``Learner.step`` did; the field names are the metric names.
 
-    algo: str = "grpo"
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-    window_mode: str = "truncated"
-    multiplier: int = 4
-    micro_batch_tokens: int = 8192
-    device: str = "cpu"
-    dtype: str = "float32"
-    gradient_checkpointing: bool = False
-    seed: int = 0
-    grpo: dict | None = None
-    bonbon: dict | None = None
-    kv_policy: str | None = None
-    window: int | None = None
-    attention: str = "auto"
-    reference_model_path: str | None = None
+    The mismatch fields compare recomputed and sampler logprobs on the loss tokens
+    (``trainer.logprobs.Mismatch``); they are None when no trained trace carried sampler logprobs
+    (SFT data) or nothing was stepped.
+    """
 
-    def check(self) -> None:
-        if self.window_mode not in WINDOW_MODES:
-            raise ValueError(f"unknown window_mode {self.window_mode!r}; valid: {', '.join(WINDOW_MODES)}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype {self.dtype!r} is not supported; valid: {sorted(DTYPES)}")
-        for name in ("multiplier", "micro_batch_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.window is not None and self.window < 1:
-            raise ValueError(f"window must be >= 1 or None, got {self.window}")
-        if not self.max_grad_norm > 0:
-            raise ValueError(f"max_grad_norm must be > 0, got {self.max_grad_norm}")
+    loss: float  # the step's loss (0 when not stepped)
+    grad_norm: float  # before clipping
+    kl_mismatch: float | None  # mean k3 of recomputed vs sampler logprobs
+    kl_mismatch_k1: float | None  # mean (sampler - recomputed)
+    logprob_diff_max: float | None  # largest |sampler - recomputed|
+    num_tokens: int  # model inputs over all micro-batches
+    num_loss_tokens: int
+    num_traces: int  # traces with at least one loss token
+    num_windows: int
+    num_micro_batches: int
+    skipped_traces_no_loss: int  # selected traces without a loss token (all forced)
+    step_seconds: float
+    version: int  # the learner's version after the step
+    stepped: bool  # False when no group carried a training signal (version kept)
+    lr: float  # the learning rate of this step
+    algorithm: dict[str, float] = field(default_factory=dict)  # selection counts, token-weighted loss metrics
+
+    def as_dict(self) -> dict[str, float]:
+        """Flat floats, the algorithm's entries merged in, bools as 0/1, absent (None) fields left out."""
+        out = {k: float(v) for k, v in asdict(self).items() if k != "algorithm" and v is not None}
+        return {**out, **self.algorithm}
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """Teacher-forced scores over the loss tokens of some traces (``Learner.evaluate``)."""
+
+    loss: float  # mean NLL per loss token (nats, temperature 1)
+    token_accuracy: float  # fraction of loss tokens that are the model's argmax
+    exact_match: float  # fraction of traces whose every loss token is the argmax (= greedy decoding reproduces it)
+    num_traces: int  # traces with at least one loss token
 
 
 @dataclass
@@ -75,54 +82,43 @@ class MicroBatch:
 class Learner:
     """Trains a ``DecoderLM`` from traces; see the module docstring for one step.
 
-    model_path: a local HF model directory. algo: ``grpo`` | ``bonbon`` | ``sft`` (options in ``grpo``
-    / ``bonbon``, see ``trainer.algorithms``). window_mode: ``truncated`` (prompt + last k·W generated
-    tokens, loss on the last W), ``chunked`` (every token a loss once; not with bonbon) or ``full``.
-    W is the trace policy's window, or ``window`` when given; policies without one (full,
-    registers) train on the whole trace. kv_policy: train every trace under this spec instead of
-    its own; give ``registers:N`` here so ``<reg_i>`` rows exist before the first step and weight
-    sync (a registers trace can also grow the vocabulary lazily, but only before the first step).
-    attention: ``auto`` | ``flex`` | ``sdpa`` | ``dense`` (``trainer.attention``).
-    reference_model_path: the frozen reference for bonbon and GRPO's KL (default: model_path).
-    The optimizer is AdamW over every parameter, in the model's dtype.
+    ``Learner(model_path, args)`` with a ``LearnerArgs``, or ``Learner(model_path, lr=..., ...)``
+    whose keywords build (or, beside ``args``, replace fields of) the record. model_path: a local HF
+    model directory. Each trace trains under its own ``kv_policy``; W is that policy's window, or
+    ``args.window`` when given; policies without one (full, registers) train on the whole trace.
+    ``args.vocab_policy`` (e.g. ``registers:N``) adds that policy's tokens before the first step and
+    weight sync (a registers trace can also grow the vocabulary lazily, but only before step 1).
+    The optimizer is AdamW over every parameter, in the model's dtype, at ``args.lr_at(version)``.
     """
 
-    def __init__(self, model_path: str, *, algo: str = "grpo", lr: float = 1e-5, weight_decay: float = 0.0,
-                 max_grad_norm: float = 1.0, window_mode: str = "truncated", multiplier: int = 4,
-                 micro_batch_tokens: int = 8192, device: str = "cpu", dtype: str = "float32",
-                 gradient_checkpointing: bool = False, seed: int = 0, grpo: dict | None = None,
-                 bonbon: dict | None = None, kv_policy: str | None = None, window: int | None = None,
-                 attention: str = "auto", reference_model_path: str | None = None):
-        self.config = LearnerConfig(algo, lr, weight_decay, max_grad_norm, window_mode, multiplier,
-                                    micro_batch_tokens, device, dtype, gradient_checkpointing, seed, grpo, bonbon,
-                                    kv_policy, window, attention, reference_model_path or str(model_path))
-        self.config.check()
-        self.algorithm: Algorithm = make_algorithm(algo, grpo, bonbon)
-        if self.algorithm.uses_pairs and window_mode == "chunked":
-            raise ValueError(f"{algo} needs each trace's whole loss in one window; use window_mode 'truncated' "
-                             "or 'full', not 'chunked'")
-        torch.manual_seed(seed)
+    def __init__(self, model_path: str, args: LearnerArgs | None = None, **kwargs):
+        args = LearnerArgs(**kwargs) if args is None else replace(args, **kwargs)
+        self.args = args
+        self.algorithm: Algorithm = make_algorithm(args.algo)
+        torch.manual_seed(args.seed)
         self.model_path = str(model_path)
-        self.device = torch.device(device)
-        self.model = load_model(model_path, dtype=DTYPES[dtype], device=self.device).train()
-        self.model.gradient_checkpointing = gradient_checkpointing
+        self.device = torch.device(args.device)
+        self.model = load_model(model_path, dtype=DTYPES[args.dtype], device=self.device).train()
+        self.model.gradient_checkpointing = args.gradient_checkpointing
         self.tokenizer = load_tokenizer(model_path)
         self.reference = self._load_reference() if self.algorithm.needs_reference else None
         self.optimizer = self._make_optimizer()
         self.version = 0
         self._policies: dict[str, KVPolicy] = {}
-        self.policy = self._bind(kv_policy) if kv_policy else None
+        self.vocab_policy = self._bind(args.vocab_policy) if args.vocab_policy else None
         self._bind("full")  # grows the model when the tokenizer already has more tokens, as the engine does
 
     # ---- set-up -------------------------------------------------------------------------------
     def _load_reference(self):
-        reference = load_model(self.config.reference_model_path, dtype=DTYPES[self.config.dtype], device=self.device)
+        path = self.args.reference_model_path or self.model_path
+        reference = load_model(path, dtype=DTYPES[self.args.dtype], device=self.device)
         if len(self.tokenizer) > reference.config.vocab_size:
             reference.resize_vocab(len(self.tokenizer))
         return reference.eval().requires_grad_(False)
 
     def _make_optimizer(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.model.parameters(), lr=self.config.lr, weight_decay=self.config.weight_decay)
+        return torch.optim.AdamW(self.model.parameters(), lr=self.args.lr, weight_decay=self.args.weight_decay,
+                                 betas=self.args.adam_betas)
 
     def _bind(self, spec: str) -> KVPolicy:
         """The parsed policy bound to the tokenizer's ids; grows the vocabulary (and optimizer) if it must."""
@@ -134,7 +130,7 @@ class Learner:
                 any(t not in vocab for t in register_tokens(policy.num_registers)):
             raise ValueError(f"a {spec} trace needs <reg_i> tokens this learner's vocabulary lacks, and growing it "
                              f"after {self.version} steps would reset the optimizer; build the Learner with "
-                             f"kv_policy={spec!r}")
+                             f"vocab_policy={spec!r}")
         before = self.model.config.vocab_size
         bound = bind_policy_vocab(policy, self.tokenizer, self.model)
         if self.model.config.vocab_size != before:
@@ -145,44 +141,46 @@ class Learner:
         return bound
 
     # ---- one step -----------------------------------------------------------------------------
-    def step(self, groups: list[list[Trace]]) -> dict[str, float]:
+    def step(self, groups: list[list[Trace]]) -> StepMetrics:
         """One optimizer step over ``groups`` (each the n traces of one prompt), accumulating over micro-batches.
 
-        Returns float metrics: loss, grad_norm, kl_mismatch (mean k3 of recomputed vs sampler
-        logprobs on the loss tokens, see ``trainer.logprobs.Mismatch``), kl_mismatch_k1,
-        logprob_diff_max, num_tokens (model inputs), num_loss_tokens, num_traces, num_windows,
-        num_micro_batches, skipped_traces_no_loss, the algorithm's counts (zero_variance_groups,
-        no_pair_groups, skipped_groups_nonfinite_reward) and loss metrics (clip_frac_low/high,
-        ratio_mean, …, token-weighted over micro-batches), step_seconds, version, stepped.
-        When no group carries a training signal nothing is stepped (``stepped`` 0, version kept).
+        When no group carries a training signal nothing is stepped (``stepped`` False, version kept).
         Bad traces (unknown policy, wrong lengths, ids outside the vocabulary, non-finite sampler
         logprobs) raise ValueError; a non-finite loss or gradient raises FloatingPointError.
         """
         start = time.perf_counter()
-        for trace in (t for group in groups for t in group):
-            self._trace_policy(trace)
-            self._check_trace(trace)
+        self._check_groups(groups)
         selection = self.algorithm.select(groups)
         units, inputs, skipped = self._units(selection)
-        metrics = {**selection.metrics, "skipped_traces_no_loss": float(skipped)}
+        lr = self.args.lr_at(self.version)
         self.optimizer.zero_grad(set_to_none=True)
         if not units:
-            return self._finish(metrics, start, stepped=False)
+            return StepMetrics(0.0, 0.0, None, None, None, 0, 0, 0, 0, 0, skipped, time.perf_counter() - start,
+                               self.version, False, lr, dict(selection.metrics))
         totals = self._totals(units)
         batches = self._micro_batches(units, inputs)
         sums: dict[str, float] = {}
         for batch in batches:
             self._accumulate(batch, totals, sums)
-        metrics.update(self._averages(sums, totals))
-        metrics.update(num_traces=float(totals.num_traces), num_windows=float(sum(len(u) for u in units)),
-                       num_micro_batches=float(len(batches)))
-        metrics["grad_norm"] = self._clip_and_step()
-        return self._finish(metrics, start, stepped=True)
+        grad_norm = self._clip_and_step(lr)
+        n, m = totals.num_loss_tokens, sums.get("_mismatch_tokens", 0.0)
+        mean = lambda key: sums[key] / m if m else None  # noqa: E731
+        weighted = {k.split("/", 1)[1]: v / n for k, v in sums.items() if k.startswith("_weighted/")}
+        return StepMetrics(sums["loss"], grad_norm, mean("kl_mismatch"), mean("kl_mismatch_k1"),
+                           sums.get("logprob_diff_max"), int(sums["num_tokens"]), n, totals.num_traces,
+                           sum(len(u) for u in units), len(batches), skipped, time.perf_counter() - start,
+                           self.version, True, lr, {**selection.metrics, **weighted})
+
+    def _check_groups(self, groups: list[list[Trace]]) -> None:
+        for trace in (t for group in groups for t in group):
+            self._trace_policy(trace)
+            self._check_trace(trace)
 
     def _units(self, selection: Selection) -> tuple[list[list[Row]], dict[int, WindowInput], int]:
         """Rows that must share a micro-batch (a BoNBoN pair; else one window), each row's packable input
         (keyed by ``id(row)``), and how many traces had no loss token (their unit is dropped: a pair needs both)."""
-        per_trace = [self._trace_rows(i, trace, selection) for i, trace in enumerate(selection.traces)]
+        per_trace = [self._trace_rows(i, trace, selection.advantages[i], selection.roles[i])
+                     for i, trace in enumerate(selection.traces)]
         units, skipped = [], 0
         for unit in selection.units:
             if not all(per_trace[i] for i in unit):
@@ -194,28 +192,27 @@ class Learner:
         inputs = {id(row): item for pairs in per_trace for row, item in pairs}
         return units, inputs, skipped
 
-    def _trace_rows(self, index: int, trace: Trace, selection: Selection) -> list[tuple[Row, WindowInput]]:
+    def _trace_rows(self, index: int, trace: Trace, advantage: float = 0.0,
+                    role: str = "") -> list[tuple[Row, WindowInput]]:
+        """The trace's training windows under its own policy, those with a loss token, as (row, input)."""
         policy = self._trace_policy(trace)
         prompt_len, num_generated = len(trace.prompt_token_ids), len(trace.completion_token_ids)
         if num_generated == 0:
             return []
-        window = self.config.window or (policy.window if policy.kind in WINDOWED_KINDS else None)
-        windows = training_windows(self.config.window_mode, prompt_len, num_generated, window, self.config.multiplier)
+        window = self.args.window or (policy.window if policy.kind in WINDOWED_KINDS else None)
+        windows = training_windows(self.args.window_mode, prompt_len, num_generated, window, self.args.multiplier)
         ids = torch.tensor([*trace.prompt_token_ids, *trace.completion_token_ids], dtype=torch.int64)
         death = policy.death_positions(prompt_len, ids)
-        sampler = torch.tensor(trace.logprobs, dtype=torch.float32)
+        sampler = torch.tensor(trace.logprobs, dtype=torch.float32) if trace.logprobs else None
         out = []
         for w in windows:
             mask = w.loss_mask(trace.forced)
             if mask.any():
-                row = Row(index, selection.advantages[index], selection.roles[index], mask,
-                          sampler[w.target_start:w.target_end])
-                out.append((row, WindowInput(ids, death, w, trace.temperature)))
+                behaviour = sampler[w.target_start:w.target_end] if sampler is not None else None
+                out.append((Row(index, advantage, role, mask, behaviour), WindowInput(ids, death, w, trace.temperature)))
         return out
 
     def _trace_policy(self, trace: Trace) -> KVPolicy:
-        if self.policy is not None:
-            return self.policy
         try:
             return self._bind(trace.kv_policy)
         except ValueError as err:
@@ -225,8 +222,11 @@ class Learner:
         name, n = f"trace {trace.trace_id!r}", len(trace.completion_token_ids)
         if not trace.prompt_token_ids:
             raise ValueError(f"{name} has an empty prompt; a trace needs at least one prompt token")
-        if len(trace.logprobs) != n:
-            raise ValueError(f"{name} has {len(trace.logprobs)} sampler logprobs for {n} completion tokens")
+        sft_data = not trace.logprobs and not self.algorithm.needs_sampler_logprobs
+        if len(trace.logprobs) != n and not sft_data:
+            raise ValueError(f"{name} has {len(trace.logprobs)} sampler logprobs for {n} completion tokens"
+                             + ("" if trace.logprobs else f" ({self.algorithm.name} needs the sampler's; only sft "
+                                                          "trains on traces without them)"))
         if trace.forced and len(trace.forced) != n:
             raise ValueError(f"{name} has {len(trace.forced)} forced flags for {n} completion tokens")
         if not all(math.isfinite(x) for x in trace.logprobs):
@@ -249,7 +249,7 @@ class Learner:
         batches, current, size = [], [], 0
         for unit in units:
             tokens = sum(inputs[id(r)].window.num_inputs for r in unit)
-            if current and size + tokens > self.config.micro_batch_tokens:
+            if current and size + tokens > self.args.micro_batch_tokens:
                 batches.append(current)
                 current, size = [], 0
             current += unit
@@ -259,7 +259,7 @@ class Learner:
 
     def _accumulate(self, batch: MicroBatch, totals: Totals, sums: dict[str, float]) -> None:
         """Forward, loss share, backward for one micro-batch; adds token-weighted metrics to ``sums``."""
-        backend = self.config.attention
+        backend = self.args.attention
         for row, lp in zip(batch.rows, batch.packed.split(packed_logprobs(self.model, batch.packed, backend))):
             row.logprobs = lp
         if self.reference is not None:
@@ -268,7 +268,7 @@ class Learner:
             for row, lp in zip(batch.rows, batch.packed.split(ref)):
                 row.ref_logprobs = lp
         for row in batch.rows:
-            row.behaviour = row.behaviour.to(self.device)
+            row.behaviour = row.behaviour.to(self.device) if row.behaviour is not None else None
             row.loss_mask = row.loss_mask.to(self.device)
         out = self.algorithm.loss(batch.rows, totals)
         if not torch.isfinite(out.loss):
@@ -279,44 +279,71 @@ class Learner:
         self._add_metrics(batch, out.metrics, sums)
 
     def _add_metrics(self, batch: MicroBatch, loss_metrics: dict[str, float], sums: dict[str, float]) -> None:
-        mask = torch.cat([r.loss_mask for r in batch.rows])
-        recomputed = torch.cat([r.logprobs.detach() for r in batch.rows])
-        behaviour = torch.cat([r.behaviour for r in batch.rows])
-        mismatch = logprob_mismatch(behaviour, recomputed, mask)
-        n = mismatch.num_tokens
         add = lambda key, value: sums.__setitem__(key, sums.get(key, 0.0) + value)  # noqa: E731
         add("loss", loss_metrics.get("loss", 0.0))
         add("num_tokens", float(batch.packed.num_tokens))
+        mask = torch.cat([r.loss_mask for r in batch.rows])
+        for key, value in loss_metrics.items():
+            if key not in ("loss", "num_loss_tokens"):
+                add(f"_weighted/{key}", value * int(mask.sum()))
+        sampled = [r for r in batch.rows if r.behaviour is not None]
+        if not sampled:
+            return
+        mismatch = logprob_mismatch(torch.cat([r.behaviour for r in sampled]),
+                                    torch.cat([r.logprobs.detach() for r in sampled]),
+                                    torch.cat([r.loss_mask for r in sampled]))
+        n = mismatch.num_tokens
+        add("_mismatch_tokens", n)
         add("kl_mismatch", mismatch.kl * n)
         add("kl_mismatch_k1", mismatch.kl_k1 * n)
         sums["logprob_diff_max"] = max(sums.get("logprob_diff_max", 0.0), mismatch.max_abs)
-        for key, value in loss_metrics.items():
-            if key not in ("loss", "num_loss_tokens"):
-                add(f"_weighted/{key}", value * n)
 
-    def _averages(self, sums: dict[str, float], totals: Totals) -> dict[str, float]:
-        n = totals.num_loss_tokens
-        out = {"num_loss_tokens": float(n), "loss": sums["loss"], "num_tokens": sums["num_tokens"],
-               "logprob_diff_max": sums["logprob_diff_max"]}
-        for key in ("kl_mismatch", "kl_mismatch_k1"):
-            out[key] = sums[key] / n
-        out.update({k.split("/", 1)[1]: v / n for k, v in sums.items() if k.startswith("_weighted/")})
-        return out
-
-    def _clip_and_step(self) -> float:
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm))
+    def _clip_and_step(self, lr: float) -> float:
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.max_grad_norm))
         if not math.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)
             raise FloatingPointError(f"gradient norm is {grad_norm}; the step was not taken")
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
         self.optimizer.step()
         self.version += 1
         return grad_norm
 
-    def _finish(self, metrics: dict[str, float], start: float, stepped: bool) -> dict[str, float]:
-        metrics.update(stepped=float(stepped), version=float(self.version), step_seconds=time.perf_counter() - start)
-        if not stepped:
-            metrics.update(loss=0.0, grad_norm=0.0, num_loss_tokens=0.0, num_tokens=0.0, num_traces=0.0)
-        return metrics
+    # ---- evaluation ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self, groups: list[list[Trace]]) -> Evaluation:
+        """Teacher-forced loss, token accuracy and exact match on the loss tokens of ``groups``' traces.
+
+        No gradient, no step; every trace under its own policy and windows, as ``step`` trains it.
+        A trace matches exactly when each of its loss tokens is the argmax, i.e. greedy decoding under
+        its policy reproduces it (up to argmax ties). Sampler logprobs are not needed.
+        """
+        traces = [t for group in groups for t in group]
+        for trace in traces:
+            self._trace_policy(trace)
+        per_trace = [self._trace_rows(i, trace) for i, trace in enumerate(traces)]
+        rows = [[row] for pairs in per_trace for row, _ in pairs]
+        if not rows:
+            raise ValueError("evaluate needs at least one trace with a loss token")
+        inputs = {id(row): item for pairs in per_trace for row, item in pairs}
+        nll, correct, wrong_traces, was_training = 0.0, 0, set(), self.model.training
+        self.model.eval()
+        try:
+            for batch in self._micro_batches(rows, inputs):
+                logits = packed_logits(self.model, batch.packed, self.args.attention)  # [M, V]
+                targets = batch.packed.target_ids.to(logits.device)
+                mask = torch.cat([r.loss_mask for r in batch.rows]).to(logits.device)
+                nll -= float(logits.log_softmax(-1).gather(1, targets[:, None])[:, 0][mask].sum())
+                hit = logits.argmax(-1) == targets
+                correct += int(hit[mask].sum())
+                for row, ok, m in zip(batch.rows, batch.packed.split(hit), batch.packed.split(mask)):
+                    if not bool(ok[m].all()):
+                        wrong_traces.add(row.trace_index)
+        finally:
+            self.model.train(was_training)
+        n = sum(int(r.loss_mask.sum()) for (r,) in rows)
+        num_traces = len({r.trace_index for (r,) in rows})
+        return Evaluation(nll / n, correct / n, 1 - len(wrong_traces) / num_traces, num_traces)
 
     # ---- weights and checkpoints ----------------------------------------------------------------
     def state_dict(self, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
@@ -328,18 +355,20 @@ class Learner:
         """The model in HF layout in ``path`` plus ``trainer_state.pt`` (optimizer, version, RNG, settings)."""
         save_hf_model(self.model, self.tokenizer, self.model_path, path)
         save_trainer_state(path, {"version": self.version, "optimizer": self.optimizer.state_dict(),
-                                  "rng": rng_state(), "config": asdict(self.config)})
+                                  "rng": rng_state(), "args": asdict(self.args)})
 
     @classmethod
-    def from_checkpoint(cls, path, **kwargs) -> Learner:
-        """Resume from ``save_checkpoint(path)``: weights, optimizer, version, RNG; ``kwargs`` override settings."""
+    def from_checkpoint(cls, path, args: LearnerArgs | None = None) -> Learner:
+        """Resume from ``save_checkpoint(path)``: weights, optimizer, version (so the lr schedule), RNG.
+
+        ``args``: the settings to continue with; default: the ones saved in the checkpoint.
+        """
         state = load_trainer_state(path)
-        settings = {**state["config"], **kwargs}
-        learner = cls(str(path), **settings)
+        learner = cls(str(path), args or LearnerArgs.from_dict(state["args"]))
         learner.optimizer.load_state_dict(state["optimizer"])
         learner.version = int(state["version"])
         set_rng_state(state["rng"])
         return learner
 
 
-__all__ = ["Learner", "LearnerConfig", "TRAINER_STATE"]
+__all__ = ["Evaluation", "Learner", "LearnerArgs", "StepMetrics", "TRAINER_STATE"]

@@ -1,6 +1,6 @@
 """Recompute the sampler's per-token logprobs in the trainer, under the trace's own visibility.
 
-The trainer runs the engine's model teacher-forced over packed training windows (``trainer.masks``)
+The trainer runs the engine's model teacher-forced over packed training windows (``trainer.windows``)
 with the attention of ``trainer.attention`` and scores each target with ``rollout.sampling``'s
 convention — ``log_softmax(logits / T)[token]``, ``T = 1`` for greedy traces (``temperature == 0``)
 — by calling the sampler's own ``logprobs_at``. Over a whole trace the result equals the sampler's
@@ -23,7 +23,7 @@ from rollout.model import DecoderLM
 from rollout.sampling import logprobs_at
 from rollout.trace import Trace
 from trainer.attention import PackedVisibility, training_attention
-from trainer.masks import TrainingWindow, full_window
+from trainer.windows import TrainingWindow, full_window
 
 
 @dataclass(frozen=True)
@@ -89,14 +89,19 @@ def pack_windows(windows: Sequence[WindowInput]) -> PackedWindows:
                          torch.cat(predictors), torch.cat(targets).long(), torch.cat(temps), tuple(offsets))
 
 
-def packed_logprobs(model: DecoderLM, packed: PackedWindows, backend: str = "auto") -> Tensor:
-    """Logprob of every target under the sampler's convention: float32 ``[M]``, with grad when enabled."""
+def packed_logits(model: DecoderLM, packed: PackedWindows, backend: str = "auto") -> Tensor:
+    """The logits that score every target: float32 ``[M, V]``, with grad when enabled."""
     device = next(model.parameters()).device
     packed = packed.to(device)
     attn = training_attention(packed.visibility, device, backend)
     hidden = model(packed.input_ids, packed.positions, attn)  # [N, hidden]
-    logits = model.compute_logits(hidden[packed.predictor_index])  # [M, V] float32
-    return logprobs_at(logits, packed.target_ids, packed.temperature)
+    return model.compute_logits(hidden[packed.predictor_index])  # [M, V] float32
+
+
+def packed_logprobs(model: DecoderLM, packed: PackedWindows, backend: str = "auto") -> Tensor:
+    """Logprob of every target under the sampler's convention: float32 ``[M]``, with grad when enabled."""
+    logits = packed_logits(model, packed, backend)
+    return logprobs_at(logits, packed.target_ids.to(logits.device), packed.temperature.to(logits.device))
 
 
 def recompute_logprobs(model: DecoderLM, prompt_ids: Sequence[int], completion_ids: Sequence[int],

@@ -1,0 +1,291 @@
+"""Steady-state decode throughput of the engine on a Qwen3-1.7B-config model (random bf16 weights).
+
+    python benchmarks/engine_gpu.py [--positions 8192 32768 131072] [--window 4096] [--steps 48] [--out F]
+
+How the cache reaches a position X: each sequence has a 100-token prompt; its history up to X is
+synthesised instead of generated — the token ids are a filler token (registers: a register token every
+256 tokens, cycling over 16 registers), the KV policy's tracker is run over them, and only the blocks
+some future query can still see are allocated and filled with random K/V with their true death
+positions. Dead blocks are never allocated (they would never be read). Then the engine decodes
+``--steps`` real steps (CUDA graphs, Triton kernels, sampling on the GPU) and we time the last
+``steps - warmup`` of them. Under ``registers`` the traffic goes on while decoding: each sequence's
+sampled token is replaced by its next register every 256 tokens, the sequences staggered so that
+about batch/256 of them kill a step at every engine step (each kill redoes that row's queued step).
+The batch is sized to the KV memory budget (at most 256 sequences).
+transformers' ``generate`` (static cache, greedy) on the same model is the peer row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import gc
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+from rollout import LLM, SamplingParams  # noqa: E402
+from rollout.sequence import Status  # noqa: E402
+
+PROMPT = 100
+STEP_TOKENS = 256  # registers: a register token every this many tokens after the prompt
+
+
+def build_model(root: Path) -> Path:
+    """Qwen3-1.7B config with random bf16 weights (built on the GPU), saved with the tiny byte tokenizer."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from rollout.tiny import build_tokenizer
+    cfg = Qwen3Config(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                      num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                      rms_norm_eps=1e-6, tie_word_embeddings=True, rope_theta=1_000_000, eos_token_id=256)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    model.save_pretrained(root)
+    build_tokenizer().save_pretrained(root)
+    del model
+    torch.cuda.empty_cache()
+    return root
+
+
+def history(llm: LLM, position: int) -> tuple[list[int], object]:
+    """Token ids up to ``position`` and a tracker that has followed them (shared by all sequences)."""
+    filler = 65
+    ids = [filler] * position
+    if llm.policy.kind == "registers":
+        regs = llm.policy.register_ids
+        for i, p in enumerate(range(PROMPT, position, STEP_TOKENS)):
+            ids[p] = regs[i % len(regs)]
+    tracker = llm.policy.tracker(PROMPT)
+    for p in range(position):
+        tracker.append(p, ids[p])
+    return ids, tracker
+
+
+def place(llm: LLM, n: int, position: int, max_new: int) -> None:
+    """Put ``n`` running sequences at ``position`` (see the module docstring)."""
+    ids, tracker = history(llm, position)
+    bs = llm.block_size
+    live = [j for j in range(position // bs + 1)
+            if j == position // bs or max(tracker.death[j * bs:(j + 1) * bs]) > position]
+    death_rows = torch.tensor([tracker.death[j * bs:(j + 1) * bs] + [0] * (bs - len(tracker.death[j * bs:(j + 1) * bs]))
+                               for j in live], dtype=torch.int32)
+    params = SamplingParams(max_tokens=position - PROMPT + 1 + max_new, temperature=0.0, ignore_eos=True)
+    for _ in range(n):
+        seq = llm.add_request(ids[:PROMPT], params)
+        llm.scheduler.waiting.remove(seq)
+        seq.tracker = copy.deepcopy(tracker)
+        seq.tracker.append(position, ids[-1])
+        seq.token_ids = list(ids) + [ids[-1]]
+        blocks = [llm.scheduler.blocks.allocate() for _ in live]
+        for j, b in zip(live, blocks):
+            seq.add_block(j, b)
+        llm.runner.cache.death[torch.tensor(blocks, device=llm.device)] = death_rows.to(llm.device)
+        seq.num_computed = position
+        for j in live[:-1]:
+            seq.block_completed(j)
+        seq.status = Status.RUNNING
+        llm.scheduler.running.append(seq)
+
+
+def inject_registers(llm: LLM, position: int) -> None:
+    """Registers: every STEP_TOKENS tokens a sequence's sampled token becomes its next register in the
+    cycle (the one whose step is oldest), killing that step; the replacement happens on the device,
+    so the overlapped engine's queued step reads it. Sequence i is offset by i tokens, spreading
+    the kills over the steps."""
+    regs, sample = llm.policy.register_ids, llm._sample
+    turn: dict[int, int] = {}  # request id -> registers emitted so far (history's included)
+    emitted = len(range(PROMPT, position, STEP_TOKENS))  # the registers history() wrote
+
+    def sample_with_registers(seqs, logits):
+        tokens, logprobs = sample(seqs, logits)
+        due = [i for i, s in enumerate(seqs) if (len(s.token_ids) + s.request_id) % STEP_TOKENS == 0]
+        if due:
+            ids = []
+            for i in due:
+                k = turn.get(seqs[i].request_id, emitted)
+                ids.append(regs[k % len(regs)])
+                turn[seqs[i].request_id] = k + 1
+            host = llm.runner.host_tensor
+            tokens[host(due, torch.long).to(tokens.device, non_blocking=True)] = host(ids, torch.long).to(
+                tokens.device, non_blocking=True)
+        return tokens, logprobs
+    llm._sample = sample_with_registers
+
+
+def decode_rate(llm: LLM, steps: int, warmup: int) -> float:
+    for _ in range(warmup):
+        llm.step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    tokens = 0
+    for _ in range(steps - warmup):
+        tokens += len(llm.scheduler.running)
+        llm.step()
+    torch.cuda.synchronize()
+    return tokens / (time.perf_counter() - t0)
+
+
+@contextlib.contextmanager
+def serial_steps(llm: LLM):
+    """Steps with ``overlap`` off, after running the step already queued ahead (outside any timer)."""
+    overlap, llm.overlap = llm.overlap, False
+    llm.step()
+    torch.cuda.synchronize()
+    try:
+        yield
+    finally:
+        llm.overlap = overlap
+
+
+def step_breakdown(llm: LLM, steps: int) -> dict:
+    """Milliseconds per step spent in the model forward (synchronised) and around it (host work).
+
+    Measured serially (a synchronised forward cannot overlap anything): the parts of a step, whose
+    sum the overlapped engine hides down to max(GPU, host).
+    """
+    run, inside = llm.runner.run, []
+
+    def timed_run(*args, **kwargs):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        out = run(*args, **kwargs)
+        torch.cuda.synchronize()
+        inside.append(time.perf_counter() - t)
+        return out
+
+    with serial_steps(llm):
+        llm.runner.run = timed_run
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            llm.step()
+        total = (time.perf_counter() - t0) / steps
+        llm.runner.run = run
+    forward = sum(inside) / steps
+    return {"step_ms": 1e3 * total, "forward_ms": 1e3 * forward, "host_ms": 1e3 * (total - forward)}
+
+
+def kernel_profile(llm: LLM, steps: int, top: int = 12) -> dict:
+    """GPU milliseconds per step by kernel (torch.profiler over ``steps`` engine steps, graphs included).
+
+    Steps run serially, so that the window holds exactly ``steps`` forwards.
+    """
+    from torch.profiler import ProfilerActivity, profile
+    with serial_steps(llm), profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            llm.step()
+        torch.cuda.synchronize()
+    per_kernel: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            name = e.name if len(e.name) <= 60 else e.name[:57] + "..."
+            per_kernel[name] = per_kernel.get(name, 0.0) + e.time_range.elapsed_us() / 1e3 / steps
+    ranked = sorted(per_kernel.items(), key=lambda kv: -kv[1])
+    return {"gpu_ms": sum(per_kernel.values()), "kernels": dict(ranked[:top])}
+
+
+def live_tokens(spec: str, position: int) -> int:
+    kind, *a = spec.split(":")
+    if kind == "full":
+        return position
+    if kind == "registers":
+        return PROMPT + int(a[0]) * STEP_TOKENS
+    w = int(a[-1])
+    return {"prefix_sliding": PROMPT, "streaming": int(a[0]), "sliding_window": 0}[kind] + w
+
+
+def bench_engine(path: Path, spec: str, position: int, steps: int, kv_gb: float, max_seqs: int,
+                 profile_steps: int = 0) -> dict:
+    per_token = 2 * 28 * 8 * 128 * 2
+    n = max(1, min(max_seqs, int(kv_gb * 2**30 / (per_token * (live_tokens(spec, position) + 64 + steps)))))
+    llm = LLM(str(path), kv=spec, device="cuda", dtype="bfloat16", block_size=16, max_num_seqs=n,
+              kv_cache_gb=kv_gb, max_model_len=position + 4096, overlap=True)  # registers' too (see rollout.engine)
+    for k, v in zip(llm.runner.cache.k, llm.runner.cache.v):  # random K/V, never zeros
+        k.normal_()
+        v.normal_()
+    place(llm, n, position, steps + 18 + profile_steps)
+    if llm.policy.kind == "registers":
+        inject_registers(llm, position)
+    rate = decode_rate(llm, steps, warmup=8)
+    seqs = llm.scheduler.running
+    row = {"policy": spec, "position": position, "batch": n, "tokens_per_s": rate,
+           "live_kv_tokens_per_seq": sum(s.tracker.visible for s in seqs) / len(seqs),
+           "redone_rows_per_step": llm.stats.redone_rows / llm.stats.steps, **step_breakdown(llm, 8)}
+    if profile_steps:
+        row["profile"] = kernel_profile(llm, profile_steps)
+    del llm, seqs
+    gc.collect()  # the runner and its CUDA graphs hold each other
+    torch.cuda.empty_cache()
+    return row
+
+
+def bench_transformers(path: Path, prompt_len: int, batch: int, new: int) -> dict:
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    ids = torch.full((batch, prompt_len), 65, device="cuda")
+    kw = dict(do_sample=False, min_new_tokens=new, max_new_tokens=new, pad_token_id=0, eos_token_id=None)
+    with torch.no_grad():
+        model.generate(ids, **{**kw, "min_new_tokens": 2, "max_new_tokens": 2})
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        model.generate(ids, **{**kw, "min_new_tokens": 1, "max_new_tokens": 1})
+        torch.cuda.synchronize()
+        t_prefill = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        model.generate(ids, **kw)
+        torch.cuda.synchronize()
+        total = time.perf_counter() - t0
+    del model
+    torch.cuda.empty_cache()
+    return {"policy": "transformers generate (full)", "position": prompt_len, "batch": batch,
+            "tokens_per_s": batch * (new - 1) / max(total - t_prefill, 1e-9), "live_kv_tokens_per_seq": prompt_len}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--positions", type=int, nargs="+", default=[8192, 32768, 131072])
+    parser.add_argument("--window", type=int, default=4096)
+    parser.add_argument("--policies", nargs="+", default=None)
+    parser.add_argument("--steps", type=int, default=48)
+    parser.add_argument("--kv-gb", type=float, default=100.0)
+    parser.add_argument("--max-seqs", type=int, default=256)
+    parser.add_argument("--hf-batch", type=int, default=16)
+    parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                        help="also report GPU ms per step by kernel over this many steps (torch.profiler)")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    w = args.window
+    policies = args.policies or ["full", f"prefix_sliding:{w}", f"sliding_window:{w}", "registers:16"]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        path = build_model(Path(tmp) / "qwen3-1.7b-random")
+        for position in args.positions:
+            for spec in policies:
+                rows.append(bench_engine(path, spec, position, args.steps, args.kv_gb, args.max_seqs, args.profile))
+                print(json.dumps(rows[-1]), flush=True)
+        if args.hf_batch:
+            rows.append(bench_transformers(path, min(args.positions), args.hf_batch, 64))
+            print(json.dumps(rows[-1]), flush=True)
+    full = {r["position"]: r["tokens_per_s"] for r in rows if r["policy"] == "full"}
+    print(f"\n{'policy':<30}{'position':>9}{'batch':>7}{'tok/s':>10}{'vs full':>9}{'live KV/seq':>12}")
+    for r in rows:
+        ratio = r["tokens_per_s"] / full[r["position"]] if r["position"] in full else math.nan
+        print(f"{r['policy']:<30}{r['position']:>9}{r['batch']:>7}{r['tokens_per_s']:>10.0f}{ratio:>8.2f}x"
+              f"{r['live_kv_tokens_per_seq']:>12.0f}")
+    if args.out:
+        args.out.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

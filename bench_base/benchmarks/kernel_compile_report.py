@@ -1,0 +1,127 @@
+"""Compile the attention kernels for sm_90 on any machine (no GPU needed) and report what ptxas made.
+
+For each kernel at the Qwen3-1.7B shape (16 query / 8 KV heads, head dim 128, bf16, block 16):
+registers, spill bytes, shared memory, K/V shared-memory buffers chosen by Triton's pipeliner (from
+the TTGIR), and SASS facts: 16-byte global loads, async copies (LDGSTS), matrix instructions.
+
+    python benchmarks/kernel_compile_report.py [--tile 32 64 128] [--stages 2 3 4 5] [--warps 4 8]
+
+Uses the ptxas / cuobjdump that ship inside the Triton wheel. Launch parameters default to the
+launchers' own choices (``decode_config`` / ``prefill_config``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from kernels.cache_write import _write_kv_kernel  # noqa: E402
+from kernels.decode import _decode_kernel, decode_config  # noqa: E402
+from kernels.prefill import _prefill_kernel, prefill_config  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+ALIGNED = [["tt.divisibility", 16]]
+STRIDES = ("stride_qn", "stride_qh", "stride_kb", "stride_ks", "stride_kh", "stride_on", "stride_oh",
+           "stride_bt", "stride_bi", "stride_kn", "stride_vn", "stride_vh", "stride_cb", "stride_cs", "stride_ch")
+
+
+def signature(fn, ptr: str, consts: dict) -> tuple[dict, dict]:
+    """Triton signature and 16-byte-alignment attributes for every argument of ``fn``."""
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in consts:
+            sig[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            sig[name] = {"part_acc_ptr": "*fp32", "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32",
+                         "slot_mapping_ptr": "*i64", "counter_ptr": "*i32"}.get(name, "*i32" if name in INT_PTRS else ptr)
+            attrs[(i,)] = ALIGNED
+        elif name == "scale_log2":
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+            if name in STRIDES:
+                attrs[(i,)] = ALIGNED
+    return sig, attrs
+
+
+INT_PTRS = {"death_ptr", "block_tables_ptr", "block_index_ptr", "num_live_ptr", "query_start_ptr", "query_pos_ptr",
+            "slot_death_ptr"}
+
+
+def compile_and_report(tag: str, fn, consts: dict, warps: int, stages: int, ptr: str = "*bf16") -> dict:
+    sig, attrs = signature(fn, ptr, consts)
+    kernel = triton.compile(ASTSource(fn, sig, consts, attrs), target=TARGET,
+                            options={"num_warps": warps, "num_stages": stages})
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx, cubin = Path(tmp, "k.ptx"), Path(tmp, "k.cubin")
+        ptx.write_text(kernel.asm["ptx"])
+        cubin.write_bytes(kernel.asm["cubin"])
+        ptxas = subprocess.run([BIN / "ptxas-blackwell", "-arch=sm_90a", "-v", ptx, "-o", os.devnull],
+                               capture_output=True, text=True).stderr
+        sass = subprocess.run([BIN / "cuobjdump", "-sass", cubin], capture_output=True, text=True).stdout
+    buffers = re.findall(r"%([kv])_\d+ = ttg.local_alloc : \(\) -> !ttg.memdesc<(\d+)x", kernel.asm["ttgir"])
+    return {
+        "kernel": tag, "warps": warps, "stages": stages,
+        "regs": _first(r"Used (\d+) registers", ptxas), "spill": _first(r"(\d+) bytes spill stores", ptxas),
+        "smem": kernel.metadata.shared, "kv_buffers": buffers[0][1] if buffers else "-",
+        "ld128": "LDG.E.128" in sass or "LDGSTS.E.BYPASS.128" in sass, "ldgsts": "LDGSTS" in sass,
+        "mma": "HGMMA" if "HGMMA" in sass else ("HMMA" if "HMMA" in sass else "-"),
+    }
+
+
+def _first(pattern: str, text: str) -> str:
+    m = re.search(pattern, text)
+    return m.group(1) if m else "?"
+
+
+def decode_rows(tiles, warps, stages) -> list[dict]:
+    base = decode_config(16, 8, 16, 263, 128, torch.bfloat16, torch.device("cpu"))
+    rows = []
+    for t in tiles or [base.tile_n]:
+        for w in warps or [base.num_warps]:
+            for s in stages or [base.num_stages]:
+                consts = dict(GROUP=2, GROUP_PAD=16, HEAD_DIM=128, DIM_PAD=128, BLOCK_SIZE=16, TILE_N=t,
+                              NUM_SPLITS=2, PRECISION=None, UPCAST=False)
+                rows.append(compile_and_report(f"decode tile {t}", _decode_kernel, consts, w, s))
+    return rows
+
+
+def other_rows() -> list[dict]:
+    cfg = prefill_config(2048, 2, 128, torch.bfloat16)
+    prefill = dict(GROUP=2, GROUP_PAD=2, BLOCK_Q=cfg.block_q, HEAD_DIM=128, DIM_PAD=128, BLOCK_SIZE=16,
+                   TILE_N=cfg.tile_n, PRECISION=None, UPCAST=False)
+    write = dict(NUM_HEADS=8, HEADS_PAD=8, HEAD_DIM=128, DIM_PAD=128, BLOCK_SIZE=16, WRITE_DEATH=True)
+    return [compile_and_report(f"prefill {cfg.block_q}x2 rows, tile {cfg.tile_n}", _prefill_kernel, prefill,
+                               cfg.num_warps, cfg.num_stages),
+            compile_and_report("write_kv", _write_kv_kernel, write, 4, 1)]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tile", type=int, nargs="*", help="decode tile sizes (default: decode_config's)")
+    p.add_argument("--warps", type=int, nargs="*")
+    p.add_argument("--stages", type=int, nargs="*")
+    args = p.parse_args()
+    rows = decode_rows(args.tile, args.warps, args.stages) + other_rows()
+    print(f"{'kernel':<28} {'warps':>5} {'stages':>6} {'regs':>5} {'spill':>5} {'smem':>7} {'K/V bufs':>8} "
+          f"{'16B ld':>6} {'LDGSTS':>6} {'mma':>5}")
+    for r in rows:
+        print(f"{r['kernel']:<28} {r['warps']:>5} {r['stages']:>6} {r['regs']:>5} {r['spill']:>5} {r['smem']:>7} "
+              f"{r['kv_buffers']:>8} {str(r['ld128']):>6} {str(r['ldgsts']):>6} {r['mma']:>5}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,232 @@
+"""The ``sliderl`` command line: ``generate``, ``train`` and ``eval``, each ``[CONFIG] [key=value ...]``.
+
+A subcommand loads its config (optional YAML file, then ``key.sub=value`` overrides), prints and
+saves the resolved config, and runs. Errors the user causes print one line and exit with code 2;
+a training run that cannot continue prints why and exits with code 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from cluster.config import ConfigError, GenerateConfig, config_reference, load_config, save_config, to_yaml
+from cluster.train_config import TrainConfig
+
+RUN_FAILED = 1
+USER_ERROR = 2
+DISPLAY_CHARS = 120
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``sliderl`` console script; returns the exit code."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:  # argparse: --help (0) or a usage error (2), message already printed
+        return int(exit_.code or 0)
+    try:
+        config_path, overrides = split_args(args.args)
+        return args.run(config_path, overrides)
+    except (ConfigError, ValueError, FileNotFoundError) as err:
+        print(f"sliderl {args.command}: error: {' '.join(str(err).split())}", file=sys.stderr)
+        return USER_ERROR
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sliderl", description="Bounded-KV rollouts and RL for reasoning models.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    generate = commands.add_parser(
+        "generate", help="sample completions with the paged-KV engine and report KV usage",
+        usage="%(prog)s [-h] [CONFIG] [key=value ...]",
+        description="Sample n completions per prompt; write config.yaml and completions.jsonl to output_dir.",
+        epilog="config keys (override with key=value):\n  " + "\n  ".join(config_reference(GenerateConfig)),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    generate.add_argument("args", nargs="*", metavar="CONFIG | key=value",
+                          help="an optional YAML file, then overrides such as engine.kv=full sampling.max_tokens=16")
+    generate.set_defaults(run=run_generate)
+    train = commands.add_parser(
+        "train", help="RL on Ray with bounded-KV rollouts (no arguments: the tiny-arith job)",
+        usage="%(prog)s [-h] [CONFIG] [key=value ...]",
+        description="Train a policy with GRPO/BoNBoN on a local Ray instance or, under `ray job submit` "
+                    "(RAY_ADDRESS set), on the cluster. Writes config.yaml, traces/, checkpoints/, "
+                    "metrics.jsonl, plots and summary.txt to run_dir. resume=true continues a run.",
+        epilog="config keys (override with key=value):\n  " + "\n  ".join(config_reference(TrainConfig)),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    train.add_argument("args", nargs="*", metavar="CONFIG | key=value",
+                       help="an optional YAML file, then overrides such as train.steps=5 rollout.num_workers=2")
+    train.set_defaults(run=run_train)
+    evaluate = commands.add_parser(
+        "eval", help="score a checkpoint on the task's eval split with the engine",
+        usage="%(prog)s [-h] CHECKPOINT [key=value ...]",
+        description="Greedy accuracy and KV use of CHECKPOINT (a Hugging Face directory, e.g. "
+                    "run_dir/checkpoints/step_000020) on eval.num_problems eval problems. The run's "
+                    "config.yaml (two folders up) is used when present; overrides apply on top.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    evaluate.add_argument("args", nargs="*", metavar="CHECKPOINT | key=value",
+                          help="the checkpoint directory, then overrides such as engine.kv=sliding_window:32")
+    evaluate.set_defaults(run=run_eval)
+    return parser
+
+
+def split_args(args: list[str]) -> tuple[str | None, list[str]]:
+    """Separate the optional config path from ``key=value`` overrides (any argument holding ``=``)."""
+    paths = [a for a in args if "=" not in a]
+    overrides = [a for a in args if "=" in a]
+    if len(paths) > 1:
+        raise ConfigError(f"expected at most one config file, got {paths}; overrides look like key.sub=value")
+    return (paths[0] if paths else None), overrides
+
+
+# ------------------------------------------------------------------------------------ generate
+
+
+def run_generate(config_path: str | None, overrides: list[str]) -> int:
+    """``sliderl generate``: load the config, generate, print and write the results."""
+    cfg = load_config(GenerateConfig, config_path, overrides)
+    print(to_yaml(cfg), end="", flush=True)
+    out_dir = Path(cfg.output_dir)
+    save_config(cfg, out_dir / "config.yaml")
+
+    from rollout import LLM
+
+    llm = LLM(model=cfg.model.resolve(), **cfg.engine.llm_kwargs())
+    prompts = [p for p in cfg.prompts for _ in range(cfg.n)]
+    params = [cfg.sampling.params(j) for _ in cfg.prompts for j in range(cfg.n)]
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    wall = time.perf_counter() - start
+
+    records = [completion_record(i // cfg.n, i % cfg.n, prompt, out) for i, (prompt, out) in enumerate(zip(prompts, outputs))]
+    write_jsonl(out_dir / "completions.jsonl", records)
+    summary = summarize(outputs, wall, llm.stats.preemptions)
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print_completions(records)
+    print_summary(summary, out_dir)
+    return 0
+
+
+def completion_record(prompt_index: int, sample_index: int, prompt: str, out: Any) -> dict[str, Any]:
+    """One line of completions.jsonl."""
+    return {
+        "prompt_index": prompt_index,
+        "sample_index": sample_index,
+        "prompt": prompt,
+        "text": out.text,
+        "finish_reason": out.finish_reason,
+        "prompt_token_ids": list(out.prompt_token_ids),
+        "token_ids": list(out.token_ids),
+        "logprobs": list(out.logprobs),
+        "num_tokens": len(out.token_ids),
+        "peak_visible_kv_tokens": out.kv.peak_visible_tokens,
+        "mean_visible_kv_tokens": out.kv.mean_visible_tokens,
+        "peak_blocks": out.kv.peak_blocks,
+    }
+
+
+def summarize(outputs: list[Any], wall_seconds: float, preemptions: int) -> dict[str, Any]:
+    """Totals over all requests; KV means are over requests, peaks the largest of any request."""
+    tokens = sum(len(o.token_ids) for o in outputs)
+    return {
+        "requests": len(outputs),
+        "generated_tokens": tokens,
+        "wall_seconds": round(wall_seconds, 3),
+        "tokens_per_second": round(tokens / wall_seconds, 1) if wall_seconds > 0 else 0.0,
+        "mean_visible_kv_tokens": round(sum(o.kv.mean_visible_tokens for o in outputs) / len(outputs), 1),
+        "peak_visible_kv_tokens": max(o.kv.peak_visible_tokens for o in outputs),
+        "peak_blocks": max(o.kv.peak_blocks for o in outputs),
+        "preemptions": preemptions,
+    }
+
+
+def write_jsonl(path: Path, records: list[dict[str, Any]]) -> None:
+    with path.open("w") as f:
+        for record in records:
+            f.write(json.dumps(record) + "\n")
+
+
+def print_completions(records: list[dict[str, Any]]) -> None:
+    print()
+    for r in records:
+        text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in r["text"])
+        shown = text if len(text) <= DISPLAY_CHARS else text[:DISPLAY_CHARS - 3] + "..."
+        print(f"[prompt {r['prompt_index']} sample {r['sample_index']}] {r['finish_reason']:<6} "
+              f"{r['num_tokens']:>5} tok | {shown}")
+
+
+def print_summary(summary: dict[str, Any], out_dir: Path) -> None:
+    print()
+    width = max(len(k) for k in summary)
+    for key, value in summary.items():
+        print(f"{key.replace('_', ' '):<{width}}  {value}")
+    print(f"\nwrote {out_dir / 'config.yaml'}, {out_dir / 'completions.jsonl'}, {out_dir / 'summary.json'}")
+
+
+# --------------------------------------------------------------------------------------- train
+
+
+def run_train(config_path: str | None, overrides: list[str]) -> int:
+    """``sliderl train``: load the config, run the job, print the summary."""
+    from cluster.driver import train
+    from cluster.worker_pool import RunError
+
+    cfg = load_config(TrainConfig, config_path, overrides)
+    print(to_yaml(cfg), end="", flush=True)
+    try:
+        result = train(cfg)
+    except RunError as err:
+        print(f"sliderl train: run failed: {' '.join(str(err).split())}", file=sys.stderr)
+        return RUN_FAILED
+    print()
+    print(result.summary, end="")
+    for label, evaluation in (("before", result.eval_before), ("after", result.eval_after)):
+        if evaluation is not None:
+            print(f"  eval {label:<7}     {evaluation.line()}")
+    if result.eval_before is not None and result.eval_after is not None:
+        before, after = result.eval_before.accuracy, result.eval_after.accuracy
+        print(f"  eval change      accuracy {before:.3f} -> {after:.3f} ({100 * (after - before):+.1f} points)")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------- eval
+
+
+def run_eval(checkpoint: str | None, overrides: list[str]) -> int:
+    """``sliderl eval CHECKPOINT``: accuracy and KV numbers of a checkpoint on the eval split."""
+    import tempfile
+
+    from cluster.data import data_sources, load_split
+    from cluster.evaluation import eval_sampling, score
+    from rollout import LLM, SamplingParams
+
+    if checkpoint is None:
+        raise ConfigError("sliderl eval needs a CHECKPOINT directory (e.g. runs/x/checkpoints/step_000020)")
+    path = Path(checkpoint).expanduser()
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"checkpoint {checkpoint!r} is not a Hugging Face model directory (no config.json)")
+    run_config = path.resolve().parent.parent / "config.yaml"
+    cfg = load_config(TrainConfig, str(run_config) if run_config.is_file() else None, overrides)
+    with tempfile.TemporaryDirectory() as scratch:
+        _, eval_source = data_sources(cfg, scratch)
+        problems = load_split(cfg, eval_source, cfg.eval.num_problems)
+    llm = LLM(model=str(path), **cfg.engine.llm_kwargs())
+    sampling = cfg.sampling.model_dump()
+    sampling.pop("seed")
+    params = SamplingParams(**eval_sampling(sampling, cfg.eval.temperature, cfg.max_tokens_eval(), cfg.train.seed))
+    start = time.perf_counter()
+    outputs = llm.generate([p.prompt for p in problems], params)
+    result = score(outputs, problems, cfg.task.verifier(), cfg.engine.kv)
+    print(f"{path}: {result.line()} | {time.perf_counter() - start:.1f} s")
+    print(json.dumps({"checkpoint": str(path), **result.__dict__}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

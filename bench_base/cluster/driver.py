@@ -1,0 +1,395 @@
+"""The driver: prepares a run, starts its actors, runs the training loop, and cleans up.
+
+``train(cfg)`` is ``sliderl train``. Before any actor starts it checks everything a user can get
+wrong (config, dataset fields, initial model, cluster address, resources). Then a ``Session``
+owns one set of actors (learner, rollout workers, trace queue) and runs the loop:
+
+- sync:  deal the step's groups -> wait for all of them -> train -> publish weights;
+- async: workers stay topped up with ``max_inflight_groups`` groups and generate while the learner
+  trains; a step takes the first ``groups_per_step`` ready groups that are at most
+  ``max_staleness`` versions old and drops the others (counted, never trained).
+
+Every group that leaves the queue is appended to the Parquet trace log at once. A rollout worker
+that dies is restarted by Ray, given the current weights, and its groups are re-issued; the books
+(``GroupLedger``) guarantee no group is trained twice. A learner that dies is recreated from the
+latest checkpoint (``train.max_learner_restarts`` times); a run that cannot continue raises
+``RunError`` with its checkpoints and traces intact.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from cluster.checkpoint import Checkpoints, DriverState
+from cluster.data import PromptGroup, PromptStream
+from cluster.evaluation import EvalResult, eval_sampling, score
+from cluster.ledger import GroupLedger
+from cluster.resources import check_resources, cluster_capacity, connect, make_learner, make_queue, release, reserve
+from cluster.run_plan import RunPlan, prepare
+from cluster.train_config import TrainConfig
+from cluster.weight_sync import WeightSync
+from cluster.worker_pool import Health, RunError, WorkerPool
+
+STATE_FILE = "driver_state.json"  # the final driver state, beside the checkpoints
+
+
+class LearnerLost(RuntimeError):
+    """The learner actor died; the run continues from the latest checkpoint when it can."""
+
+
+@dataclass
+class RunResult:
+    """How a run ended."""
+
+    run_dir: Path
+    state: DriverState
+    eval_before: EvalResult | None
+    eval_after: EvalResult | None
+    summary: str
+    stopped_early: bool = False
+
+
+StepHook = Callable[["Session", int, dict], "bool | None"]
+
+
+def train(cfg: TrainConfig, on_step: StepHook | None = None) -> RunResult:
+    """Run the job ``cfg`` to ``train.steps`` (or until ``on_step`` returns False).
+
+    ``on_step(session, step, metrics)`` is called after every step; returning False ends the run
+    there, without a final checkpoint (as an interruption would). An existing ``ray.init`` in this
+    process is used as it is; otherwise Ray is started (or joined) and shut down at the end.
+    """
+    import ray
+
+    plan = prepare(cfg)
+    owns_ray = connect(cfg)
+    pg = None
+    try:
+        check_resources(cfg, *cluster_capacity())
+        pg = reserve(cfg)
+        return _sessions(cfg, plan, pg, on_step)
+    finally:
+        if pg is not None:
+            release(pg)
+        if owns_ray:
+            ray.shutdown()
+
+
+def _sessions(cfg: TrainConfig, plan: RunPlan, pg, on_step: StepHook | None) -> RunResult:
+    """Run sessions until one finishes; a lost learner resumes from the latest checkpoint."""
+    restarts = 0
+    while True:
+        session = Session(cfg, plan, pg, on_step, learner_restarts=restarts)
+        try:
+            return session.run()
+        except LearnerLost as err:
+            latest = Checkpoints(plan.run_dir, cfg.checkpoint.keep).latest()
+            if latest is None or restarts >= cfg.train.max_learner_restarts:
+                why = "no checkpoint exists" if latest is None else "its restarts are used up"
+                raise RunError(f"the learner died ({err}) and {why}; checkpoints and traces are in "
+                               f"{plan.run_dir}") from None
+            restarts += 1
+            print(f"sliderl: the learner died ({err}); resuming from {latest[0]}", flush=True)
+            plan = replace(plan, resume=latest)
+        finally:
+            session.close()
+
+
+class Session:
+    """One set of actors and the loop that drives them."""
+
+    def __init__(self, cfg: TrainConfig, plan: RunPlan, pg, on_step: StepHook | None, learner_restarts: int = 0):
+        from cluster.trace_log import TraceLog
+
+        self.cfg, self.plan, self.on_step = cfg, plan, on_step
+        self.state = plan.resume[1] if plan.resume else DriverState()
+        self.state.learner_restarts = learner_restarts
+        self.ledger = _restore_ledger(self.state)
+        self.stream = PromptStream(plan.train_problems, cfg.rollout.group_size, cfg.train.seed,
+                                   cfg.data.shuffle, cursor=self.state.cursor)
+        self.backlog: list[PromptGroup] = [self.stream.group(n) for n in self.state.outstanding]
+        self.trace_log = TraceLog(plan.run_dir)
+        self.checkpoints = Checkpoints(plan.run_dir, cfg.checkpoint.keep)
+        self.monitor = None
+        self.queue = make_queue(cfg)
+        checkpoint = str(plan.resume[0]) if plan.resume else None
+        self.learner = make_learner(cfg, pg, plan.model_path, checkpoint)
+        self.pool = WorkerPool(cfg, pg, plan.model_path, 0, self.queue)
+        self.sync = WeightSync(cfg.weight_sync.backend, cfg.weight_sync.broadcast_backend, cfg.learner.device,
+                               cfg.weight_sync.timeout_s)
+        self.awaiting_weights: set[int] = set()
+        self._step_counters = _Counters()
+        self._learner_busy = False
+        self._extra_metrics: dict[str, float] = {}  # merged into the next logged step
+        self.eval_before: EvalResult | None = None
+        self.eval_after: EvalResult | None = None
+
+    # ---- the run -------------------------------------------------------------------------------
+    def run(self) -> RunResult:
+        from cluster.metrics import Monitor
+
+        self.pool.start(self.cfg.ray.placement_timeout_s + 600)
+        self.state.version = self._learner_call(self.learner.version.remote())
+        self.monitor = Monitor(self.plan.run_dir, self.cfg.monitor, self.cfg.train.steps,
+                               config_dict=self.cfg.model_dump(mode="json"))
+        if self.plan.resume is not None:
+            self._publish()  # workers start from the initial model: give them the checkpoint's weights
+        if self.cfg.eval.before and self.state.step == 0:
+            self.eval_before = self._evaluate("before")
+            self._extra_metrics.update(self.eval_before.as_metrics("eval_before"))
+        stopped = False
+        while self.state.step < self.cfg.train.steps and not stopped:
+            metrics = self._step()
+            stopped = self.on_step is not None and self.on_step(self, self.state.step, metrics) is False
+        if not stopped and not (self.checkpoints.path(self.state.step) / "COMPLETE").is_file():
+            self._checkpoint()
+        (self.plan.run_dir / STATE_FILE).write_text(self._snapshot().to_json())
+        summary = self.monitor.finish()
+        return RunResult(self.plan.run_dir, self._snapshot(), self.eval_before, self.eval_after, summary, stopped)
+
+    def close(self) -> None:
+        """Stop every actor of this session (the placement group stays for the next one)."""
+        import ray
+
+        if self.monitor is not None:
+            self.monitor.finish(exit_code=1)
+        self.pool.stop()
+        for actor in (self.learner, self.queue.actor):
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # already gone
+                pass
+
+    # ---- one step ------------------------------------------------------------------------------
+    def _step(self) -> dict:
+        n = self.cfg.train.groups_per_step
+        batch = self._collect(n)
+        trained_at = self.state.version
+        learner_metrics = self._train(batch)
+        self.ledger.mark_trained(batch)
+        self.state.step += 1
+        self.state.version = int(learner_metrics.pop("version"))
+        sync_seconds = None
+        due = self.state.step % self.cfg.train.sync_every == 0 or self.state.step == self.cfg.train.steps
+        if due and self.state.version != self.state.published_version:  # a step without signal changes nothing
+            sync_seconds = self._publish()
+        last = self.state.step == self.cfg.train.steps
+        if last or (self.cfg.checkpoint.every and self.state.step % self.cfg.checkpoint.every == 0):
+            self._checkpoint()
+        if last and self.cfg.eval.after:
+            self.eval_after = self._evaluate("after")
+            self._extra_metrics.update(self.eval_after.as_metrics("eval_after"))
+        metrics = self._metrics(batch, trained_at, learner_metrics, sync_seconds)
+        metrics.update(self._extra_metrics)
+        self._extra_metrics = {}
+        self.monitor.log(self.state.step, metrics)
+        self.learner.record.remote(staleness=metrics["staleness_mean"], weight_sync_seconds=sync_seconds,
+                                   queue_depth=metrics["queue_depth"], reward=metrics["reward"])
+        return metrics
+
+    def _collect(self, n: int) -> list:
+        """``n`` groups fit to train at the current version, dealing and waiting as needed."""
+        max_staleness = 0 if self.cfg.train.mode == "sync" else self.cfg.train.max_staleness
+        batch: list = []
+        deadline = time.monotonic() + self.cfg.train.group_timeout_s
+        while True:
+            take = self.ledger.take(n - len(batch), self.state.version, max_staleness)
+            batch += take.groups
+            self._step_counters.stale += len(take.stale)
+            if len(batch) >= n:
+                return batch
+            self._feed(n - len(batch))
+            if self._pump(self.cfg.train.health_check_s, limit=n - len(batch)):
+                deadline = time.monotonic() + self.cfg.train.group_timeout_s
+            elif time.monotonic() > deadline:
+                raise RunError(f"no rollout group arrived for {self.cfg.train.group_timeout_s:g} s "
+                               f"(live workers: {sorted(self.pool.live())}); see the worker logs")
+
+    def _train(self, batch: list) -> dict:
+        """One learner step; in async mode the queue keeps being drained for the next step meanwhile."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        ref = self.learner.step.remote([g.traces for g in batch])
+        prefetch = self.cfg.train.mode == "async" and self.state.step + 1 < self.cfg.train.steps
+        self._learner_busy = True
+        try:
+            while not ray.wait([ref], timeout=0)[0]:
+                room = self.cfg.train.groups_per_step - len(self.ledger.ready)
+                if prefetch and room > 0:
+                    self._feed(0)
+                    self._pump(0.2, limit=room)
+                else:
+                    self._handle(self.pool.check())
+                    ray.wait([ref], timeout=self.cfg.train.health_check_s)
+            return ray.get(ref)
+        except RayActorError as err:
+            raise LearnerLost(" ".join(str(err).split())[:300]) from None
+        finally:
+            self._learner_busy = False
+
+    # ---- dealing and receiving -----------------------------------------------------------------
+    def _feed(self, short: int) -> None:
+        """Deal groups: async tops every worker up; sync deals what the step still lacks."""
+        ready = [wid for wid in self.pool.live() if wid not in self.awaiting_weights]
+        if not ready:
+            return
+        if self.cfg.train.mode == "async":
+            for wid in ready:
+                self._deal(wid, self.cfg.rollout.max_inflight_groups - self.ledger.held_by(wid))
+            return
+        in_flight = sum(self.ledger.held_by(wid) for wid in self.pool.live())
+        need = short - in_flight
+        for i in range(max(0, need)):
+            self._deal(ready[i % len(ready)], 1)
+
+    def _deal(self, wid: int, k: int) -> None:
+        if k <= 0:
+            return
+        groups, self.backlog = self.backlog[:k], self.backlog[k:]
+        groups += self.stream.deal(k - len(groups))
+        self.ledger.deal(wid, groups)
+        self.pool.submit(wid, groups)
+
+    def _pump(self, wait_s: float, limit: int) -> int:
+        """Receive up to ``limit`` finished groups (waiting up to ``wait_s`` for the first); log them.
+
+        Never more than the loop can use: a group left in the queue at the end was never logged.
+        """
+        from ray.util.queue import Empty
+
+        self._handle(self.pool.check())
+        try:
+            items = [self.queue.get(block=True, timeout=wait_s)]
+        except Empty:
+            return 0
+        more = min(self.queue.qsize(), limit - 1)
+        if more > 0:
+            items += self.queue.get_nowait_batch(more)
+        for group in items:
+            self.trace_log.append(group.traces)
+            self._step_counters.tokens += group.num_tokens
+            self.ledger.receive(group)
+        return len(items)
+
+    # ---- failures ------------------------------------------------------------------------------
+    def _handle(self, health: Health) -> None:
+        for wid in health.restarted:
+            self.state.worker_restarts += 1
+            print(f"sliderl: rollout worker {wid} restarted (pid {self.pool.pids.get(wid)}); "
+                  "sending weights and re-issuing its groups", flush=True)
+            self.backlog += self.ledger.orphans(wid)
+            if not self.sync.catch_up(self.state.published_version, self.pool.handles[wid]):
+                self.awaiting_weights.add(wid)
+        for wid in health.died:
+            self.backlog += self.ledger.orphans(wid)
+            self.awaiting_weights.discard(wid)
+            if not self.pool.live():
+                raise RunError(f"every rollout worker died (restarts used up: rollout.max_restarts="
+                               f"{self.cfg.rollout.max_restarts}); checkpoints and traces are in {self.plan.run_dir}")
+        if self.awaiting_weights and not self._learner_busy:
+            self._publish()
+
+    def _publish(self) -> float:
+        self._learner_call(self.learner.version.remote())  # a dead learner is LearnerLost, not a worker failure
+        report = self.sync.publish(self.state.version, self.learner, self.pool.live())
+        self.state.published_version = self.state.version
+        self.awaiting_weights -= set(self.pool.live()) - set(report.failed)
+        return report.seconds
+
+    # ---- checkpoints, eval, metrics ------------------------------------------------------------
+    def _checkpoint(self) -> Path:
+        return self.checkpoints.save(self.state.step, self._snapshot(),
+                                     lambda path: self._learner_call(self.learner.save_checkpoint.remote(path)))
+
+    def _snapshot(self) -> DriverState:
+        undealt = [int(g.group_id[1:]) for g in self.backlog if g.group_id not in self.ledger.outstanding]
+        return replace(self.state, cursor=self.stream.cursor,
+                       outstanding=sorted(self.ledger.unresolved_numbers() + undealt),
+                       trained_group_ids=list(self.ledger.trained), stale_group_ids=list(self.ledger.stale),
+                       duplicate_group_ids=list(self.ledger.duplicates), reissued_group_ids=list(self.ledger.reissued))
+
+    def _learner_call(self, ref):
+        import ray
+        from ray.exceptions import RayActorError
+
+        try:
+            return ray.get(ref)
+        except RayActorError as err:
+            raise LearnerLost(" ".join(str(err).split())[:300]) from None
+
+    def _evaluate(self, label: str) -> EvalResult:
+        import ray
+
+        problems = self.plan.eval_problems
+        wid, worker = next(iter(self.pool.live().items()))
+        sampling = eval_sampling(self._rollout_sampling(), self.cfg.eval.temperature, self.cfg.max_tokens_eval(),
+                                 self.cfg.train.seed)
+        outputs = ray.get(worker.evaluate.remote([p.prompt for p in problems], sampling))
+        result = score(outputs, problems, self.cfg.task.verifier(), self.cfg.engine.kv)
+        print(f"sliderl: eval {label} (version {self.state.version}, worker {wid}): {result.line()}", flush=True)
+        return result
+
+    def _rollout_sampling(self) -> dict:
+        sampling = self.cfg.sampling.model_dump()
+        sampling.pop("seed")
+        return sampling
+
+    def _metrics(self, batch: list, trained_at: int, learner_metrics: dict, sync_seconds: float | None) -> dict:
+        traces = [t for g in batch for t in g.traces]
+        ages = [trained_at - g.policy_version for g in batch]
+        counters, self._step_counters = self._step_counters, _Counters()
+        metrics = {
+            "reward": _mean(t.reward for t in traces),
+            "accuracy": _mean(float(t.reward_components.get("correctness", 0.0) >= 1.0) for t in traces),
+            "visible_kv": _mean(t.mean_visible_kv for t in traces),
+            "completion_tokens": _mean(t.num_tokens for t in traces),
+            "rollout_tokens_per_s": counters.tokens / max(time.monotonic() - counters.since, 1e-9),
+            "stale_groups_dropped": counters.stale,
+            "staleness_mean": _mean(ages),
+            "staleness_max": max(ages),
+            "queue_depth": self.queue.qsize(),
+            "version": self.state.version,
+            "worker_restarts": self.state.worker_restarts,
+            "duplicate_groups": len(self.ledger.duplicates),
+            "reissued_groups": len(self.ledger.reissued),
+            "learner_step_seconds": learner_metrics.pop("learner_step_seconds"),
+        }
+        if sync_seconds is not None:
+            metrics["weight_sync_seconds"] = sync_seconds
+        metrics.update({f"learner/{k}": v for k, v in learner_metrics.items() if _is_number(v)})
+        return metrics
+
+
+@dataclass
+class _Counters:
+    """Per-step tallies, reset after every step."""
+
+    tokens: int = 0
+    stale: int = 0
+    since: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.since = time.monotonic()
+
+
+def _restore_ledger(state: DriverState) -> GroupLedger:
+    ledger = GroupLedger()
+    ledger.trained = list(state.trained_group_ids)
+    ledger.stale = list(state.stale_group_ids)
+    ledger.duplicates = list(state.duplicate_group_ids)
+    ledger.reissued = list(state.reissued_group_ids)
+    ledger.restore_resolved(ledger.trained + ledger.stale)
+    return ledger
+
+
+def _mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values) if values else 0.0
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -1,0 +1,413 @@
+"""Monitoring: the driver's ``Monitor`` (metrics JSONL, W&B, progress bar, plots, summary) and the
+Ray custom metrics the actors export (``RolloutMetrics``, ``LearnerMetrics``).
+
+``Monitor.log(step, metrics)`` takes a flat dict of numbers. ``step`` counts optimizer steps done
+(1 after the first). These keys have a meaning to the progress bar, the plots and the summary;
+any other key is logged as it is:
+
+    reward                mean reward of the groups trained at this step
+    accuracy              fraction of those traces the verifier scored correct (optional)
+    visible_kv            mean visible KV tokens per decode step of those traces
+    rollout_tokens_per_s  generated tokens per second, all rollout workers together
+    learner_step_seconds  wall seconds of the learner step
+    stale_groups_dropped  groups dropped as too stale since the previous step (summed)
+
+Ray metrics (names as Prometheus shows them carry Ray's ``ray_`` prefix), tagged ``role``
+(rollout | learner) and ``worker_id``: ``sliderl_rollout_tokens_per_s``,
+``sliderl_visible_kv_tokens``, ``sliderl_reward``, ``sliderl_learner_step_seconds`` (histogram),
+``sliderl_staleness_versions``, ``sliderl_weight_sync_seconds`` (histogram),
+``sliderl_queue_depth`` and ``sliderl_learner_steps`` (counter). Create the metric classes inside
+the actor that records them: Ray metrics belong to the process that made them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+import os
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field
+
+from cluster.config import Section
+
+REWARD = "reward"
+ACCURACY = "accuracy"
+VISIBLE_KV = "visible_kv"
+TOKENS_PER_S = "rollout_tokens_per_s"
+STEP_SECONDS = "learner_step_seconds"
+STALE_DROPPED = "stale_groups_dropped"
+RESERVED = ("step", "elapsed_s")  # written by the Monitor on every JSONL line
+
+METRICS_FILE = "metrics.jsonl"
+SUMMARY_FILE = "summary.txt"
+WANDB_ID_FILE = "wandb_run_id"
+PLOTS = {REWARD: ("reward.png", "reward"), VISIBLE_KV: ("visible_kv.png", "visible KV tokens")}
+
+
+# -------------------------------------------------------------------------------------- config
+
+
+class WandbConfig(Section):
+    """Weights & Biases logging."""
+
+    mode: Literal["offline", "online", "disabled"] = "offline"
+    """offline writes the run under run_dir/wandb (upload later with ``wandb sync``); online needs
+    an API key (``wandb login`` or WANDB_API_KEY); disabled logs nothing to W&B."""
+    project: str = Field("sliderl", min_length=1)
+    """W&B project name."""
+    entity: str | None = None
+    """W&B user or team; None uses the account's default."""
+    name: str | None = None
+    """Display name of the run; None uses the run directory's name."""
+    tags: list[str] = []
+    """Tags attached to the run."""
+
+
+class MonitorConfig(Section):
+    """What the run reports and where: Ray dashboard, W&B, console, plots."""
+
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+    """Weights & Biases settings."""
+    dashboard_host: str = "127.0.0.1"
+    """Interface the Ray dashboard binds to when sliderl starts Ray itself; 0.0.0.0 exposes it to
+    the network (only do that on a trusted network)."""
+    dashboard_port: int = Field(8265, ge=1, le=65535)
+    """Port of the Ray dashboard when sliderl starts Ray itself."""
+    include_dashboard: bool = True
+    """Start the Ray dashboard (and its metrics view) when sliderl starts Ray itself."""
+    log_every: int = Field(1, ge=1)
+    """Send metrics to W&B every this many steps (and always at the last step); metrics.jsonl and
+    the progress bar get every step."""
+    plots: bool = True
+    """Write reward.png and visible_kv.png into the run directory at the end."""
+
+    def ray_init_kwargs(self) -> dict[str, Any]:
+        """Dashboard arguments for ``ray.init`` when starting a local instance (not when connecting
+        to an existing cluster, whose dashboard is configured by ``ray start``)."""
+        return {"include_dashboard": self.include_dashboard, "dashboard_host": self.dashboard_host,
+                "dashboard_port": self.dashboard_port}
+
+
+# ------------------------------------------------------------------------------------- monitor
+
+
+class Monitor:
+    """The driver's view of a run: every ``log`` appends to ``run_dir/metrics.jsonl`` (flushed),
+    goes to W&B and moves a console progress bar with ETA; ``finish`` writes plots and a summary.
+
+    Created again on the same ``run_dir`` (a resumed run) it keeps the earlier lines, reuses the
+    W&B run id and counts wall time on from where the last session stopped. Several ``log`` calls
+    for one step (training metrics, then an evaluation; or a step replayed after a resume) merge
+    into one row of the history, later values winning; metrics.jsonl keeps every call as a line.
+    """
+
+    def __init__(self, run_dir: str | os.PathLike, cfg: MonitorConfig, total_steps: int,
+                 config_dict: dict | None = None):
+        if total_steps < 1:
+            raise ValueError(f"total_steps must be >= 1, got {total_steps}")
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.cfg = cfg
+        self.total_steps = total_steps
+        self.metrics_path = self.run_dir / METRICS_FILE
+        self.history, self._elapsed_before = _read_history(self.metrics_path)
+        # disabled: no W&B at all (not even the import), e.g. on machines without wandb installed
+        self._run = None if cfg.wandb.mode == "disabled" else _start_wandb(self.run_dir, cfg.wandb, config_dict)
+        self._started = time.monotonic()
+        self._file = _open_for_append(self.metrics_path)
+        self._bar = _progress_bar(total_steps, max(self.history, default=0))
+        self._summary: str | None = None
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        """Record ``metrics`` (flat ``{name: number}``) for optimizer step ``step``."""
+        if self._summary is not None:
+            raise RuntimeError("Monitor.log called after finish()")
+        values = _numbers(metrics)
+        row = {"step": int(step), "elapsed_s": round(self.elapsed(), 3), **values}
+        self.history.setdefault(row["step"], {}).update(row)
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+        if self._run is not None and (row["step"] % self.cfg.log_every == 0 or row["step"] >= self.total_steps):
+            self._run.log(values, step=row["step"])
+        self._advance(self.history[row["step"]])
+
+    def elapsed(self) -> float:
+        """Wall seconds of this run: earlier sessions plus this one."""
+        return self._elapsed_before + time.monotonic() - self._started
+
+    def finish(self, exit_code: int = 0) -> str:
+        """Close W&B and the progress bar, write the plots and ``summary.txt``; return the summary.
+
+        Safe to call twice (the second call returns the same summary)."""
+        if self._summary is not None:
+            return self._summary
+        wall_s = self.elapsed()
+        self._bar.close()
+        self._file.close()
+        if self._run is not None:
+            self._run.finish(exit_code=exit_code)
+        plots = write_plots(self.history, self.run_dir) if self.cfg.plots else []
+        self._summary = format_summary(self.run_dir, self.history, self.total_steps, wall_s, plots,
+                                       self._wandb_note())
+        (self.run_dir / SUMMARY_FILE).write_text(self._summary)
+        return self._summary
+
+    def __enter__(self) -> Monitor:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.finish(exit_code=0 if exc_type is None else 1)
+
+    def _advance(self, row: dict) -> None:
+        delta = min(row["step"], self.total_steps) - self._bar.n
+        if delta > 0:
+            self._bar.update(delta)
+        self._bar.set_postfix_str(_postfix(row), refresh=True)
+
+    def _wandb_note(self) -> str | None:
+        mode = self.cfg.wandb.mode
+        if mode == "disabled":
+            return None
+        folder = Path(self._run.dir).parent  # run.dir is <run folder>/files
+        return f"{folder} (upload with `wandb sync {folder}`)" if mode == "offline" else f"{mode}: {self._run.url}"
+
+
+def _numbers(metrics: dict[str, Any]) -> dict[str, int | float]:
+    """Validated copy of ``metrics``: string keys, plain int/float values (numpy/torch scalars ok)."""
+    out: dict[str, int | float] = {}
+    for key, value in metrics.items():
+        if not isinstance(key, str) or key in RESERVED:
+            raise ValueError(f"metric name {key!r} is not allowed; use a string other than {RESERVED}")
+        if isinstance(value, numbers.Integral):
+            out[key] = int(value)
+            continue
+        try:
+            out[key] = float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"metric {key!r} must be a number, got {value!r}") from None
+    return out
+
+
+def _read_history(path: Path) -> tuple[dict[int, dict], float]:
+    """Rows of an existing metrics.jsonl merged by step (later values win) and the last elapsed_s."""
+    history: dict[int, dict] = {}
+    elapsed = 0.0
+    if not path.is_file():
+        return history, elapsed
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:  # a line cut short by a crash: the only one that can be
+            print(f"sliderl: skipping unreadable line {number} of {path}", file=sys.stderr)
+            continue
+        history.setdefault(int(row["step"]), {}).update(row)
+        elapsed = float(row.get("elapsed_s", elapsed))
+    return history, elapsed
+
+
+def _open_for_append(path: Path):
+    """``path`` opened to append lines; a last line cut short by a crash is ended first."""
+    file = open(path, "a+", encoding="utf-8")
+    if file.tell() > 0:
+        file.seek(file.tell() - 1)
+        if file.read(1) != "\n":
+            file.write("\n")
+    return file
+
+
+def _start_wandb(run_dir: Path, cfg: WandbConfig, config_dict: dict | None):
+    """A W&B run writing under ``run_dir/wandb``; the id is kept in ``run_dir`` for resumes."""
+    import wandb
+
+    id_file = run_dir / WANDB_ID_FILE
+    if not id_file.is_file():
+        id_file.write_text(uuid.uuid4().hex[:12])
+    try:
+        return wandb.init(
+            project=cfg.project, entity=cfg.entity, name=cfg.name or run_dir.resolve().name,
+            tags=cfg.tags, mode=cfg.mode, dir=str(run_dir), config=config_dict,
+            id=id_file.read_text().strip(), resume="allow", reinit="finish_previous",
+            settings=wandb.Settings(console="off"),
+        )
+    except wandb.errors.Error as err:
+        raise RuntimeError(f"W&B could not start in mode {cfg.mode!r}: {err}; log in "
+                           "(`wandb login`) or set monitor.wandb.mode=offline or disabled") from err
+
+
+def _progress_bar(total_steps: int, done: int):
+    from tqdm import tqdm
+
+    return tqdm(total=total_steps, initial=min(done, total_steps), desc="train", unit="step",
+                dynamic_ncols=True, file=sys.stderr)
+
+
+def _postfix(row: dict) -> str:
+    shown = [(REWARD, "reward", "{:.3f}"), (VISIBLE_KV, "kv", "{:.0f}"), (TOKENS_PER_S, "tok/s", "{:.0f}")]
+    return " ".join(f"{label}={fmt.format(row[key])}" for key, label, fmt in shown if key in row)
+
+
+# ------------------------------------------------------------------------------ plots, summary
+
+
+def write_plots(history: dict[int, dict], run_dir: Path) -> list[Path]:
+    """PNG line plots of reward and visible KV against step (those present); returns the paths."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    written = []
+    for key, (filename, label) in PLOTS.items():
+        steps, values = _series(history, key)
+        if not steps:
+            continue
+        fig = Figure(figsize=(6, 3.5), dpi=100)
+        FigureCanvasAgg(fig)
+        ax = fig.add_subplot()
+        ax.plot(steps, values, marker="o" if len(steps) < 30 else None)
+        ax.set(xlabel="step", ylabel=label, title=f"{label} against step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(run_dir / filename)
+        written.append(run_dir / filename)
+    return written
+
+
+def _series(history: dict[int, dict], key: str) -> tuple[list[int], list[float]]:
+    steps = [s for s in sorted(history) if key in history[s] and math.isfinite(history[s][key])]
+    return steps, [history[s][key] for s in steps]
+
+
+def format_summary(run_dir: Path, history: dict[int, dict], total_steps: int, wall_s: float,
+                   plots: list[Path], wandb_note: str | None) -> str:
+    """The one-screen end-of-run report."""
+    last = max(history, default=0)
+    lines = [
+        f"sliderl run {run_dir}",
+        f"  steps            {last} / {total_steps}",
+        f"  wall time        {_duration(wall_s)}",
+        f"  reward           {_first_last(history, REWARD)}",
+        f"  accuracy         {_first_last(history, ACCURACY)}",
+        f"  visible KV       {_mean(history, VISIBLE_KV, '{:.1f} tokens (mean over steps)')}",
+        f"  rollout tok/s    {_mean(history, TOKENS_PER_S, '{:.1f} (mean over steps)')}",
+        f"  learner step     {_mean(history, STEP_SECONDS, '{:.3f} s (mean)')}",
+        f"  stale dropped    {_total(history, STALE_DROPPED, '{:g} groups')}",
+        f"  traces           {_trace_count(run_dir)}",
+        f"  metrics          {run_dir / METRICS_FILE}",
+    ]
+    if plots:
+        lines.append(f"  plots            {', '.join(str(p) for p in plots)}")
+    if wandb_note:
+        lines.append(f"  W&B              {wandb_note}")
+    return "\n".join(lines) + "\n"
+
+
+def _first_last(history: dict[int, dict], key: str) -> str:
+    steps, values = _series(history, key)
+    if not steps:
+        return "n/a"
+    return f"{values[0]:.4f} (step {steps[0]}) -> {values[-1]:.4f} (step {steps[-1]})"
+
+
+def _mean(history: dict[int, dict], key: str, fmt: str) -> str:
+    _, values = _series(history, key)
+    return fmt.format(sum(values) / len(values)) if values else "n/a"
+
+
+def _total(history: dict[int, dict], key: str, fmt: str) -> str:
+    _, values = _series(history, key)
+    return fmt.format(sum(values)) if values else "n/a"
+
+
+def _trace_count(run_dir: Path) -> str:
+    from cluster.trace_log import TraceLog
+
+    if not (run_dir / "traces").is_dir():
+        return "0 (no trace log)"
+    return f"{TraceLog(run_dir).count()} in {run_dir / 'traces'}"
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(int(round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h {minutes:02d}m {secs:02d}s" if hours else f"{minutes}m {secs:02d}s"
+
+
+# --------------------------------------------------------------------------------- Ray metrics
+
+_TAG_KEYS = ("role", "worker_id")
+_SECONDS_BUCKETS = [0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600]
+
+
+def _gauge(name: str, description: str, tags: dict[str, str]):
+    from ray.util.metrics import Gauge
+
+    return Gauge(name, description, tag_keys=_TAG_KEYS).set_default_tags(tags)
+
+
+def _histogram(name: str, description: str, tags: dict[str, str]):
+    from ray.util.metrics import Histogram
+
+    return Histogram(name, description, boundaries=_SECONDS_BUCKETS, tag_keys=_TAG_KEYS).set_default_tags(tags)
+
+
+def _counter(name: str, description: str, tags: dict[str, str]):
+    from ray.util.metrics import Counter
+
+    return Counter(name, description, tag_keys=_TAG_KEYS).set_default_tags(tags)
+
+
+class RolloutMetrics:
+    """A rollout worker's Ray metrics; make it inside the worker actor."""
+
+    def __init__(self, worker_id: int | str):
+        tags = {"role": "rollout", "worker_id": str(worker_id)}
+        self.tokens_per_s = _gauge("sliderl_rollout_tokens_per_s", "generated tokens per second", tags)
+        self.visible_kv = _gauge("sliderl_visible_kv_tokens", "mean visible KV tokens per decode step", tags)
+        self.reward = _gauge("sliderl_reward", "mean reward of the latest traces", tags)
+
+    def record(self, tokens_per_s: float | None = None, visible_kv: float | None = None,
+               reward: float | None = None) -> None:
+        """Set the latest values; None leaves a metric as it was."""
+        _set(self.tokens_per_s, tokens_per_s)
+        _set(self.visible_kv, visible_kv)
+        _set(self.reward, reward)
+
+
+class LearnerMetrics:
+    """The learner's Ray metrics; make it inside the learner actor."""
+
+    def __init__(self, worker_id: int | str = "learner"):
+        tags = {"role": "learner", "worker_id": str(worker_id)}
+        self.step_seconds = _histogram("sliderl_learner_step_seconds", "wall seconds per learner step", tags)
+        self.staleness = _gauge("sliderl_staleness_versions", "policy versions between sampling and training", tags)
+        self.weight_sync_seconds = _histogram("sliderl_weight_sync_seconds", "wall seconds per weight sync", tags)
+        self.queue_depth = _gauge("sliderl_queue_depth", "groups waiting in the trace queue", tags)
+        self.reward = _gauge("sliderl_reward", "mean reward of the trained groups", tags)
+        self.steps = _counter("sliderl_learner_steps", "learner steps done", tags)
+
+    def record(self, step_seconds: float | None = None, staleness: float | None = None,
+               weight_sync_seconds: float | None = None, queue_depth: float | None = None,
+               reward: float | None = None) -> None:
+        """Record one learner step (counted when ``step_seconds`` is given); None skips a value."""
+        if step_seconds is not None:
+            self.step_seconds.observe(float(step_seconds))
+            self.steps.inc()
+        if weight_sync_seconds is not None:
+            self.weight_sync_seconds.observe(float(weight_sync_seconds))
+        _set(self.staleness, staleness)
+        _set(self.queue_depth, queue_depth)
+        _set(self.reward, reward)
+
+
+def _set(gauge, value: float | None) -> None:
+    if value is not None:
+        gauge.set(float(value))

@@ -1,0 +1,202 @@
+"""Ray connection, resource checks, the placement group, and the actors made from plain classes.
+
+The one place where resources from the config become Ray options: ``connect`` starts or joins a
+cluster, ``check_resources`` compares the request with what the cluster has (a clear error before
+any actor starts), ``reserve`` places one bundle for the learner and one per rollout worker, and
+``make_learner`` / ``make_worker`` / ``make_queue`` create the actors inside those bundles.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+from urllib.parse import urlparse
+
+from cluster.config import ConfigError
+from cluster.train_config import TrainConfig
+
+WORKER_CONCURRENCY = 4  # submit/status/update_weights/evaluate may arrive while the worker generates
+MIN_BUNDLE_CPU = 0.01  # Ray bundles must not be empty
+
+
+class ResourceError(ConfigError):
+    """The cluster cannot hold what the config asks for, or cannot be reached."""
+
+
+# ----------------------------------------------------------------------------------- connect
+
+
+def cluster_address(cfg: TrainConfig) -> str | None:
+    """The cluster to join: ``ray.address``, else RAY_ADDRESS, else None (start a local one)."""
+    return cfg.ray.address or os.environ.get("RAY_ADDRESS") or None
+
+
+def connect(cfg: TrainConfig) -> bool:
+    """Join the configured cluster or start a local Ray; True when this call initialised Ray.
+
+    An existing ``ray.init`` in this process is reused as it is (returns False).
+    """
+    import ray
+
+    if ray.is_initialized():
+        return False
+    address = cluster_address(cfg)
+    if address is None:  # "local": a new instance, never a `ray start` cluster found on this machine
+        ray.init(address="local", num_cpus=cfg.ray.num_cpus, num_gpus=cfg.ray.num_gpus,
+                 **cfg.monitor.ray_init_kwargs())
+        return True
+    check_reachable(address)
+    try:
+        ray.init(address=address)
+    except (ConnectionError, RuntimeError, ValueError) as err:
+        raise ResourceError(f"cannot join the Ray cluster at {address!r}: {' '.join(str(err).split())}") from None
+    return True
+
+
+def check_reachable(address: str) -> None:
+    """A quick TCP check of ``host:port`` (also ``ray://host:port``); 'auto' is left to Ray."""
+    if address == "auto":
+        return
+    parsed = urlparse(address if "://" in address else f"tcp://{address}")
+    if parsed.scheme in ("http", "https"):
+        raise ResourceError(f"RAY_ADDRESS {address!r} is a dashboard (Jobs API) address; run the job with "
+                            f"`ray job submit --address {address} -- sliderl train ...`, or point RAY_ADDRESS at "
+                            "the cluster's GCS address (host:6379)")
+    if not parsed.hostname or not parsed.port:
+        raise ResourceError(f"RAY_ADDRESS {address!r} is not host:port, ray://host:port or auto")
+    try:
+        with socket.create_connection((parsed.hostname, parsed.port), timeout=3):
+            pass
+    except OSError as err:
+        raise ResourceError(f"cannot reach the Ray cluster at {address!r} ({err.strerror or err}); start one "
+                            "with `ray start --head`, or unset RAY_ADDRESS (and ray.address) to run on a "
+                            "local Ray instance") from None
+
+
+# ------------------------------------------------------------------------------- resources
+
+
+def bundles(cfg: TrainConfig) -> list[dict[str, float]]:
+    """Placement-group bundles: the learner's first, then one per rollout worker."""
+    learner = _bundle(cfg.learner.num_cpus, cfg.learner.num_gpus)
+    worker = _bundle(cfg.rollout.num_cpus, cfg.rollout.num_gpus)
+    return [learner] + [dict(worker) for _ in range(cfg.rollout.num_workers)]
+
+
+def _bundle(cpus: float, gpus: float) -> dict[str, float]:
+    bundle = {"CPU": max(cpus, MIN_BUNDLE_CPU)}
+    if gpus > 0:
+        bundle["GPU"] = gpus
+    return bundle
+
+
+def check_resources(cfg: TrainConfig, total: dict[str, float], nodes: list[dict[str, float]]) -> None:
+    """Raise ResourceError when the bundles cannot fit ``total`` (cluster) or any single node."""
+    need: dict[str, float] = {}
+    for bundle in bundles(cfg):
+        for key, amount in bundle.items():
+            need[key] = need.get(key, 0.0) + amount
+    for key, amount in need.items():
+        have = total.get(key, 0.0)
+        if amount > have + 1e-9:
+            raise ResourceError(
+                f"the job asks for {amount:g} {key} (learner {_amount(cfg.learner, key):g} + "
+                f"{cfg.rollout.num_workers} rollout workers x {_amount(cfg.rollout, key):g}) but the Ray cluster "
+                f"has {have:g}; lower learner.num_{key.lower()}s, rollout.num_{key.lower()}s or rollout.num_workers, "
+                f"or give the cluster more (ray.num_{key.lower()}s for a local instance)")
+    for bundle in bundles(cfg):
+        if not any(all(node.get(k, 0.0) + 1e-9 >= v for k, v in bundle.items()) for node in nodes):
+            raise ResourceError(f"no node of the Ray cluster can hold one actor's bundle {bundle}; "
+                                f"node resources: {[{k: node.get(k, 0) for k in bundle} for node in nodes]}")
+    if cfg.ray.placement_strategy == "STRICT_PACK":
+        if not any(all(node.get(k, 0.0) + 1e-9 >= v for k, v in need.items()) for node in nodes):
+            raise ResourceError(f"placement_strategy STRICT_PACK needs one node with {need}; none has it")
+
+
+def _amount(section, key: str) -> float:
+    return section.num_cpus if key == "CPU" else section.num_gpus
+
+
+def cluster_capacity() -> tuple[dict[str, float], list[dict[str, float]]]:
+    """Total resources of the connected cluster and of each alive node."""
+    import ray
+
+    nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+    return dict(ray.cluster_resources()), nodes
+
+
+def reserve(cfg: TrainConfig):
+    """Create the placement group and wait for it; ResourceError when it cannot be placed in time."""
+    import ray
+    from ray.exceptions import GetTimeoutError
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    pg = placement_group(bundles(cfg), strategy=cfg.ray.placement_strategy, name="")
+    try:
+        ray.get(pg.ready(), timeout=cfg.ray.placement_timeout_s)
+    except GetTimeoutError:
+        remove_placement_group(pg)
+        raise ResourceError(f"the placement group {bundles(cfg)} ({cfg.ray.placement_strategy}) could not be placed "
+                            f"within {cfg.ray.placement_timeout_s:g} s: other jobs may hold the resources") from None
+    return pg
+
+
+def release(pg) -> None:
+    from ray.util.placement_group import remove_placement_group
+
+    remove_placement_group(pg)
+
+
+# ----------------------------------------------------------------------------------- actors
+
+
+def _options(cfg: TrainConfig, pg, index: int, cpus: float, gpus: float) -> dict[str, Any]:
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    return {
+        "num_cpus": max(cpus, MIN_BUNDLE_CPU), "num_gpus": gpus,
+        "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
+        "runtime_env": {"env_vars": dict(cfg.ray.env_vars)},
+    }
+
+
+def make_learner(cfg: TrainConfig, pg, model_path: str, checkpoint: str | None = None):
+    """The learner actor in bundle 0 (not restarted by Ray: the driver resumes it from a checkpoint)."""
+    import ray
+
+    from cluster.learner_actor import LearnerActor
+
+    options = _options(cfg, pg, 0, cfg.learner.num_cpus, cfg.learner.num_gpus)
+    kwargs = cfg.learner.learner_kwargs(cfg.train.seed)
+    kwargs["kv_policy"] = cfg.engine.kv
+    return ray.remote(LearnerActor).options(max_restarts=0, **options).remote(
+        model_path, kwargs, cfg.weight_sync.backend, _threads(cfg.learner.num_cpus), checkpoint)
+
+
+def make_worker(cfg: TrainConfig, pg, worker_id: int, model_path: str, version: int, trace_queue):
+    """Rollout worker ``worker_id`` in bundle 1 + worker_id; Ray restarts it when its process dies."""
+    import ray
+
+    from cluster.rollout_worker import RolloutWorker
+
+    options = _options(cfg, pg, 1 + worker_id, cfg.rollout.num_cpus, cfg.rollout.num_gpus)
+    engine = cfg.engine.llm_kwargs()
+    engine["seed"] = cfg.engine.seed + 7919 * worker_id
+    sampling = cfg.sampling.model_dump()
+    sampling.pop("seed")
+    return ray.remote(RolloutWorker).options(
+        max_restarts=cfg.rollout.max_restarts, max_task_retries=0, max_concurrency=WORKER_CONCURRENCY, **options,
+    ).remote(worker_id, model_path, version, engine, sampling, cfg.task.model_dump(), dict(cfg.reward),
+             trace_queue, _threads(cfg.rollout.num_cpus))
+
+
+def make_queue(cfg: TrainConfig):
+    """The bounded trace queue (an actor that reserves no CPU)."""
+    from ray.util.queue import Queue
+
+    return Queue(maxsize=cfg.rollout.queue_size, actor_options={"num_cpus": 0})
+
+
+def _threads(cpus: float) -> int:
+    return max(1, int(cpus))

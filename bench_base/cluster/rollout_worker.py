@@ -1,0 +1,349 @@
+"""The rollout worker: one engine, its own step loop, rewards, and whole groups into the trace queue.
+
+``RolloutWorker`` is a plain class that ``cluster.resources`` turns into a threaded Ray actor
+(``max_concurrency`` >= 3), so calls arrive while it generates. Three threads share it:
+
+- the engine thread runs ``LLM.step()`` in a loop: it admits submitted groups, applies a pending
+  weight update *between* engine steps, and hands every finished group to the scorer;
+- the scorer thread computes rewards off the engine's path and puts each group, as one
+  ``RolloutGroup`` (a group is atomic), into the bounded trace queue, blocking while it is full;
+- actor calls (``submit``, ``update_weights``, ``status``, ``evaluate``) run on Ray's threads.
+
+A weight update that lands while a sample is in flight is recorded on its trace
+(``weight_update_token_index``: the completion index from which the new weights sampled); the
+trace keeps the version its group started with, so staleness is judged conservatively.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import traceback
+import uuid
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from cluster.data import Problem, PromptGroup
+from cluster.weight_sync import WeightReceiver
+from rewards import CompositeReward, RewardInput
+from rollout.trace import Trace
+
+PUT_TIMEOUT_S = 1.0  # queue.put retries at this period so a stopping worker never blocks forever
+IDLE_WAIT_S = 1.0
+
+
+@dataclass
+class RolloutGroup:
+    """The unit that crosses the trace queue: all samples of one prompt, scored."""
+
+    group_id: str
+    worker_id: int
+    incarnation: str
+    policy_version: int  # weights version when the group's samples started
+    traces: list[Trace]
+    generate_seconds: float = 0.0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(t.num_tokens for t in self.traces)
+
+
+@dataclass
+class WorkerStatus:
+    """A worker's answer to the driver's health check."""
+
+    worker_id: int
+    incarnation: str  # new after every restart of the process
+    pid: int
+    version: int
+    held_group_ids: list[str]
+    fenced: bool = False  # restarted and waiting for weights; refuses work until then
+    error: str | None = None  # the engine or scorer thread died with this traceback
+
+
+@dataclass
+class _InFlight:
+    """One group inside the engine."""
+
+    group: PromptGroup
+    version: int
+    started: float
+    outputs: list = field(default_factory=list)  # RequestOutput per sample, None until finished
+    update_index: list[int] = field(default_factory=list)
+    seqs: list = field(default_factory=list)
+
+
+@dataclass
+class _EvalJob:
+    prompts: list[str]
+    params: Any
+    future: Future
+    outputs: list = field(default_factory=list)
+    remaining: int = 0
+
+
+def build_reward(task: dict, reward: dict) -> CompositeReward:
+    """The task's verifier as ``correctness`` plus the other configured terms (rewards.REWARDS)."""
+    from cluster.train_config import TaskConfig
+
+    terms = {}
+    extra = {k: v for k, v in reward.items() if k != "correctness"}
+    if "correctness" in reward:
+        weight = reward["correctness"]
+        weight = weight.get("weight", 1.0) if isinstance(weight, dict) else weight
+        terms["correctness"] = (TaskConfig(**task).verifier(), float(weight))
+    if extra:
+        terms.update(CompositeReward.from_config(extra).terms)
+    return CompositeReward(terms)
+
+
+class RolloutWorker:
+    """Generates groups with ``rollout.LLM`` and streams them, scored, into ``trace_queue``."""
+
+    def __init__(self, worker_id: int, model_path: str, version: int, engine: dict, sampling: dict,
+                 task: dict, reward: dict, trace_queue, num_threads: int = 1):
+        import os
+
+        import torch
+
+        from rollout import LLM
+
+        torch.set_num_threads(max(1, num_threads))
+        self.worker_id = worker_id
+        self.incarnation = uuid.uuid4().hex[:8]
+        self.pid = os.getpid()
+        self.llm = LLM(model_path, **engine)
+        self.version = version
+        self.sampling = sampling
+        self.reward = build_reward(task, reward)
+        self.receiver = WeightReceiver(self.llm.device)
+        self.trace_queue = trace_queue
+        self._fenced = _restarted()  # a restarted process has stale weights: no work until it gets new ones
+        self._metrics = _rollout_metrics(worker_id)
+        self._lock = threading.Condition()
+        self._inbox: list[PromptGroup] = []
+        self._evals: list[_EvalJob] = []
+        self._pending: tuple[int, dict, threading.Event] | None = None
+        self._inflight: dict[str, _InFlight] = {}
+        self._by_request: dict[int, tuple[Any, int]] = {}  # request id -> (_InFlight | _EvalJob, index)
+        self._scored: queue.Queue = queue.Queue()
+        self._stop = threading.Event()
+        self._error: str | None = None
+        self._threads = [threading.Thread(target=self._guard, args=(fn,), daemon=True, name=fn.__name__)
+                         for fn in (self._engine_loop, self._scorer_loop)]
+        for thread in self._threads:
+            thread.start()
+
+    # ---- actor API -----------------------------------------------------------------------------
+    def submit(self, groups: list[PromptGroup]) -> int:
+        """Queue groups for generation; returns how many groups this worker now holds.
+
+        A restarted worker refuses work (returns -1; the driver re-issues it) until it has been
+        given weights: its process came back with the initial ones.
+        """
+        with self._lock:
+            if self._fenced:
+                return -1
+            self._inbox.extend(groups)
+            self._lock.notify_all()
+            return len(self._inbox) + len(self._inflight)
+
+    def update_weights(self, version: int, payload: Any = None, force: bool = False) -> float:
+        """Receive weights ``version`` and wait until the engine applied them between two steps.
+
+        payload is what the learner's ``WeightSender.publish`` returned (a state dict, an
+        ``IpcPayload``, or a ``BroadcastNotice`` whose tensors arrive through the process group).
+        Versions only grow unless ``force``. Returns the seconds from the call to the applied update.
+        """
+        start = time.perf_counter()
+        if version < self.version and not force:
+            raise ValueError(f"worker {self.worker_id}: weight version {version} is older than its version "
+                             f"{self.version}; versions are monotonic")
+        weights = self.receiver.receive(payload)
+        done = threading.Event()
+        with self._lock:
+            if self._pending is not None:  # superseded before the engine got to it: the newer one wins
+                self._pending[2].set()
+            self._pending = (version, weights, done)
+            self._lock.notify_all()
+        while not done.wait(IDLE_WAIT_S):
+            self._raise_if_failed()
+        return time.perf_counter() - start
+
+    def join_broadcast(self, address: str, world_size: int, rank: int, group_name: str, backend: str,
+                       timeout_s: float) -> None:
+        """Join the learner's broadcast process group (see ``cluster.weight_sync``)."""
+        self.receiver.join(address, world_size, rank, group_name, backend, timeout_s)
+
+    def leave_broadcast(self) -> None:
+        self.receiver.leave()
+
+    def status(self) -> WorkerStatus:
+        """Identity, version, held groups, and the error that stopped a thread (if any)."""
+        with self._lock:
+            held = [g.group_id for g in self._inbox] + list(self._inflight)
+        return WorkerStatus(self.worker_id, self.incarnation, self.pid, self.version, held, self._fenced, self._error)
+
+    def evaluate(self, prompts: list[str], sampling: dict) -> list:
+        """Generate one completion per prompt (through the same engine loop); RequestOutputs in order."""
+        from rollout import SamplingParams
+
+        job = _EvalJob(list(prompts), SamplingParams(**sampling), Future())
+        with self._lock:
+            self._evals.append(job)
+            self._lock.notify_all()
+        while True:
+            try:
+                return job.future.result(timeout=IDLE_WAIT_S)
+            except TimeoutError:
+                self._raise_if_failed()
+
+    def parameter(self, name: str) -> list[float]:
+        """The current values of one weight (flattened), read between engine steps; for checks."""
+        with self._lock:
+            return self.llm.model.state_dict()[name].detach().float().flatten().tolist()
+
+    def stop(self) -> None:
+        """Stop both threads (pending work is abandoned)."""
+        self._stop.set()
+        with self._lock:
+            self._lock.notify_all()
+
+    # ---- engine thread -------------------------------------------------------------------------
+    def _guard(self, loop) -> None:
+        try:
+            loop()
+        except Exception:  # surfaced to the driver through status() and blocked calls
+            self._error = traceback.format_exc()
+            self._stop.set()
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"rollout worker {self.worker_id} stopped: {self._error}")
+
+    def _engine_loop(self) -> None:
+        while not self._stop.is_set():
+            with self._lock:
+                self._apply_pending()
+                self._admit()
+                if not self.llm.scheduler.has_unfinished():
+                    self._lock.wait(IDLE_WAIT_S)
+                    continue
+            for seq in self.llm.step():
+                self._finished(seq)
+
+    def _apply_pending(self) -> None:
+        if self._pending is None:
+            return
+        version, weights, done = self._pending
+        self.llm.load_weights(weights)
+        for job in self._inflight.values():
+            for j, seq in enumerate(job.seqs):
+                if job.outputs[j] is None and job.update_index[j] < 0:
+                    job.update_index[j] = seq.num_output
+        self.version, self._pending, self._fenced = version, None, False
+        done.set()
+
+    def _admit(self) -> None:
+        from rollout import SamplingParams
+
+        for group in self._inbox:
+            job = _InFlight(group, self.version, time.perf_counter(), [None] * group.group_size, [-1] * group.group_size)
+            for j in range(group.group_size):
+                params = SamplingParams(**{**self.sampling, "seed": group.seed + j})
+                seq = self.llm.add_request(group.problem.prompt, params)
+                job.seqs.append(seq)
+                self._by_request[seq.request_id] = (job, j)
+            self._inflight[group.group_id] = job
+        self._inbox.clear()
+        for job in self._evals:
+            job.outputs, job.remaining = [None] * len(job.prompts), len(job.prompts)
+            for i, prompt in enumerate(job.prompts):
+                self._by_request[self.llm.add_request(prompt, job.params).request_id] = (job, i)
+        self._evals.clear()
+
+    def _finished(self, seq) -> None:
+        job, index = self._by_request.pop(seq.request_id)
+        output = self.llm.output(seq)
+        job.outputs[index] = output
+        if isinstance(job, _EvalJob):
+            job.remaining -= 1
+            if job.remaining == 0:
+                job.future.set_result(job.outputs)
+        elif all(o is not None for o in job.outputs):
+            with self._lock:
+                del self._inflight[job.group.group_id]
+            self._scored.put(job)
+
+    # ---- scorer thread -------------------------------------------------------------------------
+    def _scorer_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                job = self._scored.get(timeout=IDLE_WAIT_S)
+            except queue.Empty:
+                continue
+            group = self._score(job)
+            self._record(group)
+            self._put(group)
+
+    def _score(self, job: _InFlight) -> RolloutGroup:
+        traces = [self._trace(job, j, out) for j, out in enumerate(job.outputs)]
+        return RolloutGroup(job.group.group_id, self.worker_id, self.incarnation, job.version, traces,
+                            time.perf_counter() - job.started)
+
+    def _trace(self, job: _InFlight, j: int, out) -> Trace:
+        problem: Problem = job.group.problem
+        record = self.reward.score(RewardInput(out.text, problem.answer, out.kv.mean_visible_tokens))
+        return Trace(
+            trace_id=f"{job.group.group_id}-{j}-w{self.worker_id}.{self.incarnation}",
+            group_id=job.group.group_id, prompt_id=problem.prompt_id, worker_id=self.worker_id,
+            policy_version=job.version, kv_policy=self.llm.policy.spec,
+            prompt_token_ids=list(out.prompt_token_ids), completion_token_ids=list(out.token_ids),
+            logprobs=list(out.logprobs), finish_reason=out.finish_reason,
+            temperature=float(self.sampling.get("temperature", 1.0)),
+            weight_update_token_index=job.update_index[j], forced=list(out.forced),
+            reward=float(record.total), reward_components=dict(record.components), answer=problem.answer,
+            completion_text=out.text, num_tokens=len(out.token_ids), peak_visible_kv=out.kv.peak_visible_tokens,
+            mean_visible_kv=float(out.kv.mean_visible_tokens), decode_seconds=float(out.seconds),
+        )
+
+    def _record(self, group: RolloutGroup) -> None:
+        if self._metrics is None or not group.traces:
+            return
+        n = len(group.traces)
+        self._metrics.record(tokens_per_s=group.num_tokens / max(group.generate_seconds, 1e-9),
+                             visible_kv=sum(t.mean_visible_kv for t in group.traces) / n,
+                             reward=sum(t.reward for t in group.traces) / n)
+
+    def _put(self, group: RolloutGroup) -> None:
+        from ray.util.queue import Full
+
+        while not self._stop.is_set():
+            try:
+                self.trace_queue.put(group, block=True, timeout=PUT_TIMEOUT_S)
+                return
+            except Full:
+                continue
+
+
+def _restarted() -> bool:
+    """True in an actor process that Ray started again after the previous one died."""
+    import warnings
+
+    import ray
+
+    with warnings.catch_warnings():  # Ray's own property trips its deprecated actor_id internally
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return ray.is_initialized() and ray.get_runtime_context().was_current_actor_reconstructed
+
+
+def _rollout_metrics(worker_id: int):
+    """Ray custom metrics of this worker, or None outside a Ray worker process."""
+    try:
+        from cluster.metrics import RolloutMetrics
+
+        return RolloutMetrics(worker_id)
+    except Exception:  # metrics are best-effort: no metrics agent (e.g. outside Ray) must not stop rollouts
+        return None

@@ -1,0 +1,118 @@
+"""The trace log: every sampled trace, appended to Parquet part files in ``run_dir/traces/``.
+
+The log is the durable record of what was sampled. Each ``append`` writes one new, complete part
+file ``part-NNNNNN.parquet`` (one row per trace, ``rollout.trace.TRACE_SCHEMA``):
+
+    convert -> write ``.part-NNNNNN.parquet.tmp-PID`` -> fsync -> link to its final name -> fsync dir
+
+so a crash at any point leaves either the whole part or no part; parts already written are never
+touched again. Names starting with ``.`` are invisible to readers (``pyarrow.dataset`` skips them
+by default), so a temp file left by a killed process is ignored. Numbering continues after the
+highest existing part, so a resumed run keeps appending to the same folder; linking (not renaming)
+refuses to overwrite, so two writers on one folder never clobber each other's parts.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from rollout.trace import TRACE_SCHEMA, Trace, traces_to_table
+
+PART_NAME = "part-{:06d}.parquet"
+_PART_RE = re.compile(r"part-(\d+)\.parquet")
+
+
+class TraceLog:
+    """Append-only Parquet log of ``Trace`` records under ``run_dir/traces/``."""
+
+    def __init__(self, run_dir: str | os.PathLike):
+        self.dir = Path(run_dir) / "traces"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._rows: dict[str, int] = {}  # part name -> rows; parts are immutable once named
+        parts = self.parts()
+        self._next = _part_number(parts[-1]) + 1 if parts else 0
+
+    def append(self, traces: list[Trace]) -> Path | None:
+        """Write ``traces`` as one new part file; returns its path (None for an empty list).
+
+        A trace that does not fit the schema raises before anything reaches the disk; an error
+        while writing removes the temp file and re-raises. Either way no part is added.
+        """
+        if not traces:
+            return None
+        table = traces_to_table(traces)  # raises (ArrowInvalid/ArrowTypeError/...) on a bad row
+        temp = self.dir / f".{PART_NAME.format(self._next)}.tmp-{os.getpid()}"
+        try:
+            _write_synced(table, temp)
+            path = self._publish(temp)
+        finally:
+            temp.unlink(missing_ok=True)
+        self._rows[path.name] = table.num_rows
+        return path
+
+    def parts(self) -> list[Path]:
+        """The complete part files, in append order."""
+        found = [p for p in self.dir.iterdir() if _PART_RE.fullmatch(p.name)]
+        return sorted(found, key=_part_number)
+
+    def read(self, columns: list[str] | None = None) -> pa.Table:
+        """Every trace written so far (all parts, in append order) as one table of ``TRACE_SCHEMA``."""
+        parts = self.parts()
+        if not parts:
+            empty = TRACE_SCHEMA.empty_table()
+            return empty.select(columns) if columns is not None else empty
+        return pa.concat_tables([pq.read_table(p, columns=columns, schema=TRACE_SCHEMA) for p in parts])
+
+    def count(self) -> int:
+        """Number of traces in the log (row counts from each part's footer, cached)."""
+        total = 0
+        for part in self.parts():
+            if part.name not in self._rows:
+                self._rows[part.name] = pq.ParquetFile(part).metadata.num_rows
+            total += self._rows[part.name]
+        return total
+
+    def _publish(self, temp: Path) -> Path:
+        """Give ``temp`` the next free part name without ever replacing an existing part."""
+        while True:
+            path = self.dir / PART_NAME.format(self._next)
+            self._next += 1
+            try:
+                os.link(temp, path)
+            except FileExistsError:  # another writer took this number
+                continue
+            except OSError:  # no hard links on this filesystem: rename (one writer per folder)
+                if path.exists():
+                    continue
+                os.replace(temp, path)
+            _fsync_dir(self.dir)
+            return path
+
+
+def _part_number(path: Path) -> int:
+    return int(_PART_RE.fullmatch(path.name).group(1))
+
+
+def _write_synced(table: pa.Table, path: Path) -> None:
+    """Write ``table`` as Parquet to ``path`` and force it to stable storage."""
+    with open(path, "wb") as file:
+        pq.write_table(table, file)
+        file.flush()
+        os.fsync(file.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a new directory entry durable (a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,45 @@
+"""Paged attention over a bounded KV cache: the interface, a pure-torch path and the Triton kernels.
+
+The package owns
+- ``metadata``: ``AttentionMetadata`` (flat varlen batch, live block tables) and ``PagedKVCache``;
+- ``reference``: pure-torch ``write_kv`` / ``paged_attention`` (the CPU path and the reference);
+- the Triton kernels: ``cache_write`` (K/V + deaths into slots), ``decode`` (one query per
+  sequence, split-K), ``prefill`` (varlen / chunked prefill), sharing ``key_tile`` and checked by
+  ``launch_checks``;
+- ``norm_rope``: fused RMSNorm (with the residual add) and q/k-norm + RoPE, the decoder's small ops
+  on its inference path (``DecoderLM.fused_kernels``).
+
+``paged_attention`` and ``write_kv`` below dispatch to the kernels. Triton is imported only when they
+are first called, so ``kernels.metadata`` and ``kernels.reference`` import without it, and
+``TRITON_INTERPRET=1`` (CPU interpreter) can still be set beforehand.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.metadata import AttentionMetadata, PagedKVCache
+
+
+def paged_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: AttentionMetadata, scale: float,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of ``q [N, H_q, D]`` over each sequence's live blocks with the Triton kernels; ``[N, H_q, D]``.
+
+    Decode batches (``meta.is_decode``) use the split-K decode kernel, all others the prefill kernel.
+    Same function as ``kernels.reference.paged_attention`` except that a query with no visible key
+    gets 0 instead of NaN. ``out`` (like q) receives the result when given.
+    """
+    if meta.is_decode:
+        from kernels.decode import decode_attention
+        return decode_attention(q, cache, layer, meta, scale, out=out)
+    from kernels.prefill import prefill_attention
+    return prefill_attention(q, cache, layer, meta, scale, out=out)
+
+
+def write_kv(cache: PagedKVCache, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
+    """Store new ``k, v [N, H_kv, D]`` at ``meta.slot_mapping`` with the Triton kernel; layer 0 also stores deaths."""
+    from kernels.cache_write import write_kv as write_kv_kernel
+    write_kv_kernel(cache, layer, k, v, meta)
+
+
+__all__ = ["AttentionMetadata", "PagedKVCache", "paged_attention", "write_kv"]

@@ -1,0 +1,50 @@
+"""The records every reward reads and returns: ``RewardInput`` in, ``RewardRecord`` out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class RewardInput:
+    """What a reward may look at for one completion.
+
+    completion_text: the decoded completion (special tokens such as ``</think>`` kept).
+    answer: the task's reference answer (math tasks), else None.
+    mean_visible_kv: the trace's mean number of KV tokens visible per decode step (engine stats).
+    num_thinking_tokens: tokens before the end-of-thinking marker, when the engine counted them.
+    """
+
+    completion_text: str
+    answer: str | None = None
+    mean_visible_kv: float | None = None
+    num_thinking_tokens: int | None = None
+
+
+@dataclass(frozen=True)
+class RewardRecord:
+    """One completion's reward: ``total`` and the named parts it was made of.
+
+    components: reward terms (the values that were summed, before any composite weight).
+    parsed: the extracted final answer, when the reward parses one.
+    info: diagnostics that are not part of the reward (counts, raw measurements).
+    """
+
+    total: float
+    components: dict[str, float]
+    parsed: str | None = None
+    info: dict[str, float] = field(default_factory=dict)
+
+    def as_metrics(self, prefix: str = "reward") -> dict[str, float]:
+        """Flat ``{prefix}/total``, ``{prefix}/{component}``, ``{prefix}/{info key}`` floats."""
+        metrics = {f"{prefix}/total": float(self.total)}
+        metrics.update({f"{prefix}/{k}": float(v) for k, v in self.components.items()})
+        metrics.update({f"{prefix}/{k}": float(v) for k, v in self.info.items()})
+        return metrics
+
+
+class Reward(Protocol):
+    """Anything that scores a ``RewardInput``; each reward also has a direct ``__call__``."""
+
+    def score(self, sample: RewardInput) -> RewardRecord: ...

@@ -1,0 +1,109 @@
+"""Cost-side reward terms: TIP's KV-cache penalty, a thinking-length penalty and Pasta's speedup.
+
+The two penalties share one form, a relative overshoot of a budget:
+``-coef * max(0, x - budget) / budget`` (0 within budget, -coef at twice the budget). The TIP
+chapter names a "KV-cache penalty for retaining too many tokens" without giving its formula; this
+is our choice for it, with x the trace's mean number of visible KV tokens per decode step (the
+thesis' "live KV cache" metric).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from rewards.math import END_THINK
+from rewards.pasta_lang import schedule, whitespace_tokens
+from rewards.record import RewardInput, RewardRecord
+
+
+def budget_overshoot_penalty(value: float, budget: float, coef: float) -> float:
+    """``-coef * max(0, value - budget) / budget``."""
+    return -coef * max(0.0, value - budget) / budget
+
+
+def _check_budget(budget: float, coef: float, what: str) -> None:
+    if not budget > 0:
+        raise ValueError(f"{what} budget must be > 0, got {budget}")
+    if not coef >= 0:
+        raise ValueError(f"{what} coef must be >= 0, got {coef}")
+
+
+class KVPenalty:
+    """TIP's KV-cache penalty on the mean visible KV tokens over ``budget`` (see module docstring)."""
+
+    name = "kv_penalty"
+
+    def __init__(self, budget: float, coef: float = 1.0):
+        _check_budget(budget, coef, "KVPenalty")
+        self.budget = float(budget)
+        self.coef = float(coef)
+
+    def __call__(self, mean_visible_kv: float) -> RewardRecord:
+        total = budget_overshoot_penalty(mean_visible_kv, self.budget, self.coef)
+        return RewardRecord(total, {self.name: total}, info={"mean_visible_kv": float(mean_visible_kv)})
+
+    def score(self, sample: RewardInput) -> RewardRecord:
+        if sample.mean_visible_kv is None:
+            raise ValueError("KVPenalty needs the trace's mean visible KV tokens; RewardInput.mean_visible_kv is None")
+        return self(sample.mean_visible_kv)
+
+
+class ThinkingPenalty:
+    """Penalty on thinking tokens over ``budget``, same form as ``KVPenalty``.
+
+    Thinking tokens are the engine's count when given, else ``count_tokens`` of the text before the
+    first ``end_think`` marker (all of the text when the marker never came: thinking never ended).
+    """
+
+    name = "thinking_penalty"
+
+    def __init__(
+        self,
+        budget: float,
+        coef: float = 1.0,
+        end_think: str = END_THINK,
+        count_tokens: Callable[[str], int] = whitespace_tokens,
+    ):
+        _check_budget(budget, coef, "ThinkingPenalty")
+        self.budget = float(budget)
+        self.coef = float(coef)
+        self.end_think = end_think
+        self.count_tokens = count_tokens
+
+    def __call__(self, completion_text: str | None = None, num_thinking_tokens: int | None = None) -> RewardRecord:
+        if num_thinking_tokens is None:
+            if completion_text is None:
+                raise ValueError("ThinkingPenalty needs completion_text or num_thinking_tokens")
+            num_thinking_tokens = self.count_tokens(completion_text.partition(self.end_think)[0])
+        total = budget_overshoot_penalty(num_thinking_tokens, self.budget, self.coef)
+        return RewardRecord(total, {self.name: total}, info={"thinking_tokens": float(num_thinking_tokens)})
+
+    def score(self, sample: RewardInput) -> RewardRecord:
+        return self(sample.completion_text, sample.num_thinking_tokens)
+
+
+class SpeedupReward:
+    """Pasta's theoretical speedup: generated tokens / critical path (``rewards.pasta_lang``).
+
+    A response without Pasta-Lang tags scores exactly 1.0. ``count_tokens`` maps a text span to
+    its token count (pass the policy tokenizer's; the default counts whitespace-separated words).
+    """
+
+    name = "speedup"
+
+    def __init__(self, count_tokens: Callable[[str], int] = whitespace_tokens):
+        self.count_tokens = count_tokens
+
+    def __call__(self, completion_text: str) -> RewardRecord:
+        plan = schedule(completion_text, self.count_tokens)
+        info = {
+            "critical_path": float(plan.critical_path),
+            "num_tokens": float(plan.num_tokens),
+            "parallelism": plan.parallelism,
+            "num_forks": float(plan.num_forks),
+            "num_malformed": float(plan.num_malformed),
+        }
+        return RewardRecord(plan.speedup, {self.name: plan.speedup}, info=info)
+
+    def score(self, sample: RewardInput) -> RewardRecord:
+        return self(sample.completion_text)

@@ -1,0 +1,186 @@
+"""KV retention policies: the one visibility rule shared by the engine, the kernels and the trainer.
+
+Every policy reduces to one number per key position k, its *death* d(k): the first query position
+that can no longer see k. A query at position q sees key k exactly when ``k <= q < d(k)``.
+
+| spec               | d(k)                                                        |
+|--------------------|-------------------------------------------------------------|
+| full               | never                                                       |
+| prefix_sliding:W   | never if k < P, else k + W        (P = prompt length)       |
+| sliding_window:W   | k + W                                                       |
+| streaming:S:W      | never if k < S, else k + W                                  |
+| registers:N        | the position r of the register token that killed k's step   |
+
+``q - k < W`` is the window convention: a query sees W keys including itself.
+
+Registers (TIP): a step starts at a generated ``<reg_i>`` token and runs until the next register
+token or the end-of-thinking token (exclusive). When ``<reg_i>`` is emitted at position r while an
+earlier step still holds ``<reg_i>``, that step (its register token included) dies at r. The
+prompt and tokens outside steps never die, so at most N steps are live.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+
+NEVER = 2**31 - 1  # death of a key that stays visible forever (fits int32 kernels)
+
+POLICY_KINDS = ("full", "prefix_sliding", "sliding_window", "streaming", "registers")
+SPEC_HELP = "valid specs: full, prefix_sliding:W, sliding_window:W, streaming:S:W, registers:N (W, N >= 1; S >= 0)"
+
+
+def register_tokens(num_registers: int) -> list[str]:
+    """The special tokens ``<reg_0> … <reg_{N-1}>`` that the registers policy adds to the vocabulary."""
+    return [f"<reg_{i}>" for i in range(num_registers)]
+
+
+@dataclass(frozen=True)
+class KVPolicy:
+    """A parsed KV policy spec; see the module docstring for the rule."""
+
+    kind: str
+    window: int = 0
+    sinks: int = 0
+    num_registers: int = 0
+    register_ids: tuple[int, ...] = field(default=(), compare=False)
+    end_think_id: int | None = field(default=None, compare=False)
+
+    @classmethod
+    def parse(cls, spec: str | KVPolicy) -> KVPolicy:
+        """Parse ``full``, ``prefix_sliding:W``, ``sliding_window:W``, ``streaming:S:W`` or ``registers:N``."""
+        if isinstance(spec, KVPolicy):
+            return spec
+        if not isinstance(spec, str):
+            raise ValueError(f"KV policy spec must be a string, got {spec!r}; {SPEC_HELP}")
+        kind, *args = spec.strip().split(":")
+        arity = {"full": 0, "prefix_sliding": 1, "sliding_window": 1, "streaming": 2, "registers": 1}
+        if kind not in arity:
+            raise ValueError(f"unknown KV policy {kind!r} in spec {spec!r}; {SPEC_HELP}")
+        if len(args) != arity[kind]:
+            raise ValueError(f"KV policy spec {spec!r} takes {arity[kind]} integer argument(s); {SPEC_HELP}")
+        try:
+            values = [int(a) for a in args]
+        except ValueError:
+            raise ValueError(f"KV policy spec {spec!r} has a non-integer argument; {SPEC_HELP}") from None
+        if kind == "streaming":
+            sinks, window = values
+            if sinks < 0:
+                raise ValueError(f"streaming sinks must be >= 0, got {sinks} in {spec!r}; {SPEC_HELP}")
+            return cls(kind, window=_positive(window, "window", spec), sinks=sinks)
+        if kind == "registers":
+            return cls(kind, num_registers=_positive(values[0], "number of registers", spec))
+        if kind == "full":
+            return cls(kind)
+        return cls(kind, window=_positive(values[0], "window", spec))
+
+    @property
+    def spec(self) -> str:
+        """The canonical spec string (what traces store)."""
+        return {
+            "full": "full",
+            "prefix_sliding": f"prefix_sliding:{self.window}",
+            "sliding_window": f"sliding_window:{self.window}",
+            "streaming": f"streaming:{self.sinks}:{self.window}",
+            "registers": f"registers:{self.num_registers}",
+        }[self.kind]
+
+    def bind(self, register_ids: list[int] | tuple[int, ...] = (), end_think_id: int | None = None) -> KVPolicy:
+        """Attach the token ids the registers policy needs (``<reg_i>`` ids in order, end-of-thinking id)."""
+        if self.kind == "registers" and len(register_ids) != self.num_registers:
+            raise ValueError(f"{self.spec} needs {self.num_registers} register token ids, got {len(register_ids)}")
+        return replace(self, register_ids=tuple(register_ids), end_think_id=end_think_id)
+
+    def tracker(self, prompt_len: int) -> DeathTracker:
+        """A fresh incremental follower of one sequence with a prompt of ``prompt_len`` tokens."""
+        return DeathTracker(self, prompt_len)
+
+    def death_positions(self, prompt_len: int, token_ids: list[int] | torch.Tensor) -> torch.Tensor:
+        """d(k) for every position of a whole sequence (prompt + completion): int64 ``[T]``."""
+        ids = token_ids.tolist() if isinstance(token_ids, torch.Tensor) else list(token_ids)
+        tracker = self.tracker(prompt_len)
+        for pos, tok in enumerate(ids):
+            tracker.append(pos, tok)
+        return torch.tensor(tracker.death, dtype=torch.int64)
+
+
+def _positive(value: int, what: str, spec: str) -> int:
+    if value <= 0:
+        raise ValueError(f"{what} must be >= 1, got {value} in KV policy spec {spec!r}; {SPEC_HELP}")
+    return value
+
+
+def visible_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, k_death: torch.Tensor) -> torch.Tensor:
+    """Dense visibility: ``[Q, K]`` bool, ``k <= q < d(k)``. q_pos: [Q]; k_pos, k_death: [K]."""
+    q = q_pos[:, None]
+    return (k_pos[None, :] <= q) & (q < k_death[None, :])
+
+
+class DeathTracker:
+    """Follows one sequence token by token and keeps d(k) for every position seen so far.
+
+    ``append`` returns the position ranges ``[start, end)`` that died at this token (registers only):
+    the engine frees or masks their KV, the trainer needs nothing more than ``death``.
+    ``visible`` is the number of keys the query at the last appended position sees.
+    """
+
+    def __init__(self, policy: KVPolicy, prompt_len: int):
+        if policy.kind == "registers" and len(policy.register_ids) != policy.num_registers:
+            raise ValueError(f"{policy.spec} is not bound to register token ids; call policy.bind(...) first")
+        self.policy = policy
+        self.prompt_len = prompt_len
+        self.death: list[int] = []
+        self._register_index = {tok: i for i, tok in enumerate(policy.register_ids)}
+        self._holder: dict[int, tuple[int, int]] = {}  # register -> (start, end) of its live step; end=-1 open
+        self._open: int | None = None  # register whose step is still growing
+        self._dying: dict[int, int] = {}  # death position -> number of keys that die there
+        self.visible = 0
+
+    def initial_death(self, pos: int) -> int:
+        """d(pos) as known when the token at ``pos`` is written."""
+        p = self.policy
+        if p.kind in ("full", "registers"):
+            return NEVER
+        keep = {"prefix_sliding": self.prompt_len, "streaming": p.sinks, "sliding_window": 0}[p.kind]
+        return NEVER if pos < keep else pos + p.window
+
+    def append(self, pos: int, token_id: int) -> list[tuple[int, int]]:
+        assert pos == len(self.death), (pos, len(self.death))
+        death = self.initial_death(pos)
+        self.death.append(death)
+        if death != NEVER:
+            self._dying[death] = self._dying.get(death, 0) + 1
+        killed = self._follow_registers(pos, token_id)
+        self.visible += 1 - self._dying.pop(pos, 0)
+        return killed
+
+    def _follow_registers(self, pos: int, token_id: int) -> list[tuple[int, int]]:
+        if self.policy.kind != "registers" or pos < self.prompt_len:
+            return []
+        reg = self._register_index.get(token_id)
+        if reg is None:
+            if token_id == self.policy.end_think_id:
+                self._close(pos)
+            return []
+        self._close(pos)
+        killed = []
+        if reg in self._holder:
+            start, end = self._holder.pop(reg)
+            for k in range(start, end):
+                self.death[k] = pos
+            self._dying[pos] = self._dying.get(pos, 0) + end - start
+            killed.append((start, end))
+        self._holder[reg] = (pos, -1)
+        self._open = reg
+        return killed
+
+    def _close(self, pos: int) -> None:
+        if self._open is not None:
+            start, _ = self._holder[self._open]
+            self._holder[self._open] = (start, pos)
+            self._open = None
+
+    @property
+    def live_steps(self) -> int:
+        return len(self._holder)

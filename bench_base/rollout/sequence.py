@@ -1,0 +1,164 @@
+"""One request's state inside the engine, and the record it turns into when it finishes."""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+from enum import Enum, auto
+
+import numpy as np
+
+from rollout.kv_policy import DeathTracker
+from rollout.sampling import SamplingParams
+
+
+class Status(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+@dataclass
+class KVUsage:
+    """KV use of one completion: keys visible to the queries that produced it, blocks held."""
+
+    peak_visible_tokens: int = 0
+    mean_visible_tokens: float = 0.0
+    peak_blocks: int = 0
+
+
+@dataclass
+class RequestOutput:
+    """A finished request. ``logprobs[i]`` is the sampler's log-probability of ``token_ids[i]``."""
+
+    request_id: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str
+    finish_reason: str  # "stop" (eos, stop token or string) | "length" (max_tokens or max_model_len)
+    kv: KVUsage
+    forced: list[bool] = field(default_factory=list)  # True where budget forcing inserted the token
+    num_preemptions: int = 0
+    seconds: float = 0.0
+
+
+class Sequence:
+    """Tokens, KV blocks and visibility of one request.
+
+    ``num_computed`` tokens have their K/V in the cache; the next query position is ``num_computed``.
+    ``blocks`` maps logical block index -> physical block for live blocks only. ``block_table`` /
+    ``block_index`` mirror it as arrays (first ``len(blocks)`` entries, in no particular order:
+    attention masks by position, so a freed block is swap-removed in O(1)).
+    """
+
+    def __init__(self, request_id: int, prompt_token_ids: list[int], params: SamplingParams, seed: int,
+                 tracker: DeathTracker, block_size: int, arrival: float):
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.token_ids = list(prompt_token_ids)
+        self.params = params
+        self.seed = seed
+        self.tracker = tracker
+        self.block_size = block_size
+        self.arrival = arrival
+        self.status = Status.WAITING
+        self.num_computed = 0
+        self.blocks: dict[int, int] = {}
+        self.block_table = np.full(16, -1, dtype=np.int32)
+        self.block_index = np.full(16, -1, dtype=np.int32)
+        self._column: dict[int, int] = {}  # logical block -> its column in the arrays
+        self._free_heap: list[tuple[int, int]] = []  # (max death, logical block) of complete blocks
+        self.logprobs: list[float] = []
+        self.forced: list[bool] = []
+        self.pending_forced: list[int] = []
+        self.thinking_done = False
+        self.finish_reason: str | None = None
+        self.finished_at = 0.0
+        self.num_preemptions = 0
+        self.visible_sum = 0
+        self.kv = KVUsage()
+        for pos, tok in enumerate(self.prompt_token_ids):
+            tracker.append(pos, tok)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len:]
+
+    @property
+    def num_output(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed
+
+    def blocks_needed(self, n_tokens: int) -> int:
+        """New blocks required to write the next ``n_tokens`` positions."""
+        first, last = self.num_computed // self.block_size, (self.num_computed + n_tokens - 1) // self.block_size
+        return sum(1 for j in range(first, last + 1) if j not in self.blocks)
+
+    def add_block(self, j: int, block: int) -> None:
+        col = len(self.blocks)
+        if col == len(self.block_table):
+            self.block_table = np.concatenate([self.block_table, np.full(col, -1, dtype=np.int32)])
+            self.block_index = np.concatenate([self.block_index, np.full(col, -1, dtype=np.int32)])
+        self.blocks[j] = block
+        self._column[j] = col
+        self.block_table[col], self.block_index[col] = block, j
+
+    def remove_block(self, j: int) -> int:
+        block, col, last = self.blocks.pop(j), self._column.pop(j), len(self.blocks)
+        if col != last:  # move the last column into the hole
+            moved = int(self.block_index[last])
+            self.block_table[col], self.block_index[col] = self.block_table[last], moved
+            self._column[moved] = col
+        self.block_table[last] = self.block_index[last] = -1
+        return block
+
+    def append_token(self, token: int, logprob: float, forced: bool) -> list[tuple[int, int]]:
+        """Record a sampled (or forced) token; returns position ranges its arrival killed."""
+        self.visible_sum += self.tracker.visible
+        self.kv.peak_visible_tokens = max(self.kv.peak_visible_tokens, self.tracker.visible)
+        pos = len(self.token_ids)
+        self.token_ids.append(token)
+        self.logprobs.append(logprob)
+        self.forced.append(forced)
+        return self.tracker.append(pos, token)
+
+    def block_completed(self, j: int) -> None:
+        """Block j now holds all its positions: it becomes a candidate for freeing."""
+        self.push_free_candidate(j)
+
+    def push_free_candidate(self, j: int) -> None:
+        bs = self.block_size
+        heapq.heappush(self._free_heap, (max(self.tracker.death[j * bs:(j + 1) * bs]), j))
+
+    def pop_dead_blocks(self) -> list[int]:
+        """Physical blocks no future query (position >= num_computed) can see; removes them."""
+        dead = []
+        while self._free_heap and self._free_heap[0][0] <= self.num_computed:
+            _, j = heapq.heappop(self._free_heap)
+            bs = self.block_size
+            if j in self.blocks and max(self.tracker.death[j * bs:(j + 1) * bs]) <= self.num_computed:
+                dead.append(self.remove_block(j))
+        return dead
+
+    def release_blocks(self) -> list[int]:
+        """Drop every block (finish or preemption); returns the physical ids to free."""
+        freed = list(self.blocks.values())
+        for j in list(self.blocks):
+            self.remove_block(j)
+        self._free_heap.clear()
+        return freed
+
+    def reset_for_recompute(self) -> list[int]:
+        """Preemption: drop every block; the tokens stay and are prefilled again later."""
+        self.num_computed = 0
+        self.num_preemptions += 1
+        self.status = Status.WAITING
+        return self.release_blocks()

@@ -1,0 +1,68 @@
+"""Test setup: offline Hugging Face, Triton's interpreter on CPU, markers, and cached tiny models."""
+
+import os
+import sys
+from pathlib import Path
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402  (torch does not import triton; kernels modules do, later)
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # `pytest` without an installed package still imports rollout/, kernels/, …
+    sys.path.insert(0, str(ROOT))
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one)")
+    config.addinivalue_line("markers", "slow: takes more than a few seconds")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory):
+    """``make(arch="qwen3", **kw) -> Path``: a tiny HF model dir from ``rollout.tiny.make_tiny_model``,
+    built once per distinct (arch, kw) in the session and shared between tests. Treat it as read-only."""
+    from rollout.tiny import make_tiny_model
+
+    root = tmp_path_factory.mktemp("tiny_models")
+    built: dict[str, Path] = {}
+
+    def make(arch: str = "qwen3", **kw) -> Path:
+        key = f"{arch}:{sorted(kw.items(), key=lambda item: item[0])!r}"
+        if key not in built:
+            built[key] = make_tiny_model(root / f"{arch}-{len(built)}", arch, **kw)
+        return built[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def register_model(tmp_path_factory):
+    """A tiny untied Qwen3 with ``<reg_0..2>`` whose lm_head rows are boosted so greedy decoding emits
+    registers often (about one token in five), giving steps that are killed and evicted."""
+    from safetensors.torch import load_file, save_file
+
+    from rollout.kv_policy import register_tokens
+    from rollout.tiny import make_tiny_model
+
+    path = make_tiny_model(tmp_path_factory.mktemp("reg") / "m", "qwen3", tie_word_embeddings=False,
+                           extra_special_tokens=tuple(register_tokens(3)))
+    weights = load_file(path / "model.safetensors")
+    head = weights["lm_head.weight"].clone()
+    head[-3:] = torch.randn(3, head.shape[1], generator=torch.Generator().manual_seed(1)) * head.std() * 2.0
+    weights["lm_head.weight"] = head
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    return path

@@ -1,0 +1,332 @@
+"""The distributed system on a real local Ray (2 CPUs): sync, async GRPO and async BoNBoN runs of a
+few steps on a tiny model; the driver's books; weight-sync buffers; bad input caught before any
+actor starts. One Ray instance serves the whole module.
+"""
+
+import dataclasses
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from cluster.cli import main
+from cluster.config import ConfigError, load_config
+from cluster.data import Problem, PromptGroup
+from cluster.ledger import GroupLedger
+from cluster.resources import ResourceError
+from cluster.rollout_worker import RolloutGroup
+from cluster.train_config import TrainConfig
+from cluster.weight_sync import FlatLayout, flatten, unflatten
+from cluster_jobs import initial_weight, logged_traces, metric_rows, model_dir, ray_session, tiny_job, tiny_overrides  # noqa: F401 (fixtures)
+
+ROOT = Path(__file__).resolve().parents[1]
+WEIGHT = "model.layers.0.mlp.down_proj.weight"
+
+
+
+def stepped_versions(rows: dict[int, dict]) -> list[int]:
+    """Policy version after each step, counted from the learner's own ``stepped`` flags."""
+    versions, v = [], 0
+    for step in sorted(rows):
+        v += int(rows[step]["learner/stepped"])
+        versions.append(v)
+    return versions
+
+
+# ------------------------------------------------------------------------------------ the runs
+
+
+@pytest.fixture(scope="module")
+def sync_run(ray_session, model_dir, tmp_path_factory):
+    """Sync mode, object-store sync, 3 steps x 2 groups x 4 samples; weights read at step 1."""
+    from cluster.driver import train
+
+    seen = {}
+
+    def read_weights(session, step, metrics):
+        if step == 1:
+            seen["worker"] = ray_session.get(session.pool.handles[0].parameter.remote(WEIGHT))
+            seen["learner"] = ray_session.get(session.learner.parameter.remote(WEIGHT))
+            seen["worker_version"] = ray_session.get(session.pool.handles[0].status.remote()).version
+
+    cfg = tiny_job(model_dir, tmp_path_factory.mktemp("sync") / "run", "train.mode=sync")
+    return train(cfg, on_step=read_weights), seen
+
+
+def test_sync_run_steps_versions_and_traces_add_up(sync_run):
+    result, _ = sync_run
+    rows = metric_rows(result.run_dir)
+    assert sorted(rows) == [1, 2, 3] and result.state.step == 3
+    versions = stepped_versions(rows)
+    assert [rows[s]["version"] for s in (1, 2, 3)] == versions and result.state.version == versions[-1]
+    assert versions[0] == 1  # the first step had signal (lengths, hence KV penalties, differ)
+    trained = result.state.trained_group_ids
+    assert len(trained) == len(set(trained)) == 3 * 2
+    traces = logged_traces(result.run_dir)
+    assert len(traces) == 3 * 2 * 4  # sync: exactly the groups that were trained, 4 samples each
+    assert Counter(t["group_id"] for t in traces) == {g: 4 for g in trained}
+    # sync: the groups of step k were sampled with the weights after step k-1
+    version_of = {t["group_id"]: t["policy_version"] for t in traces}
+    before = [0] + versions[:-1]
+    assert [version_of[g] for g in trained] == [before[i // 2] for i in range(6)]
+    assert all(rows[s]["staleness_max"] == 0 and rows[s]["stale_groups_dropped"] == 0 for s in rows)
+
+
+def test_sync_run_workers_hold_the_learners_weights_after_a_sync(sync_run, model_dir):
+    _, seen = sync_run
+    assert seen["worker_version"] == 1
+    assert seen["worker"] == seen["learner"]  # by value, after the object-store sync
+    assert seen["worker"] != initial_weight(model_dir, WEIGHT)  # and the step did change them
+
+
+def test_sync_run_checkpoint_and_state_on_disk(sync_run):
+    result, _ = sync_run
+    ckpt = result.run_dir / "checkpoints" / "step_000003"
+    assert (ckpt / "COMPLETE").is_file() and (ckpt / "config.json").is_file()
+    state = json.loads((ckpt / "driver_state.json").read_text())
+    assert state["step"] == 3 and state["trained_group_ids"] == result.state.trained_group_ids
+    assert state["cursor"] == 6 and state["outstanding"] == []
+    assert (result.run_dir / "config.yaml").is_file() and (result.run_dir / "summary.txt").is_file()
+
+
+def test_eval_scores_the_checkpoint_with_the_engine(sync_run, capsys):
+    result, _ = sync_run
+    ckpt = result.run_dir / "checkpoints" / "step_000003"
+    assert main(["eval", str(ckpt), "eval.num_problems=3", "sampling.max_tokens=8"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["num_problems"] == 3 and 0.0 <= report["accuracy"] <= 1.0
+    assert report["kv_policy"] == "prefix_sliding:8" and report["peak_visible_kv"] > 0
+
+
+@pytest.fixture(scope="module")
+def async_grpo_run(ray_session, model_dir, tmp_path_factory):
+    """Async GRPO, 2 workers, gloo broadcast sync, max_staleness=0; weights read after the last step."""
+    from cluster.driver import train
+
+    seen = {}
+
+    def read_weights(session, step, metrics):
+        if step == 3:
+            seen["workers"] = [ray_session.get(h.parameter.remote(WEIGHT)) for h in session.pool.handles.values()]
+            seen["learner"] = ray_session.get(session.learner.parameter.remote(WEIGHT))
+
+    cfg = tiny_job(model_dir, tmp_path_factory.mktemp("async") / "run", "train.mode=async", "train.max_staleness=0",
+                   "rollout.num_workers=2", "rollout.max_inflight_groups=3", "weight_sync.backend=broadcast")
+    return train(cfg, on_step=read_weights), seen
+
+
+def test_async_grpo_drops_stale_groups_and_trains_fresh_ones(async_grpo_run):
+    result, _ = async_grpo_run
+    rows = metric_rows(result.run_dir)
+    state = result.state
+    dropped = sum(rows[s]["stale_groups_dropped"] for s in rows)
+    assert dropped > 0 and dropped == len(state.stale_group_ids)
+    assert all(rows[s]["staleness_max"] == 0 for s in rows)
+    assert state.step == 3 and state.version == stepped_versions(rows)[-1]
+    trained, stale = state.trained_group_ids, state.stale_group_ids
+    assert len(trained) == 6 and not set(trained) & set(stale)
+    traces = logged_traces(result.run_dir)
+    logged = {t["group_id"] for t in traces}
+    assert logged == set(trained) | set(stale)  # nothing received is left unaccounted for
+    assert all(n == 4 for n in Counter(t["group_id"] for t in traces).values())
+    assert {t["worker_id"] for t in traces} == {0, 1}
+
+
+def test_async_broadcast_sync_reaches_every_worker(async_grpo_run, model_dir):
+    result, seen = async_grpo_run
+    assert result.state.version >= 1
+    assert all(w == seen["learner"] for w in seen["workers"])  # gloo broadcast, compared by value
+    assert seen["learner"] != initial_weight(model_dir, WEIGHT)
+
+
+def test_async_bonbon_run(ray_session, model_dir, tmp_path):
+    from cluster.driver import train
+
+    cfg = tiny_job(model_dir, tmp_path / "run", "train.mode=async", "train.steps=2", "learner.algo=bonbon",
+                   "reward={correctness: 1.0, speedup: 1.0, kv_penalty: {budget: 1, coef: 0.01}}",
+                   "learner.bonbon={quality_key: kv_penalty}", "train.max_staleness=1")
+    result = train(cfg)
+    rows = metric_rows(result.run_dir)
+    assert sorted(rows) == [1, 2] and result.state.version == stepped_versions(rows)[-1] >= 1
+    assert all("learner/no_pair_groups" in rows[s] for s in rows)
+    traces = logged_traces(result.run_dir)
+    assert {t["group_id"] for t in traces} >= set(result.state.trained_group_ids)
+    assert len(result.state.trained_group_ids) == 4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend, group, gpus", [("cuda_ipc", "auto", 0.5), ("broadcast", "nccl", 1.0)])
+def test_gpu_weight_sync_backends(ray_session, model_dir, tmp_path, backend, group, gpus):
+    """Learner and worker on CUDA: after a 2-step run the worker holds the learner's weights (by value)."""
+    from cluster.driver import train
+
+    if gpus == 1.0 and torch.cuda.device_count() < 2:
+        pytest.skip("NCCL broadcast needs a GPU per rank (2 GPUs)")
+    seen = {}
+
+    def read_weights(session, step, metrics):
+        if step == 2:
+            seen["worker"] = ray_session.get(session.pool.handles[0].parameter.remote(WEIGHT))
+            seen["learner"] = ray_session.get(session.learner.parameter.remote(WEIGHT))
+
+    cfg = tiny_job(model_dir, tmp_path / "run", "train.mode=sync", "train.steps=2", f"weight_sync.backend={backend}",
+                   f"weight_sync.broadcast_backend={group}", "engine.device=cuda", "learner.device=cuda",
+                   f"rollout.num_gpus={gpus}", f"learner.num_gpus={gpus}")
+    result = train(cfg, on_step=read_weights)
+    assert result.state.version >= 1
+    assert torch.allclose(torch.tensor(seen["worker"]), torch.tensor(seen["learner"]), rtol=0, atol=0)
+    assert seen["worker"] != initial_weight(model_dir, WEIGHT)
+
+
+def test_default_config_is_the_tiny_arith_file():
+    from_file = load_config(TrainConfig, str(ROOT / "configs" / "tiny-arith.yaml"))
+    assert from_file.model_dump(exclude={"run_dir"}) == TrainConfig().model_dump(exclude={"run_dir"})
+
+
+# ------------------------------------------------------------------------------- bad input
+
+
+def test_unknown_config_key_is_named(capsys):
+    with pytest.raises(ConfigError, match=r"unknown key 'stepz' \(did you mean 'steps'\?\)"):
+        load_config(TrainConfig, None, ["train.stepz=3"])
+    assert main(["train", "rollout.num_worker=2"]) == 2
+    assert "unknown key 'num_worker'" in capsys.readouterr().err
+
+
+def all_cpus_free(ray, timeout_s: float = 30.0) -> bool:
+    """Whether the session's 2 CPUs are all available within timeout_s (Ray frees a removed group's
+    resources a few tens of ms after `remove_placement_group` returns)."""
+    deadline = time.monotonic() + timeout_s
+    while ray.available_resources().get("CPU") != 2:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_impossible_resources_fail_before_any_actor(ray_session, model_dir, tmp_path):
+    from cluster.driver import train
+    from ray.util import placement_group_table
+
+    assert all_cpus_free(ray_session)  # an earlier test's released placement group is returned asynchronously
+    before = len(placement_group_table())
+    cfg = tiny_job(model_dir, tmp_path / "run", "learner.num_cpus=64")
+    with pytest.raises(ResourceError, match=r"asks for 64\.5 CPU .* has 2"):
+        train(cfg)
+    assert len(placement_group_table()) == before  # nothing was reserved, so no actor could start
+    assert all_cpus_free(ray_session)
+
+
+def test_dataset_without_the_configured_fields(ray_session, model_dir, tmp_path):
+    from cluster.driver import train
+    from ray.util import placement_group_table
+
+    data = tmp_path / "problems.jsonl"
+    data.write_text("".join(json.dumps({"question": f"{i} + 1", "solution": str(i + 1)}) + "\n" for i in range(4)))
+    cfg = tiny_job(model_dir, tmp_path / "run", f"data.source={data}", "task.name=math")
+    before = len(placement_group_table())
+    with pytest.raises(ConfigError, match=r"has no field 'prompt'; its fields are question, solution"):
+        train(cfg)
+    assert len(placement_group_table()) == before
+
+
+def test_unreachable_ray_address_is_a_clear_error(model_dir, tmp_path):
+    with socket.socket() as s:  # a port nobody listens on once closed
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "RAY_ADDRESS": f"127.0.0.1:{port}", "PYTHONPATH": str(ROOT)}
+    args = tiny_overrides(model_dir, tmp_path / "run")
+    proc = subprocess.run([sys.executable, "-m", "cluster.cli", "train", *args], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"cannot reach the Ray cluster at '127.0.0.1:{port}'" in proc.stderr
+
+
+def test_task_and_warm_start_settings_reach_the_generator_and_the_warm_start():
+    from trainer.warmstart import WarmStartSettings
+
+    cfg = load_config(TrainConfig, None, ["task.min_value=40", "task.max_value=60", "warmstart.target_accuracy=0.3"])
+    for problem in cfg.task.arith().problems(50):
+        lines = problem["solution"].split("\n")  # "<think>", the start value, step lines "a+5=52", ...
+        values = [int(lines[1])] + [int(line.split("=")[1]) for line in lines if "=" in line]
+        assert 40 <= min(values) and max(values) <= 60
+    assert cfg.warmstart.settings()["target_accuracy"] == 0.3
+    # every warm-start setting is a config key, and the default job's are the documented checkpoint's
+    assert set(TrainConfig().warmstart.settings()) == {f.name for f in dataclasses.fields(WarmStartSettings)}
+    assert WarmStartSettings(**TrainConfig().warmstart.settings()) == WarmStartSettings()
+    with pytest.raises(ConfigError, match=r"unknown key 'target_acuracy' \(did you mean 'target_accuracy'\?\)"):
+        load_config(TrainConfig, None, ["warmstart.target_acuracy=0.3"])
+
+
+def test_more_eval_problems_than_the_task_writes_is_rejected():
+    with pytest.raises(ConfigError, match=r"eval.num_problems=256 but the task writes only task.eval_size=64"):
+        load_config(TrainConfig, None, ["task.eval_size=64"])
+
+
+def test_sync_mode_with_delayed_sync_is_rejected():
+    with pytest.raises(ConfigError, match="sync_every must be 1"):
+        load_config(TrainConfig, None, ["train.mode=sync", "train.sync_every=2"])
+    with pytest.raises(ConfigError, match="max_staleness=0 would drop every group"):
+        load_config(TrainConfig, None, ["train.sync_every=3", "train.max_staleness=0"])
+
+
+# -------------------------------------------------------------------------- the driver's books
+
+
+def group(n: int) -> PromptGroup:
+    return PromptGroup(f"g{n:08d}", Problem(f"p{n}", "x", "1"), 2, n)
+
+
+def arrival(n: int, worker: int, version: int) -> RolloutGroup:
+    return RolloutGroup(f"g{n:08d}", worker, "inc", version, [])
+
+
+def test_ledger_trains_each_group_once_and_counts_the_rest():
+    ledger = GroupLedger()
+    ledger.deal(0, [group(0), group(1), group(2)])
+    ledger.deal(1, [group(3)])
+    assert ledger.receive(arrival(0, 0, version=0)) and ledger.receive(arrival(1, 0, version=1))
+    # worker 0 dies holding group 2: it is the only orphan (0 and 1 arrived)
+    assert [g.group_id for g in ledger.orphans(0)] == ["g00000002"]
+    ledger.deal(1, [group(2)])
+    assert ledger.receive(arrival(2, 1, version=2)) and ledger.receive(arrival(3, 1, version=2))
+    # at version 2 with max_staleness 1: group 0 (age 2) is dropped, groups 1, 2 (ages 1, 0) taken
+    take = ledger.take(2, version=2, max_staleness=1)
+    assert [g.group_id for g in take.groups] == ["g00000001", "g00000002"]
+    assert [g.group_id for g in take.stale] == ["g00000000"]
+    ledger.mark_trained(take.groups)
+    # the dead worker's copy of group 2 arrives late: a duplicate, never trained again
+    assert not ledger.receive(arrival(2, 0, version=0))
+    assert ledger.duplicates == ["g00000002"] and ledger.reissued == ["g00000002"]
+    assert ledger.trained == ["g00000001", "g00000002"] and ledger.stale == ["g00000000"]
+    assert ledger.unresolved_numbers() == [3]
+
+
+def test_ledger_drops_groups_from_a_newer_version():
+    ledger = GroupLedger()
+    ledger.deal(0, [group(0)])
+    ledger.receive(arrival(0, 0, version=5))  # sampled before the learner was rolled back to 3
+    take = ledger.take(1, version=3, max_staleness=None)
+    assert take.groups == [] and ledger.stale == ["g00000000"]
+
+
+# ------------------------------------------------------------------------- weight-sync buffers
+
+
+def test_flat_buffers_round_trip_every_tensor():
+    torch.manual_seed(0)
+    state = {"a": torch.randn(3, 4), "b": torch.randn(5).to(torch.bfloat16), "c": torch.randn(2, 2, 2)}
+    layout = FlatLayout.of(state)
+    assert layout.sizes == {"float32": 12 + 8, "bfloat16": 5}
+    buffers = flatten(state, layout, "cpu")
+    restored = unflatten(buffers, layout)
+    assert set(restored) == set(state)
+    for name, tensor in state.items():
+        assert restored[name].dtype == tensor.dtype and torch.equal(restored[name], tensor)

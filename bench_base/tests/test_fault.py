@@ -1,0 +1,97 @@
+"""Failures on a real local Ray: a rollout worker killed mid-run (its groups re-issued, none trained
+twice), a run stopped after a checkpoint and resumed to the same final step, and a learner killed
+mid-run (recreated from its last checkpoint). One Ray instance serves the module.
+"""
+
+import os
+import signal
+from collections import Counter
+
+import pytest
+
+from cluster_jobs import logged_traces, metric_rows, model_dir, ray_session, tiny_job  # noqa: F401 (fixtures)
+
+
+
+@pytest.fixture(scope="module")
+def killed_worker_run(ray_session, model_dir, tmp_path_factory):
+    """Async, one worker; SIGKILL its process after the first step at which it holds groups (long
+    completions make that step 1); 4 steps in all."""
+    from cluster.driver import train
+
+    seen = {}
+
+    def kill_worker(session, step, metrics):
+        if "pid" not in seen and step < 4:
+            status = ray_session.get(session.pool.handles[0].status.remote())
+            if status.held_group_ids:
+                seen["pid"], seen["held"] = status.pid, status.held_group_ids
+                os.kill(status.pid, signal.SIGKILL)
+        if step == 4:
+            seen["pid_after"] = ray_session.get(session.pool.handles[0].status.remote()).pid
+
+    cfg = tiny_job(model_dir, tmp_path_factory.mktemp("fault") / "run", "train.mode=async", "train.steps=4",
+                   "train.max_staleness=10", "rollout.max_inflight_groups=4", "rollout.max_restarts=2",
+                   "sampling.max_tokens=48", "sampling.stop_token_ids=[]")
+    return train(cfg, on_step=kill_worker), seen
+
+
+def test_killed_worker_is_restarted_and_its_groups_reissued(killed_worker_run):
+    result, seen = killed_worker_run
+    state = result.state
+    assert state.step == 4 and state.worker_restarts == 1
+    assert seen["pid_after"] != seen["pid"]  # a new process took the worker's place
+    assert seen.get("held") and set(seen["held"]) <= set(state.reissued_group_ids)
+
+
+def test_every_logged_group_is_trained_exactly_once(killed_worker_run):
+    result, seen = killed_worker_run
+    trained = result.state.trained_group_ids
+    assert len(trained) == 4 * 2 and all(n == 1 for n in Counter(trained).values())
+    traces = logged_traces(result.run_dir)
+    assert {t["group_id"] for t in traces} == set(trained)  # max_staleness 10: nothing was dropped
+    # the groups the dead worker held (and that got trained) were sampled by its new process
+    first_incarnation = {t["trace_id"].rsplit(".", 1)[1] for t in traces if t["group_id"] == trained[0]}
+    redone = [t for t in traces if t["group_id"] in seen["held"]]
+    assert redone and all(t["trace_id"].rsplit(".", 1)[1] not in first_incarnation for t in redone)
+    rows = metric_rows(result.run_dir)
+    assert rows[4]["worker_restarts"] == 1 and rows[4]["reissued_groups"] >= len(seen["held"])
+
+
+@pytest.fixture(scope="module")
+def resumed_runs(ray_session, model_dir, tmp_path_factory):
+    """Run A stops after step 3 (checkpoints every 2 steps, so the last is step 2); run B resumes it to
+    step 4, and its learner is killed after step 3 (B recreates it from the step-2 checkpoint)."""
+    from cluster.driver import train
+
+    run_dir = tmp_path_factory.mktemp("resume") / "run"
+    args = ("train.mode=sync", "train.steps=4", "checkpoint.every=2")
+    first = train(tiny_job(model_dir, run_dir, *args), on_step=lambda session, step, metrics: step < 3)
+    kills = []
+
+    def kill_learner(session, step, metrics):
+        if step == 3 and not kills:
+            kills.append(ray_session.get(session.learner.pid.remote()))
+            os.kill(kills[0], signal.SIGKILL)
+
+    second = train(tiny_job(model_dir, run_dir, *args, "resume=true"), on_step=kill_learner)
+    return first, second, kills
+
+
+def test_resume_continues_to_the_same_final_step(resumed_runs):
+    first, second, _ = resumed_runs
+    assert first.stopped_early and first.state.step == 3
+    assert sorted(p.name for p in (first.run_dir / "checkpoints").iterdir()) == ["step_000002", "step_000004"]
+    assert second.state.step == 4 and (second.run_dir / "checkpoints" / "step_000004" / "COMPLETE").is_file()
+    assert sorted(metric_rows(second.run_dir)) == [1, 2, 3, 4]
+    trained = second.state.trained_group_ids
+    assert len(trained) == 4 * 2 and len(set(trained)) == len(trained)
+    # the first 2 steps' groups come from the checkpoint, unchanged
+    assert trained[:4] == first.state.trained_group_ids[:4]
+
+
+def test_learner_crash_resumes_from_the_last_checkpoint(resumed_runs):
+    _, second, kills = resumed_runs
+    assert len(kills) == 1 and second.state.learner_restarts == 1
+    assert second.state.step == 4 and second.state.version == sum(
+        int(r["learner/stepped"]) for r in metric_rows(second.run_dir).values())

@@ -1,0 +1,277 @@
+"""Monitoring: metrics.jsonl, a real offline W&B run (read back from its .wandb file with a decoder
+written here from the format: a 7-byte ':W&B' header, then LevelDB-log records of protobuf
+``Record``s), PNG plots, the summary's numbers worked out by hand, the config section, and the Ray
+custom metrics recorded inside a real actor and read back from the node's Prometheus endpoint."""
+
+import json
+import math
+import struct
+import time
+import urllib.request
+from pathlib import Path
+
+import matplotlib.image
+import pytest
+from pydantic import ValidationError
+
+from cluster.metrics import LearnerMetrics, MonitorConfig, Monitor, RolloutMetrics, WandbConfig
+from cluster.trace_log import TraceLog
+from rollout.trace import Trace
+
+STEPS = [  # what a driver logs at optimizer steps 1..4
+    {"reward": 0.1, "accuracy": 0.25, "visible_kv": 60.0, "rollout_tokens_per_s": 1000.0,
+     "learner_step_seconds": 2.0, "stale_groups_dropped": 0, "loss": 0.5},
+    {"reward": 0.3, "accuracy": 0.5, "visible_kv": 62.0, "rollout_tokens_per_s": 1200.0,
+     "learner_step_seconds": 1.0, "stale_groups_dropped": 2, "loss": 0.4},
+    {"reward": 0.4, "accuracy": 0.5, "visible_kv": 64.0, "rollout_tokens_per_s": 1100.0,
+     "learner_step_seconds": 1.5, "stale_groups_dropped": 1, "loss": 0.3},
+    {"reward": 0.7, "accuracy": 0.75, "visible_kv": 66.0, "rollout_tokens_per_s": 1300.0,
+     "learner_step_seconds": 1.5, "stale_groups_dropped": 0, "loss": 0.2},
+]
+
+EVAL = {"eval_after/accuracy": 0.8}
+
+
+@pytest.fixture(autouse=True)
+def offline_wandb(tmp_path_factory, monkeypatch):
+    home = tmp_path_factory.mktemp("wandb_home")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    for var in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(var, str(home))
+
+
+# ------------------------------------------------------------------------ reading a .wandb file
+
+BLOCK = 32768  # LevelDB log block; a record header is crc32c(4) length(2 LE) type(1)
+FULL, FIRST, MIDDLE, LAST = 1, 2, 3, 4
+
+
+def wandb_records(path: Path):
+    from wandb.proto import wandb_internal_pb2
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B"
+    pos, pending = 7, b""
+    while pos + 7 <= len(data):
+        room = BLOCK - pos % BLOCK
+        if room < 7:  # block trailer padding
+            pos += room
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if kind == 0:  # zero fill to the end of the block
+            pos += room
+            continue
+        pending += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (FULL, LAST):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            pending = b""
+            yield record
+
+
+def wandb_files(run_dir: Path) -> list[Path]:
+    return sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
+
+
+def wandb_run(path: Path) -> dict:
+    """Run id, history rows, final summary, config and whether the run exited, from a .wandb file."""
+    out = {"id": None, "history": [], "summary": {}, "config": {}, "exited": False}
+    for record in wandb_records(path):
+        kind = record.WhichOneof("record_type")
+        if kind == "run":
+            out["id"] = record.run.run_id
+        if kind == "history":
+            out["history"].append({i.key or "/".join(i.nested_key): json.loads(i.value_json)
+                                   for i in record.history.item})
+        elif kind == "summary":
+            for item in record.summary.update:
+                out["summary"][item.key or "/".join(item.nested_key)] = json.loads(item.value_json)
+        elif kind in ("run", "config"):  # the run record carries the initial config
+            updates = record.run.config.update if kind == "run" else record.config.update
+            for item in updates:
+                out["config"][item.key or "/".join(item.nested_key)] = json.loads(item.value_json)
+        elif kind == "exit":
+            out["exited"] = True
+    return out
+
+
+def trace(i: int) -> Trace:
+    return Trace(trace_id=f"t{i}", group_id="g", prompt_id="p", worker_id=0, policy_version=0,
+                 kv_policy="full", prompt_token_ids=[1], completion_token_ids=[2], logprobs=[-1.0],
+                 finish_reason="stop")
+
+
+# ------------------------------------------------------------------------------------- tests
+
+
+def test_monitor_writes_jsonl_wandb_plots_and_summary(tmp_path):
+    run_dir = tmp_path / "run"
+    TraceLog(run_dir).append([trace(0), trace(1), trace(2)])
+    monitor = Monitor(run_dir, MonitorConfig(), total_steps=4, config_dict={"lr": 0.001, "algo": "grpo"})
+    for step, metrics in enumerate(STEPS, 1):
+        monitor.log(step, metrics)
+    monitor.log(4, EVAL)  # a second call for the last step merges into it
+    summary = monitor.finish()
+
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in lines] == [1, 2, 3, 4, 4]
+    for row, metrics in zip(lines, STEPS + [EVAL]):
+        assert {k: row[k] for k in metrics} == metrics
+        assert set(row) == set(metrics) | {"step", "elapsed_s"}
+    assert [row["elapsed_s"] for row in lines] == sorted(row["elapsed_s"] for row in lines)
+
+    [wandb_file] = wandb_files(run_dir)
+    run = wandb_run(wandb_file)
+    assert run["exited"]
+    assert [row["_step"] for row in run["history"]] == [1, 2, 3, 4]
+    for row, metrics in zip(run["history"], STEPS[:3] + [{**STEPS[3], **EVAL}]):
+        assert {k: row[k] for k in metrics} == metrics
+    assert run["summary"]["reward"] == 0.7 and run["summary"]["visible_kv"] == 66.0
+    assert run["config"]["lr"] == 0.001 and run["config"]["algo"] == "grpo"
+
+    for name in ("reward.png", "visible_kv.png"):
+        png = run_dir / name
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        height, width, channels = matplotlib.image.imread(png).shape
+        assert height > 100 and width > 100 and channels in (3, 4)
+
+    assert (run_dir / "summary.txt").read_text() == summary
+    assert "4 / 4" in summary
+    assert "0.1000 (step 1) -> 0.7000 (step 4)" in summary  # reward
+    assert "0.2500 (step 1) -> 0.7500 (step 4)" in summary  # accuracy
+    assert "63.0 tokens" in summary  # (60 + 62 + 64 + 66) / 4
+    assert "1150.0 (mean" in summary  # (1000 + 1200 + 1100 + 1300) / 4
+    assert "1.500 s" in summary  # (2 + 1 + 1.5 + 1.5) / 4
+    assert "stale dropped    3 groups" in summary  # 0 + 2 + 1 + 0
+    assert "traces           3 in" in summary
+    assert monitor.finish() == summary  # idempotent
+
+
+def test_monitor_resumes_on_the_same_run_dir(tmp_path):
+    first = Monitor(tmp_path, MonitorConfig(), total_steps=3)
+    first.log(1, {"reward": 0.1, "visible_kv": 10.0})
+    first.log(2, {"reward": 0.2, "visible_kv": 20.0})
+    first.finish(exit_code=1)  # the run stopped here; step 2 was not checkpointed
+    elapsed_before = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])["elapsed_s"]
+    torn = '{"step": 3, "rew'  # a line the crash cut short
+    with open(tmp_path / "metrics.jsonl", "a") as file:
+        file.write(torn)
+
+    second = Monitor(tmp_path, MonitorConfig(), total_steps=3)
+    second.log(2, {"reward": 0.25, "visible_kv": 30.0})  # replayed from the step-1 checkpoint
+    second.log(3, {"reward": 0.5, "visible_kv": 50.0})
+    summary = second.finish()
+
+    text = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert text[2] == torn
+    lines = [json.loads(line) for line in text[:2] + text[3:]]
+    assert [(row["step"], row["reward"]) for row in lines] == [(1, 0.1), (2, 0.2), (2, 0.25), (3, 0.5)]
+    assert lines[2]["elapsed_s"] >= elapsed_before
+    assert "3 / 3" in summary
+    assert "0.1000 (step 1) -> 0.5000 (step 3)" in summary
+    assert "30.0 tokens" in summary  # latest value per step: (10 + 30 + 50) / 3
+    assert "traces           0 (no trace log)" in summary
+    assert "accuracy         n/a" in summary
+    sessions = [wandb_run(path) for path in wandb_files(tmp_path)]  # one offline folder per session
+    assert len(sessions) == 2 and sessions[0]["id"] == sessions[1]["id"]  # one W&B run, resumed
+    assert [[row["reward"] for row in s["history"]] for s in sessions] == [[0.1, 0.2], [0.25, 0.5]]
+
+
+def test_monitor_rejects_bad_metrics_and_steps(tmp_path):
+    cfg = MonitorConfig(wandb=WandbConfig(mode="disabled"), plots=False)
+    with pytest.raises(ValueError, match="total_steps"):
+        Monitor(tmp_path, cfg, total_steps=0)
+    monitor = Monitor(tmp_path, cfg, total_steps=2)
+    with pytest.raises(ValueError, match="'reward' must be a number"):
+        monitor.log(1, {"reward": "high"})
+    with pytest.raises(ValueError, match="'step'"):
+        monitor.log(1, {"step": 3})
+    monitor.log(1, {"reward": 1})
+    monitor.finish()
+    with pytest.raises(RuntimeError, match="after finish"):
+        monitor.log(2, {"reward": 1.0})
+    assert not list(tmp_path.glob("*.png"))
+    assert not (tmp_path / "wandb").exists()
+
+
+def test_monitor_config_documents_and_checks_every_key():
+    for section in (MonitorConfig, WandbConfig):
+        for name, field in section.model_fields.items():
+            assert field.description, f"{section.__name__}.{name} has no docstring"
+    cfg = MonitorConfig()
+    assert cfg.wandb.mode == "offline" and cfg.dashboard_host == "127.0.0.1"
+    assert cfg.ray_init_kwargs() == {"include_dashboard": True, "dashboard_host": "127.0.0.1",
+                                     "dashboard_port": 8265}
+    with pytest.raises(ValidationError, match="did you mean 'log_every'"):
+        MonitorConfig.model_validate({"log_evry": 2})
+    with pytest.raises(ValidationError, match="mode"):
+        MonitorConfig.model_validate({"wandb": {"mode": "onlin"}})
+    with pytest.raises(ValidationError, match="dashboard_port"):
+        MonitorConfig.model_validate({"dashboard_port": 70000})
+
+
+# ----------------------------------------------------------------------------------- Ray metrics
+
+
+def scrape(port: int) -> dict[tuple, float]:
+    """{(sample name, (role, worker_id[, le])): value} for the sliderl samples."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name.startswith("ray_sliderl_"):
+                bucket = (s.labels["le"],) if "le" in s.labels else ()
+                labels = (s.labels.get("role"), s.labels.get("worker_id")) + bucket
+                samples[(s.name, labels)] = s.value
+    return samples
+
+
+def test_ray_metrics_recorded_inside_an_actor(monkeypatch):
+    ray = pytest.importorskip("ray")
+    monkeypatch.setenv("RAY_metrics_report_interval_ms", "200")
+
+    @ray.remote
+    class Recorder:
+        def record(self) -> bool:
+            self.rollout = RolloutMetrics(worker_id=3)
+            self.learner = LearnerMetrics()
+            self.rollout.record(tokens_per_s=250.0, visible_kv=48.0, reward=0.5)
+            self.learner.record(step_seconds=1.5, staleness=1, weight_sync_seconds=0.25, queue_depth=4, reward=0.75)
+            self.learner.record(step_seconds=2.5, queue_depth=2)  # no sync this step
+            return True
+
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    try:
+        recorder = Recorder.remote()
+        assert ray.get(recorder.record.remote())
+        port = ray.nodes()[0]["MetricsExportPort"]
+        expected = {
+            ("ray_sliderl_rollout_tokens_per_s", ("rollout", "3")): 250.0,
+            ("ray_sliderl_visible_kv_tokens", ("rollout", "3")): 48.0,
+            ("ray_sliderl_reward", ("rollout", "3")): 0.5,
+            ("ray_sliderl_reward", ("learner", "learner")): 0.75,
+            ("ray_sliderl_staleness_versions", ("learner", "learner")): 1.0,
+            ("ray_sliderl_queue_depth", ("learner", "learner")): 2.0,  # the latest value
+            # histograms as cumulative bucket counts (Ray reports a bucket's midpoint as the sum)
+            ("ray_sliderl_learner_step_seconds_count", ("learner", "learner")): 2.0,
+            ("ray_sliderl_learner_step_seconds_bucket", ("learner", "learner", "1.0")): 0.0,
+            ("ray_sliderl_learner_step_seconds_bucket", ("learner", "learner", "2.0")): 1.0,  # 1.5
+            ("ray_sliderl_learner_step_seconds_bucket", ("learner", "learner", "5.0")): 2.0,  # 1.5, 2.5
+            ("ray_sliderl_weight_sync_seconds_count", ("learner", "learner")): 1.0,
+            ("ray_sliderl_weight_sync_seconds_bucket", ("learner", "learner", "0.1")): 0.0,
+            ("ray_sliderl_weight_sync_seconds_bucket", ("learner", "learner", "0.25")): 1.0,  # 0.25
+            ("ray_sliderl_learner_steps_total", ("learner", "learner")): 2.0,
+        }
+        deadline = time.monotonic() + 30  # the node exports every 200 ms; poll its endpoint
+        while True:
+            got = scrape(port)
+            if all(key in got for key in expected) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert {key: got.get(key, math.nan) for key in expected} == pytest.approx(expected)
+    finally:
+        ray.shutdown()

@@ -1,0 +1,170 @@
+"""TraceLog: traces appended as Parquet parts, read back field by field, durable across restarts
+and failures, readable by pyarrow.dataset. Expected rows are the Trace objects written, compared
+through pyarrow's own reading of the files (float32 columns with float32 tolerance)."""
+
+import os
+import subprocess
+import sys
+import textwrap
+from dataclasses import asdict
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+import pytest
+
+from cluster.trace_log import TraceLog
+from rollout.trace import Trace
+
+ROOT = Path(__file__).resolve().parents[1]
+FLOAT32_FIELDS = {"logprobs", "temperature"}  # float32 in TRACE_SCHEMA
+
+
+def make_trace(i: int, **overrides) -> Trace:
+    fields = dict(
+        trace_id=f"t{i}", group_id=f"g{i // 2}", prompt_id=f"p{i // 2}", worker_id=i % 3,
+        policy_version=10 + i, kv_policy="prefix_sliding:64",
+        prompt_token_ids=[1, 2, 3 + i], completion_token_ids=list(range(100, 100 + i + 1)),
+        logprobs=[-0.1 * (k + 1) for k in range(i + 1)], finish_reason="stop" if i % 2 else "length",
+        temperature=0.7, weight_update_token_index=i - 1, forced=[k == i for k in range(i + 1)],
+        reward=0.25 * i, reward_components={"correct": float(i % 2), "kv_penalty": -0.01 * i},
+        answer=str(i), completion_text=f"ans {i} é", num_tokens=i + 1, peak_visible_kv=40 + i,
+        mean_visible_kv=30.5 + i, decode_seconds=0.125 * i,
+    )
+    fields.update(overrides)
+    return Trace(**fields)
+
+
+def assert_rows_equal(rows: list[dict], traces: list[Trace]) -> None:
+    assert len(rows) == len(traces)
+    for row, trace in zip(rows, traces):
+        expected = asdict(trace)
+        expected["reward_components"] = list(trace.reward_components.items())  # Arrow map -> pairs
+        assert set(row) == set(expected)
+        for name, value in expected.items():
+            if name in FLOAT32_FIELDS:
+                assert row[name] == pytest.approx(value, rel=1e-6), name
+            else:
+                assert row[name] == value, name
+
+
+def visible_files(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir())
+
+
+def test_append_reads_back_every_field_in_order(tmp_path):
+    log = TraceLog(tmp_path)
+    batches = [[make_trace(0), make_trace(1)], [make_trace(2)], [make_trace(3), make_trace(4), make_trace(5)]]
+    paths = [log.append(batch) for batch in batches]
+
+    assert [p.name for p in paths] == ["part-000000.parquet", "part-000001.parquet", "part-000002.parquet"]
+    assert visible_files(tmp_path / "traces") == [p.name for p in paths]  # no temp files left
+    assert [pq.ParquetFile(p).metadata.num_rows for p in paths] == [2, 1, 3]
+    all_traces = [t for batch in batches for t in batch]
+    assert_rows_equal(log.read().to_pylist(), all_traces)
+    assert log.count() == 6
+    assert log.read(columns=["trace_id"]).column("trace_id").to_pylist() == [f"t{i}" for i in range(6)]
+
+
+def test_empty_log_and_empty_append(tmp_path):
+    log = TraceLog(tmp_path)
+    assert log.append([]) is None
+    assert visible_files(tmp_path / "traces") == []
+    assert log.count() == 0
+    table = log.read()
+    assert table.num_rows == 0 and "trace_id" in table.column_names
+
+
+def test_new_log_on_same_dir_continues_numbering_and_keeps_parts(tmp_path):
+    first = TraceLog(tmp_path)
+    first.append([make_trace(0)])
+    first.append([make_trace(1), make_trace(2)])
+    before = {p.name: p.read_bytes() for p in first.parts()}
+
+    resumed = TraceLog(tmp_path)  # a restarted run
+    assert resumed.count() == 3
+    path = resumed.append([make_trace(3)])
+
+    assert path.name == "part-000002.parquet"
+    assert {p.name: p.read_bytes() for p in resumed.parts() if p.name in before} == before
+    assert_rows_equal(resumed.read().to_pylist(), [make_trace(i) for i in range(4)])
+    assert first.count() == 4  # the first handle sees the new part too
+
+
+def test_bad_row_adds_no_part_and_keeps_earlier_ones(tmp_path):
+    log = TraceLog(tmp_path)
+    log.append([make_trace(0)])
+    bad = make_trace(1, logprobs=["not a number"])
+
+    with pytest.raises((pa.ArrowException, TypeError, ValueError)):
+        log.append([make_trace(2), bad])
+
+    assert visible_files(tmp_path / "traces") == ["part-000000.parquet"]
+    assert_rows_equal(log.read().to_pylist(), [make_trace(0)])
+    assert log.append([make_trace(3)]).name == "part-000001.parquet"
+
+
+def test_failure_while_writing_removes_the_temp_file(tmp_path, monkeypatch):
+    log = TraceLog(tmp_path)
+    log.append([make_trace(0)])
+
+    def disk_full(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", disk_full)  # the temp file exists, fully written, when this fires
+    with pytest.raises(OSError, match="No space"):
+        log.append([make_trace(1)])
+    monkeypatch.undo()
+
+    assert visible_files(tmp_path / "traces") == ["part-000000.parquet"]
+    assert log.append([make_trace(2)]).name == "part-000001.parquet"
+    assert_rows_equal(log.read().to_pylist(), [make_trace(0), make_trace(2)])
+
+
+def test_killed_writer_leaves_only_complete_parts(tmp_path):
+    # a child process appends 2-trace batches as fast as it can and is SIGKILLed after its third
+    # part: wherever the kill lands, every named part is complete and temp files stay invisible
+    child = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(ROOT)!r})
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from cluster.trace_log import TraceLog
+        from test_trace_log import make_trace
+        log = TraceLog({str(tmp_path)!r})
+        i = 0
+        while True:
+            log.append([make_trace(i), make_trace(i + 1)])
+            i += 2
+            print(i, flush=True)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE, text=True)
+    try:
+        for _ in range(3):
+            assert proc.stdout.readline(), "writer exited early"
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
+
+    log = TraceLog(tmp_path)
+    parts = log.parts()
+    assert len(parts) >= 3
+    assert [p.name for p in parts] == [f"part-{n:06d}.parquet" for n in range(len(parts))]
+    n = 2 * len(parts)
+    assert log.count() == n
+    assert_rows_equal(log.read().to_pylist(), [make_trace(i) for i in range(n)])
+    assert ds.dataset(tmp_path / "traces", format="parquet").count_rows() == n
+
+
+def test_pyarrow_dataset_reads_the_folder_and_ignores_temp_files(tmp_path):
+    log = TraceLog(tmp_path)
+    log.append([make_trace(0), make_trace(1)])
+    log.append([make_trace(2)])
+    (tmp_path / "traces" / ".part-000002.parquet.tmp-999").write_bytes(b"PAR1 cut short")
+
+    table = ds.dataset(tmp_path / "traces", format="parquet").to_table()
+
+    assert sorted(table.column("trace_id").to_pylist()) == ["t0", "t1", "t2"]
+    assert table.schema.field("logprobs").type == pa.list_(pa.float32())
+    assert TraceLog(tmp_path).append([make_trace(3)]).name == "part-000002.parquet"

@@ -1,0 +1,275 @@
+"""The learner's algorithms (GRPO, BoNBoN, SFT) as small classes in a registry.
+
+Each algorithm does two things for the ``Learner``:
+  ``select(groups) -> Selection``: which traces train, with what advantage or role, which traces
+      must share a micro-batch (a BoNBoN pair), and how many groups were skipped and why;
+  ``loss(batch, totals) -> LossOutput``: the micro-batch's share of the step's loss, so that
+      summing it over micro-batches (gradient accumulation) gives the loss of the whole step.
+
+Rows (one training window of one trace) arrive with recomputed logprobs (with grad), the sampler's
+logprobs and a loss mask, all ``[n]`` per row; ``pad`` turns them into the ``[B, T]`` batches that
+``trainer.losses`` takes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from rollout.trace import Trace
+from trainer.losses import (AGGREGATIONS, BONBON_NUM_SAMPLES, LossOutput, bonbon_beta, bonbon_loss,
+                            group_advantages, grpo_loss, latency_aware_score, preference_pairs, sft_loss)
+
+OLD_LOGPROBS = ("sampler", "recomputed")
+
+
+@dataclass
+class Selection:
+    """What ``select`` keeps: traces in order, their advantages/roles, and atomic units of trace indices."""
+
+    traces: list[Trace] = field(default_factory=list)
+    advantages: list[float] = field(default_factory=list)
+    roles: list[str] = field(default_factory=list)  # "" | "chosen" | "rejected"
+    units: list[list[int]] = field(default_factory=list)  # indices into traces that share a micro-batch
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def add(self, trace: Trace, advantage: float = 0.0, role: str = "") -> int:
+        self.traces.append(trace)
+        self.advantages.append(advantage)
+        self.roles.append(role)
+        return len(self.traces) - 1
+
+
+@dataclass
+class Row:
+    """One training window of one selected trace, with its logprobs after the forward."""
+
+    trace_index: int
+    advantage: float
+    role: str
+    loss_mask: Tensor  # [n] bool
+    behaviour: Tensor  # [n] float32, the sampler's logprobs of the targets
+    logprobs: Tensor | None = None  # [n] float32 recomputed, with grad
+    ref_logprobs: Tensor | None = None  # [n] float32 under the frozen reference, no grad
+
+
+@dataclass(frozen=True)
+class Totals:
+    """Counts over the whole step that turn per-micro-batch losses into shares of one loss."""
+
+    num_loss_tokens: int
+    num_traces: int  # traces with at least one loss token
+    num_units: int  # micro-batch units: BoNBoN pairs, else windows
+    trace_loss_tokens: dict[int, int]  # trace index -> its loss tokens over all its windows
+
+
+def pad(rows: list[Row], attr: str, fill: float = 0.0) -> Tensor:
+    """Stack a per-row ``[n_i]`` attribute into ``[B, max n_i]``."""
+    values = [getattr(r, attr) for r in rows]
+    width = max(v.shape[0] for v in values)
+    out = torch.full((len(values), width), fill, dtype=values[0].dtype, device=values[0].device)
+    for i, v in enumerate(values):
+        out[i, :v.shape[0]] = v
+    return out
+
+
+def _options(name: str, given: dict | None, defaults: dict) -> dict:
+    given = dict(given or {})
+    unknown = sorted(set(given) - set(defaults))
+    if unknown:
+        raise ValueError(f"unknown {name} option(s) {unknown}; valid: {sorted(defaults)}")
+    return {**defaults, **given}
+
+
+def _finite(values: list[float]) -> bool:
+    return all(isinstance(v, (int, float)) and math.isfinite(v) for v in values)
+
+
+class Algorithm:
+    """Base: every trace of every group trains, one unit each."""
+
+    name: ClassVar[str] = ""
+    uses_pairs: ClassVar[bool] = False  # rows of a unit must see each other's whole loss (one window each)
+
+    @property
+    def needs_reference(self) -> bool:
+        return False
+
+    def select(self, groups: list[list[Trace]]) -> Selection:
+        raise NotImplementedError
+
+    def loss(self, rows: list[Row], totals: Totals) -> LossOutput:
+        raise NotImplementedError
+
+
+class GRPO(Algorithm):
+    """Group-relative policy gradient over ``trace.reward`` (``trainer.losses.grpo_loss``).
+
+    Options (``grpo={...}``): clip_low, clip_high, tis_cap, kl_coef, constant_norm as in
+    ``grpo_loss``; aggregation ``token_mean`` (over every loss token of the step),
+    ``seq_mean_token_mean`` (each trace's token mean over all its windows, then the mean over
+    traces) or ``constant`` (sum over the step / constant_norm); scale_by_std and eps for
+    ``group_advantages``; old_logprobs ``sampler`` (the ratio is taken against the sampler's
+    logprobs) or ``recomputed`` (against the trainer's own, detached; the sampler's then feed
+    ``mismatch_kl`` and the optional TIS weight).
+    """
+
+    name = "grpo"
+    DEFAULTS = dict(clip_low=0.2, clip_high=0.28, tis_cap=None, kl_coef=0.0, aggregation="token_mean",
+                    constant_norm=None, scale_by_std=False, eps=1e-6, old_logprobs="sampler")
+
+    def __init__(self, options: dict | None = None):
+        self.options = _options("grpo", options, self.DEFAULTS)
+        aggregation = self.options["aggregation"]
+        if aggregation not in AGGREGATIONS:
+            raise ValueError(f"unknown grpo aggregation {aggregation!r}; valid: {', '.join(AGGREGATIONS)}")
+        if self.options["old_logprobs"] not in OLD_LOGPROBS:
+            raise ValueError(f"grpo old_logprobs must be one of {OLD_LOGPROBS}, got {self.options['old_logprobs']!r}")
+        norm = self.options["constant_norm"]
+        if aggregation == "constant" and not (norm or 0) > 0:
+            raise ValueError(f"grpo aggregation='constant' needs constant_norm > 0, got {norm}")
+        if self.options["tis_cap"] is not None and self.options["old_logprobs"] != "recomputed":
+            raise ValueError("grpo tis_cap weights by exp(recomputed - sampler) and needs old_logprobs='recomputed'")
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.options["kl_coef"] != 0.0
+
+    def select(self, groups: list[list[Trace]]) -> Selection:
+        sel = Selection(metrics={"zero_variance_groups": 0.0, "skipped_groups_nonfinite_reward": 0.0})
+        for group in groups:
+            rewards = [t.reward for t in group]
+            if not _finite(rewards):
+                sel.metrics["skipped_groups_nonfinite_reward"] += 1
+                continue
+            adv = group_advantages([rewards], scale_by_std=self.options["scale_by_std"], eps=self.options["eps"])
+            if adv.num_zero_variance_groups:
+                sel.metrics["zero_variance_groups"] += 1
+                continue
+            for trace, a in zip(group, adv.advantages[0].tolist()):
+                sel.units.append([sel.add(trace, a)])
+        return sel
+
+    def loss(self, rows: list[Row], totals: Totals) -> LossOutput:
+        o = self.options
+        weight, norm = self._weights(rows, totals)  # [B, T], scalar
+        logprobs, behaviour = pad(rows, "logprobs"), pad(rows, "behaviour")
+        mask = pad(rows, "loss_mask", False)
+        sampler_old = o["old_logprobs"] == "sampler"
+        return grpo_loss(
+            logprobs, behaviour if sampler_old else logprobs.detach(),
+            torch.tensor([r.advantage for r in rows], device=logprobs.device), mask * weight,
+            behaviour_logprobs=None if sampler_old else behaviour, clip_low=o["clip_low"],
+            clip_high=o["clip_high"], tis_cap=o["tis_cap"],
+            ref_logprobs=pad(rows, "ref_logprobs") if self.needs_reference else None, kl_coef=o["kl_coef"],
+            aggregation="constant", constant_norm=norm)
+
+    def _weights(self, rows: list[Row], totals: Totals) -> tuple[Tensor, float]:
+        """Per-token weights and the normaliser that make the micro-batch sums add up to the step's aggregate."""
+        aggregation = self.options["aggregation"]
+        ones = pad(rows, "loss_mask", False).float()
+        if aggregation == "token_mean":
+            return ones, float(totals.num_loss_tokens)
+        if aggregation == "constant":
+            return ones, float(self.options["constant_norm"])
+        per_trace = torch.tensor([1.0 / totals.trace_loss_tokens[r.trace_index] for r in rows], device=ones.device)
+        return ones * per_trace[:, None], float(totals.num_traces)
+
+
+class BoNBoN(Algorithm):
+    """Best-vs-worst preference training (Pasta §3.4): ``alpha · SFT(best) + (1 - alpha) · IPO(best, worst)``.
+
+    Each sample's score is ``speedup + quality_weight · quality`` (``latency_aware_score``) read from
+    ``trace.reward_components[speedup_key]`` and ``[quality_key]`` (defaults ``"speedup"`` and
+    ``"correctness"``, the names ``rewards.SpeedupReward`` and ``MathReward`` give them;
+    ``speedup_key=None`` scores by quality alone). A missing key is an error; groups with a
+    non-finite score or all-equal scores give no pair and are skipped and counted.
+    The IPO margin uses sequence sums over each trace's loss tokens (under truncation, its last W).
+    Options (``bonbon={...}``): alpha (0.005), beta (``bonbon_beta(10)``), quality_weight λ (1.0),
+    speedup_key, quality_key. The SFT term is the token mean within a micro-batch; micro-batches
+    are weighted by their share of the step's pairs (exact when all pairs fit in one micro-batch).
+    """
+
+    name = "bonbon"
+    uses_pairs = True
+    DEFAULTS = dict(alpha=0.005, beta=bonbon_beta(BONBON_NUM_SAMPLES), quality_weight=1.0,
+                    speedup_key="speedup", quality_key="correctness")
+
+    def __init__(self, options: dict | None = None):
+        self.options = _options("bonbon", options, self.DEFAULTS)
+
+    @property
+    def needs_reference(self) -> bool:
+        return True
+
+    def score(self, trace: Trace) -> float:
+        o, parts = self.options, trace.reward_components
+        keys = [k for k in (o["speedup_key"], o["quality_key"]) if k is not None]
+        missing = [k for k in keys if k not in parts]
+        if missing:
+            raise ValueError(f"trace {trace.trace_id!r} has no reward component(s) {missing} for BoNBoN's score; "
+                             f"it has {sorted(parts)} (set bonbon speedup_key/quality_key)")
+        speedup = parts[o["speedup_key"]] if o["speedup_key"] is not None else 0.0
+        return float(latency_aware_score(speedup, parts[o["quality_key"]], o["quality_weight"]))
+
+    def select(self, groups: list[list[Trace]]) -> Selection:
+        sel = Selection(metrics={"no_pair_groups": 0.0, "skipped_groups_nonfinite_reward": 0.0})
+        for group in groups:
+            scores = [self.score(t) for t in group]
+            if not _finite(scores):
+                sel.metrics["skipped_groups_nonfinite_reward"] += 1
+                continue
+            pairs = preference_pairs([scores])
+            if pairs.num_skipped:
+                sel.metrics["no_pair_groups"] += 1
+                continue
+            chosen, rejected = group[pairs.chosen[0]], group[pairs.rejected[0]]
+            sel.units.append([sel.add(chosen, role="chosen"), sel.add(rejected, role="rejected")])
+        return sel
+
+    def loss(self, rows: list[Row], totals: Totals) -> LossOutput:
+        chosen = [r for r in rows if r.role == "chosen"]
+        rejected = [r for r in rows if r.role == "rejected"]
+        ref_sum = lambda rs: (pad(rs, "ref_logprobs") * pad(rs, "loss_mask", False)).sum(dim=1)  # noqa: E731  [P]
+        out = bonbon_loss(pad(chosen, "logprobs"), pad(chosen, "loss_mask", False), pad(rejected, "logprobs"),
+                          pad(rejected, "loss_mask", False), ref_sum(chosen), ref_sum(rejected),
+                          alpha=self.options["alpha"], beta=self.options["beta"])
+        share = len(chosen) / totals.num_units
+        return LossOutput(out.loss * share, {**out.metrics, "loss": out.metrics["loss"] * share})
+
+
+class SFT(Algorithm):
+    """Supervised warm start: every trace is a target; masked token-mean NLL over the whole step."""
+
+    name = "sft"
+
+    def __init__(self, options: dict | None = None):
+        _options("sft", options, {})
+
+    def select(self, groups: list[list[Trace]]) -> Selection:
+        sel = Selection()
+        for group in groups:
+            for trace in group:
+                sel.units.append([sel.add(trace)])
+        return sel
+
+    def loss(self, rows: list[Row], totals: Totals) -> LossOutput:
+        mask = pad(rows, "loss_mask", False)
+        out = sft_loss(pad(rows, "logprobs"), mask)
+        share = int(mask.sum()) / totals.num_loss_tokens
+        return LossOutput(out.loss * share, {**out.metrics, "loss": out.metrics["loss"] * share})
+
+
+ALGORITHMS: dict[str, type[Algorithm]] = {cls.name: cls for cls in (GRPO, BoNBoN, SFT)}
+
+
+def make_algorithm(name: str, grpo: dict | None = None, bonbon: dict | None = None) -> Algorithm:
+    """The registered algorithm ``name`` with its options."""
+    if name not in ALGORITHMS:
+        raise ValueError(f"unknown algorithm {name!r}; valid: {', '.join(ALGORITHMS)}")
+    options = {"grpo": grpo, "bonbon": bonbon}.get(name)
+    return ALGORITHMS[name](options)

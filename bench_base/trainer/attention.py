@@ -1,0 +1,199 @@
+"""Training attention: the trace's KV policy as an ``AttentionBackend`` for ``DecoderLM``, teacher-forced.
+
+Several training windows are packed into one flat stream of N tokens. Each token carries its
+original position, its *death* (``KVPolicy.death_positions`` over the whole trace, so cutting a
+window out of the trace changes no key's death) and its document (which window it belongs to).
+A query at flat index i sees the key at flat index j exactly when
+
+    doc[j] == doc[i]  and  pos[j] <= pos[i] < death[j]          (DESIGN.md, "The one rule")
+
+One rule covers every policy: ``full`` (death never), ``prefix_sliding``, ``sliding_window``,
+``streaming`` (death = position + W outside the kept prefix) and ``registers`` (death = the
+position of the register token that killed the step). Every query sees at least itself.
+
+Backends (all GQA-aware, scale 1/sqrt(D), output in q's dtype):
+  flex  FlexAttention with a ``mask_mod`` reading the position/death/document tensors and a block
+        mask (block sparsity skips out-of-window and dead tiles). Compiled with ``torch.compile``
+        by default. The stream is padded to a power-of-two bucket (>= 128) so a few compiled
+        shapes serve every batch. torch 2.13 has no FlexAttention backward on CPU, and compiling it
+        on CPU takes tens of seconds cold, so ``auto`` uses it on CUDA only.
+  sdpa  ``scaled_dot_product_attention`` with the dense ``[N, N]`` bool mask (the CPU training
+        path: forward and backward, activations O(N), the mask N² bytes), or ``is_causal`` when the
+        stream is one document under ``full``.
+  dense ``rollout.model.DenseAttention`` over the same mask (reference; float64 capable).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from rollout.kv_policy import NEVER, visible_mask
+from rollout.model import AttentionBackend, DenseAttention
+
+ATTENTION_BACKENDS = ("auto", "flex", "sdpa", "dense")
+_MIN_FLEX_BUCKET = 128
+
+
+@dataclass(frozen=True)
+class PackedVisibility:
+    """Per-token visibility data of a packed stream; all ``[N]`` int64 on one device."""
+
+    positions: Tensor  # original position within its trace; increasing within a document
+    death: Tensor  # first query position that no longer sees this token as a key
+    doc: Tensor  # document (window) index, 0..D-1, non-decreasing
+
+    @classmethod
+    def pack(cls, parts: Sequence[tuple[Tensor, Tensor]]) -> PackedVisibility:
+        """Concatenate ``(positions [n_i], death [n_i])`` of D windows; document i gets id i."""
+        if not parts:
+            raise ValueError("cannot pack zero windows")
+        docs = [torch.full_like(pos, i) for i, (pos, _) in enumerate(parts)]
+        return cls(torch.cat([p for p, _ in parts]).long(), torch.cat([d for _, d in parts]).long(),
+                   torch.cat(docs).long())
+
+    def __len__(self) -> int:
+        return self.positions.shape[0]
+
+    @property
+    def num_docs(self) -> int:
+        return int(self.doc[-1]) + 1 if len(self) else 0
+
+    @property
+    def causal_only(self) -> bool:
+        """True when no key ever dies (``full``): plain causal attention within each document."""
+        return bool((self.death >= NEVER).all())
+
+    def to(self, device: torch.device | str) -> PackedVisibility:
+        return PackedVisibility(self.positions.to(device), self.death.to(device), self.doc.to(device))
+
+    def dense_mask(self) -> Tensor:
+        """``[N, N]`` bool, True where query row i sees key column j (the rule above)."""
+        same_doc = self.doc[:, None] == self.doc[None, :]
+        return visible_mask(self.positions, self.positions, self.death) & same_doc
+
+    def mask_mod(self):
+        """The rule as a FlexAttention ``mask_mod(b, h, q_idx, kv_idx)`` over flat indices."""
+        pos, death, doc = self.positions, self.death, self.doc
+
+        def visible(b, h, q_idx, kv_idx):
+            return (doc[q_idx] == doc[kv_idx]) & (pos[kv_idx] <= pos[q_idx]) & (pos[q_idx] < death[kv_idx])
+
+        return visible
+
+    def padded(self, n: int) -> PackedVisibility:
+        """Append ``n - N`` pad tokens (document -1, position 0, death 1): they see only each other."""
+        extra = n - len(self)
+        if extra <= 0:
+            return self
+        fill = lambda value: torch.full((extra,), value, dtype=torch.int64, device=self.positions.device)  # noqa: E731
+        return PackedVisibility(torch.cat([self.positions, fill(0)]), torch.cat([self.death, fill(1)]),
+                                torch.cat([self.doc, fill(-1)]))
+
+
+# ---------------------------------------------------------------- backends
+
+
+def _heads_first(x: Tensor) -> Tensor:
+    """[N, H, D] -> [1, H, N, D]."""
+    return x.transpose(0, 1).unsqueeze(0)
+
+
+def _tokens_first(x: Tensor) -> Tensor:
+    """[1, H, N, D] -> [N, H, D]."""
+    return x.squeeze(0).transpose(0, 1)
+
+
+class MaskedSDPA:
+    """``scaled_dot_product_attention`` over an explicit ``[N, N]`` bool mask, or causal when ``mask`` is None."""
+
+    def __init__(self, mask: Tensor | None):
+        if mask is not None and (mask.dim() != 2 or mask.shape[0] != mask.shape[1] or mask.dtype != torch.bool):
+            raise ValueError(f"MaskedSDPA mask must be a square [N, N] bool tensor, "
+                             f"got {mask.dtype} {tuple(mask.shape)}")
+        self.mask = mask
+
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """q: [N, H_q, D], k/v: [N, H_kv, D] -> [N, H_q, D]."""
+        if self.mask is not None and self.mask.shape[0] != q.shape[0]:
+            raise ValueError(f"MaskedSDPA mask is for {self.mask.shape[0]} tokens, got {q.shape[0]}")
+        out = F.scaled_dot_product_attention(_heads_first(q), _heads_first(k), _heads_first(v),
+                                             attn_mask=self.mask, is_causal=self.mask is None, enable_gqa=True)
+        return _tokens_first(out)
+
+
+_compiled_flex = None
+
+
+def _flex_attention(compiled: bool):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    global _compiled_flex
+    if not compiled:
+        return flex_attention
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex
+
+
+def flex_bucket(n: int) -> int:
+    """The padded stream length for n tokens: the next power of two, at least 128."""
+    return max(_MIN_FLEX_BUCKET, 1 << (max(n, 1) - 1).bit_length())
+
+
+class FlexPolicyAttention:
+    """FlexAttention over a ``PackedVisibility``; the block mask is built once and shared by every layer.
+
+    compiled: run ``torch.compile(flex_attention)`` (required for speed and for backward on CUDA);
+    False runs FlexAttention's eager reference, forward only on CPU (used by tests).
+    """
+
+    def __init__(self, visibility: PackedVisibility, *, compiled: bool = True):
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        self.num_tokens = len(visibility)
+        size = flex_bucket(self.num_tokens)
+        padded = visibility.padded(size)
+        device = padded.positions.device
+        self.block_mask = create_block_mask(padded.mask_mod(), None, None, size, size, device=device,
+                                            _compile=compiled and device.type == "cuda")
+        self.flex = _flex_attention(compiled)
+        self.size = size
+
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """q: [N, H_q, D], k/v: [N, H_kv, D] -> [N, H_q, D]."""
+        n = q.shape[0]
+        if q.device.type == "cpu" and torch.is_grad_enabled() and q.requires_grad:
+            raise NotImplementedError("FlexAttention has no backward on CPU in this torch; train on CPU with "
+                                      "attention 'sdpa' (what 'auto' picks) or run flex under torch.no_grad()")
+        if n != self.num_tokens:
+            raise ValueError(f"FlexPolicyAttention was built for {self.num_tokens} tokens, got {n}")
+        pad = lambda x: F.pad(x, (0, 0, 0, 0, 0, self.size - n))  # noqa: E731  [N, H, D] -> [size, H, D]
+        out = self.flex(_heads_first(pad(q)), _heads_first(pad(k)), _heads_first(pad(v)),
+                        block_mask=self.block_mask, enable_gqa=True)
+        return _tokens_first(out)[:n]
+
+
+def training_attention(visibility: PackedVisibility, device: torch.device | str,
+                       backend: str = "auto") -> AttentionBackend:
+    """The attention backend for a packed stream on ``device``; ``backend`` in ``ATTENTION_BACKENDS``.
+
+    auto: causal SDPA for one ``full`` document; otherwise compiled flex on CUDA, masked SDPA on CPU.
+    """
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; valid: {', '.join(ATTENTION_BACKENDS)}")
+    device = torch.device(device)
+    visibility = visibility.to(device)
+    if backend == "auto":
+        if visibility.causal_only and visibility.num_docs == 1:
+            return MaskedSDPA(None)
+        backend = "flex" if device.type == "cuda" else "sdpa"
+    if backend == "flex":
+        return FlexPolicyAttention(visibility)
+    if backend == "dense":
+        return DenseAttention(visibility.dense_mask())
+    return MaskedSDPA(visibility.dense_mask())

@@ -1,0 +1,74 @@
+"""Learner checkpoints: the model in Hugging Face layout plus a ``trainer_state.pt`` beside it.
+
+A checkpoint directory holds ``config.json``, ``model.safetensors``, the tokenizer files (with any
+``<reg_i>`` tokens the learner added) and ``generation_config.json`` when the source model had one —
+loadable by ``transformers.AutoModelForCausalLM`` and ``rollout.loader.load_model`` — and
+``trainer_state.pt``: optimizer state, version, RNG states and the learner's settings.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+
+from rollout.loader import model_dir
+from rollout.model import DecoderLM
+
+TRAINER_STATE = "trainer_state.pt"
+MODEL_FILE = "model.safetensors"
+GENERATION_CONFIG = "generation_config.json"
+
+
+def save_hf_model(model: DecoderLM, tokenizer, source_dir: str | Path, out_dir: str | Path) -> None:
+    """Write ``model`` (its current vocabulary size) with ``tokenizer`` to ``out_dir`` in HF layout.
+
+    ``source_dir`` is the HF directory the model was loaded from; its config is reused with
+    ``vocab_size`` updated. Tied embeddings are stored once, as transformers stores them.
+    """
+    from transformers import AutoConfig
+
+    source, out = model_dir(source_dir), Path(out_dir)
+    config = AutoConfig.from_pretrained(str(source), local_files_only=True)
+    generation = source / GENERATION_CONFIG
+    generation_text = generation.read_text() if generation.is_file() else None
+    out.mkdir(parents=True, exist_ok=True)
+    config.vocab_size = model.config.vocab_size
+    config.save_pretrained(out)
+    weights = {name: p.detach().to("cpu").contiguous() for name, p in model.named_parameters()}
+    save_file(weights, str(out / MODEL_FILE), metadata={"format": "pt"})
+    tokenizer.save_pretrained(str(out))
+    if generation_text is not None:  # read before writing: out_dir may be source_dir
+        (out / GENERATION_CONFIG).write_text(generation_text)
+
+
+def rng_state() -> dict:
+    """Every RNG the learner process may draw from."""
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_trainer_state(out_dir: str | Path, state: dict) -> None:
+    torch.save(state, Path(out_dir) / TRAINER_STATE)
+
+
+def load_trainer_state(path: str | Path) -> dict:
+    """The ``trainer_state.pt`` of checkpoint directory ``path`` (a file this project wrote: unpickled in full)."""
+    file = Path(path) / TRAINER_STATE
+    if not file.is_file():
+        raise FileNotFoundError(f"no {TRAINER_STATE} in {str(path)!r}; it is not a learner checkpoint "
+                                "(save one with Learner.save_checkpoint)")
+    return torch.load(file, map_location="cpu", weights_only=False)

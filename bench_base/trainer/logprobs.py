@@ -1,0 +1,168 @@
+"""Recompute the sampler's per-token logprobs in the trainer, under the trace's own visibility.
+
+The trainer runs the engine's model teacher-forced over packed training windows (``trainer.masks``)
+with the attention of ``trainer.attention`` and scores each target with ``rollout.sampling``'s
+convention — ``log_softmax(logits / T)[token]``, ``T = 1`` for greedy traces (``temperature == 0``)
+— by calling the sampler's own ``logprobs_at``. Over a whole trace the result equals the sampler's
+logprobs up to float error; over a truncated window it differs by the cut context, which
+``logprob_mismatch`` reports.
+
+Shape letters: N packed input tokens, M packed targets, D windows in a pack.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from rollout.kv_policy import KVPolicy
+from rollout.model import DecoderLM
+from rollout.sampling import logprobs_at
+from rollout.trace import Trace
+from trainer.attention import PackedVisibility, training_attention
+from trainer.masks import TrainingWindow, full_window
+
+
+@dataclass(frozen=True)
+class WindowInput:
+    """One window of one trace: the whole trace's ids and deaths, the window, the sampler temperature."""
+
+    token_ids: Tensor  # [P + T] int64, prompt then completion
+    death: Tensor  # [P + T] int64, KVPolicy.death_positions over the whole trace
+    window: TrainingWindow
+    temperature: float
+
+    def __post_init__(self) -> None:
+        n = self.window.prompt_len + self.window.num_generated
+        if self.token_ids.shape != (n,) or self.death.shape != (n,):
+            raise ValueError(f"window is for {n} trace tokens, got token_ids {tuple(self.token_ids.shape)} "
+                             f"and death {tuple(self.death.shape)}")
+
+
+@dataclass(frozen=True)
+class PackedWindows:
+    """D windows as one flat stream: model inputs ``[N]`` and the targets they score ``[M]``."""
+
+    input_ids: Tensor  # [N] int64
+    positions: Tensor  # [N] int64, original positions
+    visibility: PackedVisibility  # [N] positions, deaths, documents
+    predictor_index: Tensor  # [M] int64, flat input index whose logits score each target
+    target_ids: Tensor  # [M] int64
+    temperature: Tensor  # [M] float32, the sampler's temperature of each target's trace
+    offsets: tuple[int, ...]  # D + 1 cumulative target counts: window d owns targets offsets[d]:offsets[d+1]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+    def split(self, values: Tensor) -> list[Tensor]:
+        """``[M, ...]`` -> D tensors, one per window, in pack order."""
+        return [values[a:b] for a, b in zip(self.offsets[:-1], self.offsets[1:])]
+
+    def to(self, device: torch.device | str) -> PackedWindows:
+        return PackedWindows(self.input_ids.to(device), self.positions.to(device), self.visibility.to(device),
+                             self.predictor_index.to(device), self.target_ids.to(device),
+                             self.temperature.to(device), self.offsets)
+
+
+def pack_windows(windows: Sequence[WindowInput]) -> PackedWindows:
+    """Concatenate windows into one stream; each window's tokens sit at their original positions."""
+    if not windows:
+        raise ValueError("pack_windows needs at least one window")
+    ids, positions, parts, predictors, targets, temps, offsets = [], [], [], [], [], [], [0]
+    base = 0
+    for item in windows:
+        w = item.window
+        pos = w.input_positions()  # [n]
+        ids.append(item.token_ids[pos])
+        positions.append(pos)
+        parts.append((pos, item.death[pos]))
+        predictors.append(base + w.predictor_index())
+        targets.append(item.token_ids[w.target_positions()])
+        temps.append(torch.full((w.num_targets,), float(item.temperature)))
+        offsets.append(offsets[-1] + w.num_targets)
+        base += pos.shape[0]
+    return PackedWindows(torch.cat(ids).long(), torch.cat(positions), PackedVisibility.pack(parts),
+                         torch.cat(predictors), torch.cat(targets).long(), torch.cat(temps), tuple(offsets))
+
+
+def packed_logprobs(model: DecoderLM, packed: PackedWindows, backend: str = "auto") -> Tensor:
+    """Logprob of every target under the sampler's convention: float32 ``[M]``, with grad when enabled."""
+    device = next(model.parameters()).device
+    packed = packed.to(device)
+    attn = training_attention(packed.visibility, device, backend)
+    hidden = model(packed.input_ids, packed.positions, attn)  # [N, hidden]
+    logits = model.compute_logits(hidden[packed.predictor_index])  # [M, V] float32
+    return logprobs_at(logits, packed.target_ids, packed.temperature)
+
+
+def recompute_logprobs(model: DecoderLM, prompt_ids: Sequence[int], completion_ids: Sequence[int],
+                       policy: KVPolicy, *, temperature: float = 1.0, window: TrainingWindow | None = None,
+                       backend: str = "auto") -> Tensor:
+    """Logprobs of ``window``'s targets (default: every completion token) under ``policy``: float32 ``[num_targets]``.
+
+    policy: parsed and, for ``registers``, bound to the token ids (``rollout.vocab.bind_policy_vocab``).
+    temperature: the sampler's (0 = greedy, scored at T = 1). Runs without grad only if the caller
+    disables it.
+    """
+    item = window_input(prompt_ids, completion_ids, policy, temperature, window)
+    return packed_logprobs(model, pack_windows([item]), backend)
+
+
+def trace_logprobs(model: DecoderLM, trace: Trace, policy: KVPolicy | None = None, *,
+                   window: TrainingWindow | None = None, backend: str = "auto") -> Tensor:
+    """``recompute_logprobs`` for a Trace, at its temperature; policy defaults to ``trace.kv_policy``."""
+    policy = KVPolicy.parse(trace.kv_policy) if policy is None else policy
+    return recompute_logprobs(model, trace.prompt_token_ids, trace.completion_token_ids, policy,
+                              temperature=trace.temperature, window=window, backend=backend)
+
+
+def window_input(prompt_ids: Sequence[int], completion_ids: Sequence[int], policy: KVPolicy, temperature: float,
+                 window: TrainingWindow | None = None) -> WindowInput:
+    """A ``WindowInput`` with deaths computed over the whole trace; checks the window fits the trace."""
+    ids = torch.tensor([*prompt_ids, *completion_ids], dtype=torch.int64)
+    window = window or full_window(len(prompt_ids), len(completion_ids))
+    if (window.prompt_len, window.num_generated) != (len(prompt_ids), len(completion_ids)):
+        raise ValueError(f"window is for a trace of {window.prompt_len} prompt + {window.num_generated} generated "
+                         f"tokens, got {len(prompt_ids)} + {len(completion_ids)}")
+    death = policy.death_positions(len(prompt_ids), ids)
+    return WindowInput(ids, death, window, temperature)
+
+
+# ---------------------------------------------------------------- sampler/trainer mismatch
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """Sampler vs trainer logprobs over the loss tokens.
+
+    kl: mean k3 estimate ``exp(x) - x - 1`` with ``x = recomputed - behaviour`` — unbiased for
+        KL(sampler || trainer) on tokens drawn from the sampler, and >= 0 token by token (the same
+        estimator as ``grpo_loss``'s ``mismatch_kl``).
+    kl_k1: mean ``behaviour - recomputed`` (the plain estimator of the same KL; can be negative).
+    max_abs: largest ``|behaviour - recomputed|``.
+    """
+
+    kl: float
+    kl_k1: float
+    max_abs: float
+    num_tokens: int
+
+
+def logprob_mismatch(behaviour: Tensor, recomputed: Tensor, mask: Tensor) -> Mismatch:
+    """behaviour, recomputed: ``[M]`` logprobs; mask: ``[M]`` bool loss tokens (at least one)."""
+    if behaviour.shape != recomputed.shape or mask.shape != recomputed.shape:
+        raise ValueError(f"behaviour {tuple(behaviour.shape)}, recomputed {tuple(recomputed.shape)} and mask "
+                         f"{tuple(mask.shape)} must have one shape")
+    mask = mask.bool().to(recomputed.device)
+    n = int(mask.sum())
+    if n == 0:
+        raise ValueError("the loss mask selects no tokens; the mismatch needs at least one loss token")
+    x = (recomputed.detach().double() - behaviour.to(recomputed.device).double())[mask]  # [n]
+    if not torch.isfinite(x).all():
+        raise ValueError("behaviour or recomputed logprobs are not finite on the loss tokens")
+    k3 = torch.exp(x) - x - 1.0
+    return Mismatch(float(k3.mean()), float(-x.mean()), float(x.abs().max()), n)
