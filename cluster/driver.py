@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -33,6 +34,9 @@ from cluster.step_report import StepReport
 from cluster.train_config import TrainConfig
 from cluster.weight_sync import WeightSync
 from cluster.worker_pool import Health, RunError, WorkerPool
+
+if TYPE_CHECKING:
+    from trainer.learner import StepMetrics
 
 
 class LearnerLost(RuntimeError):
@@ -363,15 +367,10 @@ class _Counters:
         self.since = time.monotonic()
 
 
-def _learner_part(result: dict) -> tuple[int, float, dict[str, float]]:
-    """``LearnerActor.step``'s result as (policy version, step wall seconds, the learner's metrics).
-
-    The one place that reads it; with the learner's ``StepMetrics`` record this becomes
-    ``(metrics.version, metrics.step_seconds, metrics.as_dict())``.
-    """
-    metrics = dict(result)
-    version, step_seconds = int(metrics.pop("version")), metrics.pop("learner_step_seconds")
-    return version, step_seconds, {k: v for k, v in metrics.items() if _is_number(v)}
+def _learner_part(metrics: StepMetrics) -> tuple[int, float, dict[str, float]]:
+    """``LearnerActor.step``'s record as (policy version, step wall seconds, the learner's metrics for the log)."""
+    logged = {k: v for k, v in metrics.as_dict().items() if k != "version"}
+    return metrics.version, metrics.step_seconds, logged
 
 
 def _mean(values) -> float:

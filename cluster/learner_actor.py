@@ -7,7 +7,6 @@ one call at a time, so a checkpoint or a publish always sees the weights of a fi
 from __future__ import annotations
 
 import os
-import time
 from typing import TYPE_CHECKING, Any
 
 from cluster.weight_sync import FlatLayout, WeightSender
@@ -15,7 +14,7 @@ from rollout.trace import Trace
 from trainer.learner_args import LearnerArgs
 
 if TYPE_CHECKING:
-    from trainer.learner_args import LearnerArgs
+    from trainer.learner import StepMetrics
 
 
 class LearnerActor:
@@ -39,14 +38,12 @@ class LearnerActor:
         self.sender = WeightSender(sync_backend, args.device)
         self._ray_metrics = _ray_metrics()
 
-    def step(self, groups: list[list[Trace]]) -> dict[str, float]:
-        """One optimizer step on ``groups``; the learner's metrics plus ``version`` and step seconds."""
-        start = time.perf_counter()
-        metrics = self.learner.step(groups).as_dict()
-        seconds = time.perf_counter() - start
+    def step(self, groups: list[list[Trace]]) -> StepMetrics:
+        """One optimizer step on ``groups``; the learner's ``StepMetrics`` (version and seconds included)."""
+        metrics = self.learner.step(groups)
         if self._ray_metrics is not None:
-            self._ray_metrics.record(step_seconds=seconds)
-        return {**metrics, "version": float(self.learner.version), "learner_step_seconds": seconds}
+            self._ray_metrics.record(step_seconds=metrics.step_seconds)
+        return metrics
 
     def args(self) -> LearnerArgs:
         """The settings the learner was built with."""

@@ -3,6 +3,7 @@ few steps on a tiny model; the driver's books; weight-sync buffers; bad input ca
 actor starts. One Ray instance serves the whole module.
 """
 
+import dataclasses
 import json
 import os
 import socket

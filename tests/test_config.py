@@ -1,7 +1,6 @@
 """Config loading: YAML + overrides, clear errors, the model sources, and the records the configs compose."""
 
 import dataclasses
-import inspect
 from pathlib import Path
 
 import pytest

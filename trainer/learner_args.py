@@ -13,11 +13,10 @@ from dataclasses import dataclass, fields
 from typing import Any, ClassVar, Literal
 
 from rollout.kv_policy import KVPolicy
+from rollout.loader import DTYPES
 from trainer.algorithms import RECORD_CONFIG, AlgorithmOptions, GRPOOptions, options_from_dict, require_field
 from trainer.attention import ATTENTION_BACKENDS
 from trainer.windows import WINDOW_MODES
-
-DTYPE_NAMES = ("float32", "bfloat16", "float16")  # note: the engine branch defines DTYPES once in rollout/loader.py
 LR_SCHEDULES = ("constant", "cosine")
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 
@@ -91,7 +90,7 @@ class LearnerArgs:
         require_field(self, "micro_batch_tokens", self.micro_batch_tokens >= 1, ">= 1")
         require_field(self, "attention", self.attention in ATTENTION_BACKENDS, f"one of {', '.join(ATTENTION_BACKENDS)}")
         require_field(self, "device", bool(_DEVICE.fullmatch(self.device)), "cpu, cuda or cuda:N")
-        require_field(self, "dtype", self.dtype in DTYPE_NAMES, f"one of {', '.join(DTYPE_NAMES)}")
+        require_field(self, "dtype", self.dtype in DTYPES, f"one of {', '.join(DTYPES)}")
         if self.vocab_policy is not None:
             object.__setattr__(self, "vocab_policy", KVPolicy.parse(self.vocab_policy).spec)
         if self.algo.type == "bonbon" and self.window_mode == "chunked":
