@@ -133,12 +133,15 @@ class SFTStage(Section):
     sft: SFTArgs = Field(default_factory=SFTArgs)
     """Steps, batch size and the held-out stopping rule (``trainer.sft.SFTArgs``)."""
 
-    @field_validator("learner", mode="before")
+    @model_validator(mode="before")
     @classmethod
-    def _sft_by_default(cls, learner: Any) -> Any:
-        if isinstance(learner, dict) and "algo" not in learner:
-            return {**learner, "algo": {"type": "sft"}}
-        return learner
+    def _learner_defaults(cls, data: Any) -> Any:
+        """The stage's learner runs SFT, its schedule over sft.steps, unless the file says otherwise."""
+        if isinstance(data, dict) and isinstance(data.get("learner"), dict):
+            sft = data.get("sft") if isinstance(data.get("sft"), dict) else {}
+            defaults = {"algo": {"type": "sft"}, "total_steps": sft.get("steps", SFTArgs.steps)}
+            data = {**data, "learner": {**defaults, **data["learner"]}}
+        return data
 
     @field_validator("learner")
     @classmethod
@@ -147,11 +150,6 @@ class SFTStage(Section):
             raise ValueError(f"an SFT stage trains with algo type sft, got {learner.algo.type!r}")
         return learner
 
-    @model_validator(mode="after")
-    def _schedule_over_the_stage(self) -> SFTStage:
-        if self.learner.total_steps is None:  # resolved here, so --help and config.yaml show what runs
-            self.learner = dataclasses.replace(self.learner, total_steps=self.sft.steps)
-        return self
 
 
 class WarmStartConfig(SFTStage):
@@ -323,8 +321,8 @@ class TrainConfig(Section):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     """Rollout workers and the trace queue."""
     learner: LearnerSection = Field(default_factory=LearnerSection)
-    """The learner actor (``trainer.LearnerArgs`` + resources); vocab_policy null means engine.kv and
-    total_steps null means train.steps."""
+    """The learner actor (``trainer.LearnerArgs`` + resources); vocab_policy null means engine.kv,
+    total_steps left out means train.steps."""
     train: LoopConfig = Field(default_factory=LoopConfig)
     """The driver loop."""
     weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
@@ -343,10 +341,17 @@ class TrainConfig(Section):
     resume: bool = False
     """Continue from the latest complete checkpoint in run_dir (its step, data cursor, weights)."""
 
-    @field_validator("reward", mode="before")
+    @model_validator(mode="before")
     @classmethod
-    def _reward_weights(cls, reward: Any) -> Any:
-        return _reward_shorthand(reward)
+    def _job_defaults(cls, data: Any) -> Any:
+        """Reward shorthand ``{correctness: 1.0}``; the learner's schedule over train.steps unless set."""
+        if not isinstance(data, dict):
+            return data
+        data = {**data, "reward": _reward_shorthand(data["reward"])} if "reward" in data else dict(data)
+        if isinstance(data.get("learner"), dict) and "total_steps" not in data["learner"]:
+            train = data.get("train") if isinstance(data.get("train"), dict) else {}
+            data["learner"] = {**data["learner"], "total_steps": train.get("steps", LoopConfig.model_fields["steps"].default)}
+        return data
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainConfig:
@@ -357,10 +362,10 @@ class TrainConfig(Section):
         return self
 
     def _resolve_learner(self) -> None:
-        """vocab_policy null -> engine.kv, total_steps null -> train.steps: resolved here, so --help and
-        config.yaml show exactly what the learner actor is built with."""
-        self.learner = dataclasses.replace(self.learner, vocab_policy=self.learner.vocab_policy or self.engine.kv,
-                                           total_steps=self.learner.total_steps or self.train.steps)
+        """vocab_policy null -> engine.kv: resolved here, so --help and config.yaml show exactly what the
+        learner actor is built with."""
+        if self.learner.vocab_policy is None:
+            self.learner = dataclasses.replace(self.learner, vocab_policy=self.engine.kv)
 
     def _check_loop(self) -> None:
         if self.train.mode == "sync" and self.train.sync_every != 1:
