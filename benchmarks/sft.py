@@ -2,10 +2,10 @@
 
     python benchmarks/sft.py compare [--steps 60] [--base 9495a84] [--config configs/tiny-arith.yaml]
     python benchmarks/sft.py run [--config ...] [--eval 128] [--train-kv full ...] [--seeds 0 1 2]
-                                 [--set warmstart.steps=600 ...] [--out rows.json]
+                                 [--set warmstart.sft.steps=600 ...] [--out rows.json]
 
-compare: the same SFT steps (the config's warm start: model, problems, optimizer, schedule,
-``train_kv``) timed in one process through the old second trainer (``trainer/warmstart.py`` at
+compare: the same SFT steps (the config's warm start: model, problems, optimizer, schedule, its
+visibility ``engine.kv``) timed in one process through the old second trainer (``trainer/warmstart.py`` at
 ``--base``, read with ``git show`` into a temporary module) and through ``Learner`` + SFT
 (``trainer.sft``), plus one held-out check on 64 problems each; prints per-step medians, the
 ratio new/old and the losses of both (they must agree closely: same data, same optimizer).
@@ -19,6 +19,7 @@ warm start in a temporary cache (so nothing is reused), then greedy accuracy wit
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import os
@@ -35,8 +36,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 from cluster.config import load_config  # noqa: E402
-from cluster.run_plan import (WARMSTART_HELD_OUT, initial_model, max_sequence_tokens,  # noqa: E402
-                              warmstart_learner_args)
+from cluster.run_plan import initial_model  # noqa: E402
+from cluster.sft_job import stage_examples  # noqa: E402
 from cluster.train_config import TrainConfig  # noqa: E402
 from rewards.arith import ArithVerifier  # noqa: E402
 from rollout import LLM, SamplingParams  # noqa: E402
@@ -67,16 +68,17 @@ def compare(cfg: TrainConfig, steps: int, base: str) -> dict:
 
     The two trainers alternate step by step, so a change of load on the machine hits both alike.
     """
-    old, ws, task = old_warmstart(base), cfg.warmstart, cfg.task.arith()
-    problems = task.problems(steps * ws.batch_size + WARMSTART_HELD_OUT, "train")
-    batches = [problems[i * ws.batch_size:(i + 1) * ws.batch_size] for i in range(steps)]
-    held_out = problems[-WARMSTART_HELD_OUT:]
+    cfg = cfg.model_copy(update={"warmstart": cfg.warmstart.model_copy(
+        update={"sft": dataclasses.replace(cfg.warmstart.sft, steps=steps)})})
+    old, ws = old_warmstart(base), cfg.warmstart
+    train, held_out = stage_examples(ws, cfg.task)  # the stage's own data: B problems per step, then held out
+    rows = lambda examples: [{"prompt": e.prompt, "solution": e.completion} for e in examples]  # noqa: E731
+    size = ws.sft.batch_size
+    batches = [rows(train[i * size:(i + 1) * size]) for i in range(steps)]
+    held_out = rows(held_out)
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = make_tiny_model(Path(tmp) / "init", ws.arch, hidden_size=ws.hidden_size,
-                                    num_layers=ws.num_layers, num_heads=ws.num_heads, num_kv_heads=ws.num_kv_heads,
-                                    intermediate_size=ws.intermediate_size, seed=ws.seed,
-                                    max_position_embeddings=max(512, 2 * max_sequence_tokens(task)))
-        old_step, old_check = old_trainer(old, model_dir, ws)
+        model_dir = make_tiny_model(Path(tmp) / "init", spec=cfg.model.spec())
+        old_step, old_check = old_trainer(old, model_dir, cfg)
         new_step, new_check = new_trainer(cfg, model_dir)
         times: dict[str, list[float]] = {"old": [], "new": [], "old_check": [], "new_check": []}
         losses: dict[str, list[float]] = {"old": [], "new": []}
@@ -97,14 +99,15 @@ def compare(cfg: TrainConfig, steps: int, base: str) -> dict:
             "losses_every_10": [round(x, 4) for x in losses["new"][::10]]}
 
 
-def old_trainer(old, model_dir: Path, ws):
-    """(step(rows) -> loss, check(rows)) of the old warm start's loop."""
+def old_trainer(old, model_dir: Path, cfg: TrainConfig):
+    """(step(rows) -> loss, check(rows)) of the old warm start's loop, with the stage's optimizer settings."""
     from rollout.loader import load_model, load_tokenizer
 
+    args, steps = cfg.warmstart.learner, cfg.warmstart.learner.total_steps
     model, tokenizer = load_model(model_dir).train(), load_tokenizer(model_dir)
-    policy = KVPolicy.parse(ws.train_kv)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=ws.lr, weight_decay=ws.weight_decay, betas=(0.9, 0.98))
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: old.lr_factor(s, ws.warmup_steps, ws.steps))
+    policy = KVPolicy.parse(cfg.engine.kv)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=args.adam_betas)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: old.lr_factor(s, args.warmup_steps, steps))
 
     def step(rows: list[dict]) -> float:
         loss = old.sft_step(model, optimizer, old.make_batch(tokenizer, rows, policy))
@@ -116,8 +119,8 @@ def old_trainer(old, model_dir: Path, ws):
 
 def new_trainer(cfg: TrainConfig, model_dir: Path):
     """(step(rows) -> loss, check(rows)) of ``Learner`` + SFT, as ``trainer.sft.run_sft`` drives it."""
-    learner = Learner(str(model_dir), warmstart_learner_args(cfg))
-    kv = cfg.warmstart.train_kv
+    learner = Learner(str(model_dir), cfg.warmstart.learner)
+    kv = cfg.engine.kv
     traces = lambda rows: [[sft_trace(learner.tokenizer, SFTExample(p["prompt"], p["solution"]), kv, i)  # noqa: E731
                             for i, p in enumerate(rows)]]
     return lambda rows: learner.step(traces(rows)).loss, lambda rows: learner.evaluate(traces(rows))
@@ -144,7 +147,7 @@ def run(config: str, overrides: list[str], num_eval: int) -> list[dict]:
         sft = {"sft_seconds": round(time.perf_counter() - t0, 1),
                "sft_cpu_seconds": round(time.process_time() - cpu0, 1)}
         record = json.loads((Path(path) / MARKER).read_text())["result"]
-        sft.update(train_kv=cfg.warmstart.train_kv, seed=cfg.warmstart.seed, steps_run=record["steps_run"],
+        sft.update(train_kv=cfg.engine.kv, seed=cfg.model.seed, steps_run=record["steps_run"],
                    final_loss=record["losses"][-1])
         task, window = cfg.task.arith(), KVPolicy.parse(cfg.engine.kv).window
         problems = task.problems(num_eval, "eval")
@@ -170,9 +173,9 @@ def main() -> None:
     else:
         cfg = load_config(TrainConfig, args.config, args.set)
         result = []
-        for kv in args.train_kv or [cfg.warmstart.train_kv]:
-            for seed in args.seeds if args.seeds is not None else [cfg.warmstart.seed]:
-                result += run(args.config, [*args.set, f"warmstart.train_kv={kv}", f"warmstart.seed={seed}"],
+        for kv in args.train_kv or [cfg.engine.kv]:
+            for seed in args.seeds if args.seeds is not None else [cfg.model.seed]:
+                result += run(args.config, [*args.set, f"engine.kv={kv}", f"model.seed={seed}"],
                               args.eval)
         print_rows(result)
     if args.out:

@@ -17,7 +17,8 @@ from typing import Any
 
 from cluster.config import (ConfigError, GenerateConfig, check_device, config_reference, load_config, save_config,
                             to_yaml)
-from cluster.train_config import SFTJobConfig, TrainConfig
+from cluster.sft_config import SFTJobConfig
+from cluster.train_config import TrainConfig
 
 RUN_FAILED = 1
 USER_ERROR = 2
@@ -213,13 +214,14 @@ def run_train(config_path: str | None, overrides: list[str]) -> int:
 
 def run_sft(config_path: str | None, overrides: list[str]) -> int:
     """``sliderl sft``: load the config, fine-tune, print where the checkpoint is."""
-    from cluster.sft_job import run_sft_job
+    from cluster.sft_job import run_sft_job, stage_examples
 
     cfg = load_config(SFTJobConfig, config_path, overrides)
     check_device(cfg.learner.device, "learner.device")
+    train, held_out = stage_examples(cfg, cfg.task)  # the data's errors come before anything is written
     print(to_yaml(cfg), end="", flush=True)
     save_config(cfg, Path(cfg.output_dir) / "config.yaml")
-    result = run_sft_job(cfg)
+    result = run_sft_job(cfg, train, held_out)
     print(f"\n{result.line()}\nwrote {Path(cfg.output_dir) / 'config.yaml'} and the checkpoint {result.path}")
     return 0
 

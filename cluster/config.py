@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, model_validator
 
 from rollout.engine_args import EngineArgs
 from rollout.sampling import SamplingParams
@@ -50,6 +50,16 @@ class Section(BaseModel):
     """Base of every config model: unknown keys are errors that list the valid keys."""
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_default=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_keys(cls, data: Any) -> Any:
+        """Built directly (not through ``load_config``), an unknown key still names the valid ones."""
+        if isinstance(data, dict):
+            for key in data:
+                if key not in cls.model_fields:
+                    raise ValueError(unknown_key_message(key, list(cls.model_fields)))
+        return data
 
 
 def unknown_key_message(key: Any, valid: list[str]) -> str:

@@ -13,7 +13,9 @@ from pathlib import Path
 
 from cluster.config import ConfigError
 from cluster.data import open_dataset
-from cluster.train_config import ArithTaskConfig, SFTJobConfig, SFTStage, TrainConfig
+from cluster.sft_config import SFTJobConfig, SFTStage
+from cluster.task_config import ArithTaskConfig
+from cluster.train_config import TrainConfig
 from trainer.sft import SFTExample, cached_sft, run_sft
 
 
@@ -54,8 +56,7 @@ def warm_start(cfg: TrainConfig, model_path: str) -> str:
     return result.path
 
 
-def run_sft_job(cfg: SFTJobConfig):
-    """``sliderl sft``: train ``cfg.model`` on the stage's pairs; the checkpoint lands in ``output_dir/model``."""
-    train, held_out = stage_examples(cfg, cfg.task)
-    out = Path(cfg.output_dir) / "model"
-    return run_sft(cfg.model.resolve(), out, train, held_out, cfg.kv, cfg.learner, cfg.sft)
+def run_sft_job(cfg: SFTJobConfig, train: list[SFTExample], held_out: list[SFTExample]):
+    """``sliderl sft``: train ``cfg.model`` on ``train`` (from ``stage_examples``); the checkpoint lands in
+    ``output_dir/model``."""
+    return run_sft(cfg.model.resolve(), Path(cfg.output_dir) / "model", train, held_out, cfg.kv, cfg.learner, cfg.sft)

@@ -169,14 +169,13 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Write a tiny random model directory (HF format).")
     parser.add_argument("out_dir", type=Path)
     for f in fields(TinyModelSpec):
-        flag = f"--{f.name.replace('_', '-')}"
-        if f.type in ("bool", bool):
-            parser.add_argument(flag, type=lambda v: v.lower() in ("1", "true", "yes"), default=f.default)
-        else:
-            parser.add_argument(flag, type=type(f.default), default=f.default)
+        if f.name != "tie_word_embeddings":
+            parser.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)
+    parser.add_argument("--untied", action="store_true", help="separate lm_head and embedding matrices")
     parser.add_argument("--registers", type=int, default=0, help="add <reg_0>..<reg_{N-1}> special tokens")
     args = parser.parse_args(argv)
-    spec = TinyModelSpec(**{name: getattr(args, name) for name in SPEC_FIELDS})
+    shape = {name: getattr(args, name) for name in SPEC_FIELDS if name != "tie_word_embeddings"}
+    spec = TinyModelSpec(**shape, tie_word_embeddings=not args.untied)
     print(make_tiny_model(args.out_dir, spec=spec, extra_special_tokens=tuple(register_tokens(args.registers))))
 
 

@@ -1,0 +1,104 @@
+"""SFT stage settings: the warm start of ``sliderl train`` and the ``sliderl sft`` job.
+
+A stage is (prompt, completion) data, ``trainer.LearnerArgs`` (algo sft) and ``trainer.sft.SFTArgs``;
+``cluster.sft_job`` runs it with the one trainer.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, ClassVar
+
+from pydantic import Field, field_validator, model_validator
+
+from cluster.config import ModelSource, Section, TinyModel
+from cluster.task_config import ArithTaskConfig, TaskSource
+from rollout.kv_policy import KVPolicy
+from trainer.algorithms import SFTOptions
+from trainer.learner_args import LearnerArgs
+from trainer.sft import SFTArgs
+
+DEFAULT_CACHE = "~/.cache/sliderl"
+
+
+class SFTData(Section):
+    """(prompt, completion) pairs for an SFT stage."""
+
+    source: str = "task"
+    """task: the task's reference solutions (arith); else a local .jsonl/.json/.parquet file or folder."""
+    prompt_field: str = "prompt"
+    """Column holding the prompt (files only)."""
+    completion_field: str = "completion"
+    """Column holding the target completion; the end-of-sequence token is appended (files only)."""
+    held_out: int = Field(64, ge=1)
+    """Examples kept out of training and scored at each check (task: the problems after the trained
+    ones; files: the last rows)."""
+
+
+class SFTStage(Section):
+    """Supervised fine-tuning with ``trainer.Learner`` and the SFT algorithm on (prompt, completion) data."""
+
+    data: SFTData = Field(default_factory=SFTData)
+    """Where the pairs come from."""
+    learner: LearnerArgs = Field(default_factory=lambda: LearnerArgs(algo=SFTOptions()))
+    """The learner's settings (``trainer.LearnerArgs``; algo must be sft)."""
+    sft: SFTArgs = Field(default_factory=SFTArgs)
+    """Steps, batch size and the held-out stopping rule (``trainer.sft.SFTArgs``)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _learner_defaults(cls, data: Any) -> Any:
+        """The stage's learner runs SFT, its schedule over sft.steps, unless the file says otherwise."""
+        if isinstance(data, dict) and isinstance(data.get("learner"), dict):
+            sft = data.get("sft") if isinstance(data.get("sft"), dict) else {}
+            defaults = {"algo": {"type": "sft"}, "total_steps": sft.get("steps", SFTArgs.steps)}
+            data = {**data, "learner": {**defaults, **data["learner"]}}
+        return data
+
+    @field_validator("learner")
+    @classmethod
+    def _is_sft(cls, learner: LearnerArgs) -> LearnerArgs:
+        if learner.algo.type != "sft":
+            raise ValueError(f"an SFT stage trains with algo type sft, got {learner.algo.type!r}")
+        return learner
+
+
+
+class WarmStartConfig(SFTStage):
+    """An SFT stage on ``model`` before RL, its checkpoint cached by everything that shapes its weights."""
+
+    enabled: bool = False
+    """Run the stage (or reuse its cached checkpoint) and start RL from it; its visibility is engine.kv."""
+    cache_dir: str = f"{DEFAULT_CACHE}/warmstart"
+    """Folder of warm-started checkpoints, one subfolder per fingerprint, reused when present."""
+
+
+def _default_sft_dir() -> str:
+    return f"runs/sft-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+class SFTJobConfig(SFTStage):
+    """``sliderl sft``: fine-tune ``model`` on (prompt, completion) pairs (recipe: configs/sft-tiny-arith.yaml)."""
+
+    RECIPE: ClassVar[str] = "sft-tiny-arith.yaml"
+
+    model: ModelSource = Field(default_factory=TinyModel)
+    """Initial weights: type tiny (random, built locally) or hf (a local directory)."""
+    task: TaskSource = Field(default_factory=ArithTaskConfig)
+    """With data.source=task: the arith task whose reference solutions are the pairs."""
+    kv: str = "full"
+    """Visibility every example is trained under (the KV policy its rollouts will use), e.g. prefix_sliding:24."""
+    output_dir: str = Field(default_factory=_default_sft_dir)
+    """Where config.yaml, the checkpoint (model/) and sft.json (steps, held-out checks, losses) are written."""
+
+    @field_validator("kv")
+    @classmethod
+    def _canonical_kv(cls, spec: str) -> str:
+        return KVPolicy.parse(spec).spec
+
+    @model_validator(mode="after")
+    def _data_has_solutions(self) -> SFTJobConfig:
+        if self.data.source == "task" and self.task.type != "arith":
+            raise ValueError("data.source=task needs task.type=arith (its reference solutions are the pairs); "
+                             "point data.source at a file of prompt/completion pairs")
+        return self
