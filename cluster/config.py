@@ -139,8 +139,9 @@ ModelSource = Annotated[
 # ----------------------------------------------------------------------------------- generate
 
 
-def _default_output_dir() -> str:
-    return f"runs/generate-{time.strftime('%Y%m%d-%H%M%S')}"
+def run_folder(kind: str):
+    """A default factory for a job's output folder: ``runs/<kind>-<timestamp>``."""
+    return lambda: f"runs/{kind}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
 class GenerateConfig(Section):
@@ -158,7 +159,7 @@ class GenerateConfig(Section):
     """Prompts to complete."""
     n: int = Field(1, ge=1)
     """Samples per prompt."""
-    output_dir: str = Field(default_factory=_default_output_dir)
+    output_dir: str = Field(default_factory=run_folder("generate"))
     """Where config.yaml and completions.jsonl are written."""
 
 

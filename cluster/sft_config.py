@@ -6,12 +6,11 @@ A stage is (prompt, completion) data, ``trainer.LearnerArgs`` (algo sft) and ``t
 
 from __future__ import annotations
 
-import time
 from typing import Any, ClassVar
 
 from pydantic import Field, field_validator, model_validator
 
-from cluster.config import ModelSource, Section, TinyModel
+from cluster.config import ModelSource, Section, TinyModel, run_folder
 from cluster.task_config import ArithTaskConfig, TaskSource
 from rollout.kv_policy import KVPolicy
 from trainer.algorithms import SFTOptions
@@ -73,10 +72,6 @@ class WarmStartConfig(SFTStage):
     """Folder of warm-started checkpoints, one subfolder per fingerprint, reused when present."""
 
 
-def _default_sft_dir() -> str:
-    return f"runs/sft-{time.strftime('%Y%m%d-%H%M%S')}"
-
-
 class SFTJobConfig(SFTStage):
     """``sliderl sft``: fine-tune ``model`` on (prompt, completion) pairs (recipe: configs/sft-tiny-arith.yaml)."""
 
@@ -88,7 +83,7 @@ class SFTJobConfig(SFTStage):
     """With data.source=task: the arith task whose reference solutions are the pairs."""
     kv: str = "full"
     """Visibility every example is trained under (the KV policy its rollouts will use), e.g. prefix_sliding:24."""
-    output_dir: str = Field(default_factory=_default_sft_dir)
+    output_dir: str = Field(default_factory=run_folder("sft"))
     """Where config.yaml, the checkpoint (model/) and sft.json (steps, held-out checks, losses) are written."""
 
     @field_validator("kv")

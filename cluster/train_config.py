@@ -11,12 +11,11 @@ values live in ``configs/tiny-arith.yaml``, the recipe run when no file is given
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from cluster.config import ModelSource, Section, TinyModel
+from cluster.config import ModelSource, Section, TinyModel, run_folder
 from cluster.monitor import MonitorConfig
 from cluster.sft_config import WarmStartConfig
 from cluster.task_config import ArithTaskConfig, DataConfig, TaskSource
@@ -150,10 +149,6 @@ class EvalConfig(Section):
 # ----------------------------------------------------------------------------------- top level
 
 
-def _default_run_dir() -> str:
-    return f"runs/train-{time.strftime('%Y%m%d-%H%M%S')}"
-
-
 def _reward_shorthand(reward: Any) -> Any:
     """``{correctness: 1.0}`` means ``{correctness: {weight: 1.0}}``."""
     if not isinstance(reward, dict):
@@ -200,7 +195,7 @@ class TrainConfig(Section):
     """Metrics, W&B, dashboard, plots."""
     eval: EvalConfig = Field(default_factory=EvalConfig)
     """Before/after evaluation."""
-    run_dir: str = Field(default_factory=_default_run_dir)
+    run_dir: str = Field(default_factory=run_folder("train"))
     """Where config.yaml, traces/, checkpoints/, metrics.jsonl and plots are written (use an absolute
     path under ``ray job submit``: the job's working directory is a temporary copy)."""
     resume: bool = False
