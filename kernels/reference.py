@@ -36,6 +36,8 @@ def paged_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: Atte
     Query at position p reads slot key k (position pk) when ``pk <= p < death``. GQA: query head h
     reads KV head ``h // (H_q // H_kv)``. Softmax and products run in ``acc_dtype``.
     """
+    if meta.is_decode:
+        return decode_attention(q, cache, layer, meta, scale, acc_dtype)
     out = torch.empty_like(q)
     starts = meta.query_start.tolist()
     h_q, h_kv = q.shape[1], cache.k[layer].shape[2]
@@ -53,3 +55,33 @@ def paged_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: Atte
         probs = torch.softmax(scores, dim=-1)
         out[a:b] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
     return out
+
+
+def decode_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: AttentionMetadata, scale: float,
+                     acc_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``paged_attention`` for one query per sequence, all sequences at once: ``q [S, H_q, D]`` -> ``[S, H_q, D]``.
+
+    Every sequence's live blocks are gathered into ``[S, M·B]`` key slots (M = the most live blocks of
+    any sequence; a padded block, id -1, is masked out), so the work is a few batched ops whatever S.
+    Slots a query does not see contribute nothing, whatever they hold (values are zeroed, not just
+    weighted by 0, so stale or NaN slots cannot leak); a sequence that sees no key gets 0.
+    """
+    s, h_q, d = q.shape
+    h_kv, bs = cache.k[layer].shape[2], cache.block_size
+    tables = meta.block_tables[:, :meta.max_live_blocks].long()  # [S, M], -1 pad
+    live = tables >= 0
+    blocks = tables.clamp(min=0)
+    k = cache.k[layer][blocks].reshape(s, -1, h_kv, d).to(acc_dtype)  # [S, L, H_kv, D]
+    v = cache.v[layer][blocks].reshape(s, -1, h_kv, d).to(acc_dtype)
+    offsets = torch.arange(bs, device=q.device)
+    k_pos = (meta.block_index[:, :meta.max_live_blocks].long()[:, :, None] * bs + offsets).reshape(s, -1)  # [S, L]
+    k_death = cache.death[blocks].reshape(s, -1).long()
+    q_pos = meta.query_pos.long()[:, None]  # [S, 1]
+    visible = live[:, :, None].expand(-1, -1, bs).reshape(s, -1) & (k_pos <= q_pos) & (q_pos < k_death)  # [S, L]
+    qg = q.to(acc_dtype).view(s, h_kv, h_q // h_kv, d)  # query head h reads KV head h // (H_q // H_kv)
+    scores = torch.einsum("skgd,slkd->skgl", qg, k) * scale  # [S, H_kv, G, L]
+    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a row with no visible key: all -inf -> 0
+    v = v.masked_fill(~visible[:, :, None, None], 0.0)
+    out = torch.einsum("skgl,slkd->skgd", probs, v)  # [S, H_kv, G, D]
+    return out.reshape(s, h_q, d).to(q.dtype)

@@ -480,3 +480,28 @@ def test_decode_offsets_past_int32():
     out = kernels.paged_attention(q.cuda(), cache, 0, meta.to("cuda"), dim ** -0.5)
     case = Case(cache, meta, q, [k], [v], [Seq([NEVER] * n, 1)])
     assert_close(out, dense_reference(case, dim ** -0.5), torch.bfloat16)
+
+
+@pytest.mark.parametrize("block_size,group", [(4, 1), (8, 2), (16, 4)])
+def test_torch_reference_decode_batch_matches_dense_reference(block_size, group):
+    """The CPU engine's batched decode path of ``kernels.reference`` against the float64 dense reference.
+
+    Catches: a padded table entry (-1) read as a real block, a listed dead block or an unseen (NaN)
+    slot leaking into the sum, the GQA head mapping, a sequence without live blocks not giving 0.
+    Checked by planting: dropping the ``live`` mask, or ``v.masked_fill``, or using ``h % H_kv`` for
+    the KV head makes this fail.
+    """
+    gen = torch.Generator().manual_seed(77 + block_size + group)
+    seqs = [random_seq(gen, 45, 1, window=13, prefix=5, spans=3), random_seq(gen, 3, 1, window=2, prefix=0, spans=0),
+            random_seq(gen, 70, 1, window=29, prefix=9, spans=6), random_seq(gen, 61, 1, window=7, prefix=0, spans=2),
+            random_seq(gen, 9, 1, window=5, prefix=1, spans=0)]
+    case = build_case(seqs, block_size, num_kv_heads=2, group=group, head_dim=16, dtype=torch.float32, gen=gen,
+                      device="cpu")
+    case.meta.num_live_blocks[4] = 0  # as if every block of sequence 4 were gone
+    case.meta.block_tables[4] = -1
+    assert case.meta.is_decode
+    cache64 = PagedKVCache([case.cache.k[0].double()], [case.cache.v[0].double()], case.cache.death)
+    out = reference.paged_attention(case.q.double(), cache64, 0, case.meta, 0.3, acc_dtype=torch.float64)
+    ref = dense_reference(case, 0.3)
+    assert torch.equal(out[4], torch.zeros_like(out[4]))
+    torch.testing.assert_close(out[:4], ref[:4], rtol=1e-10, atol=1e-10)
