@@ -239,6 +239,34 @@ def test_checkpoint_round_trip_resumes_exactly_and_loads_elsewhere(tiny_model_fa
     assert len(llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0.0))[0].token_ids) == 4
 
 
+class _RunsCode:
+    """Unpickling this runs ``open(path, "w")``: what a crafted trainer_state.pt could do with os.system."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_a_crafted_trainer_state_is_refused_without_running_code(tiny_model_factory, tmp_path):
+    # Catches: loading trainer_state.pt with a full unpickler (torch.load(weights_only=False)), which
+    # runs whatever callable the file names -- here it would create a file; the loader must refuse
+    # the file with a clear error instead. Checked by planting weights_only=False: the file appears
+    # and no error is raised.
+    path = tiny_model_factory(arch="qwen3")
+    learner = Learner(str(path), lr=1e-2)
+    ckpt = tmp_path / "ckpt"
+    learner.save_checkpoint(ckpt)
+    state = torch.load(ckpt / "trainer_state.pt", weights_only=True)  # what sliderl writes loads safely
+    assert {"version", "optimizer", "rng", "args"} <= set(state)
+    marker = tmp_path / "pwned"
+    torch.save({**state, "args": _RunsCode(str(marker))}, ckpt / "trainer_state.pt")
+    with pytest.raises(ValueError, match="holds objects other than tensors and plain values"):
+        Learner.from_checkpoint(ckpt)
+    assert not marker.exists()
+
+
 # ---- settings: the lr schedule, option records, the trace's own policy -----------------------------
 def test_lr_schedule_warms_up_then_follows_the_cosine_and_resumes_from_a_checkpoint(tiny_model_factory, tmp_path):
     # catches: an off-by-one in the warm-up or cosine, a schedule that is not applied to the optimizer,

@@ -8,6 +8,7 @@ loadable by ``transformers.AutoModelForCausalLM`` and ``rollout.loader.load_mode
 
 from __future__ import annotations
 
+import pickle
 import random
 from pathlib import Path
 
@@ -46,8 +47,10 @@ def save_hf_model(model: DecoderLM, tokenizer, source_dir: str | Path, out_dir: 
 
 
 def rng_state() -> dict:
-    """Every RNG the learner process may draw from."""
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    """Every RNG the learner process may draw from, as tensors and plain values only (see ``load_trainer_state``)."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(),
+             "numpy": (name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached))}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -56,7 +59,8 @@ def rng_state() -> dict:
 def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
@@ -66,9 +70,18 @@ def save_trainer_state(out_dir: str | Path, state: dict) -> None:
 
 
 def load_trainer_state(path: str | Path) -> dict:
-    """The ``trainer_state.pt`` of checkpoint directory ``path`` (a file this project wrote: unpickled in full)."""
+    """The ``trainer_state.pt`` of checkpoint directory ``path``, read with ``weights_only=True``.
+
+    The file holds only tensors and plain values (numbers, strings, tuples, lists, dicts), so loading
+    it never runs code: a file holding anything else (a crafted pickle) is refused, not unpickled.
+    """
     file = Path(path) / TRAINER_STATE
     if not file.is_file():
         raise FileNotFoundError(f"no {TRAINER_STATE} in {str(path)!r}; it is not a learner checkpoint "
                                 "(save one with Learner.save_checkpoint)")
-    return torch.load(file, map_location="cpu", weights_only=False)
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise ValueError(f"{file} holds objects other than tensors and plain values, so it was not loaded "
+                         f"(loading could run code; checkpoints written before this check stored NumPy RNG "
+                         f"state this way): {str(err).splitlines()[0]}") from None
