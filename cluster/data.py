@@ -42,11 +42,14 @@ class PromptGroup:
 
 
 def load_problems(source: str, split: str, prompt_field: str, answer_field: str,
-                  id_field: str | None = None, template: str = "{prompt}", limit: int | None = None) -> list[Problem]:
+                  id_field: str | None = None, template: str = "{prompt}", limit: int | None = None,
+                  skip_invalid: bool = False) -> list[Problem]:
     """Rows of ``source`` (a local file/folder or a hub name) as Problems, fields checked first.
 
     Raises ConfigError naming the source when it cannot be read or lacks ``prompt_field`` or
-    ``answer_field`` (listing the fields it has).
+    ``answer_field`` (listing the fields it has), and naming the row and field of the first row whose
+    prompt or answer is missing (null or empty) — unless ``skip_invalid``, which drops such rows and
+    prints how many.
     """
     table = open_dataset(source, split)
     columns = list(table.column_names)
@@ -59,7 +62,40 @@ def load_problems(source: str, split: str, prompt_field: str, answer_field: str,
     prompts, answers = rows[prompt_field], rows[answer_field]
     if not prompts:
         raise ConfigError(f"dataset {source!r} (split {split!r}) is empty")
-    return [Problem(str(i), template.format(prompt=p), str(a)) for i, p, a in zip(ids, prompts, answers)]
+    problems, bad = [], []
+    for row, (i, p, a) in enumerate(zip(ids, prompts, answers)):
+        field = prompt_field if _blank(p) else answer_field if _blank(a) else None
+        if field is None:
+            problems.append(Problem(str(i), template.format(prompt=p), str(a)))
+        elif not skip_invalid:
+            got = p if field == prompt_field else a
+            raise ConfigError(f"dataset {source!r} (split {split!r}) row {row} has no {field!r} (got {got!r}); "
+                              "fix the row, or set data.skip_invalid=true to leave such rows out")
+        else:
+            bad.append((row, field))
+    if bad:
+        print(f"sliderl: left out {len(bad)} rows of {source!r} (split {split!r}) without a prompt or answer "
+              f"(first: row {bad[0][0]}, field {bad[0][1]!r})", flush=True)
+    if not problems:
+        raise ConfigError(f"dataset {source!r} (split {split!r}) has no row with both a prompt and an answer")
+    return problems
+
+
+def _blank(value) -> bool:
+    return value is None or (isinstance(value, str) and not value.strip())
+
+
+def keep_fitting(problems: list[Problem], tokenizer, max_model_len: int, what: str) -> list[Problem]:
+    """The problems whose prompt leaves room for a generated token within ``max_model_len``; prints how many
+    were left out, and raises ConfigError when none is left."""
+    fitting = [p for p in problems if len(tokenizer(p.prompt).input_ids) < max_model_len]
+    if len(fitting) < len(problems):
+        print(f"sliderl: left out {len(problems) - len(fitting)} of {len(problems)} {what} problems whose prompt "
+              f"does not fit max_model_len={max_model_len}", flush=True)
+    if not fitting:
+        raise ConfigError(f"no {what} prompt fits max_model_len={max_model_len} (engine.max_model_len, or the "
+                          "model's max_position_embeddings); raise it or shorten the prompts")
+    return fitting
 
 
 def open_dataset(source: str, split: str):
@@ -141,4 +177,5 @@ def data_sources(cfg, run_dir: str | Path) -> tuple[tuple[str, str], tuple[str, 
 def load_split(cfg, source: tuple[str, str], limit: int | None = None) -> list[Problem]:
     """``load_problems`` with the field names and template of ``cfg.data``."""
     d = cfg.data
-    return load_problems(source[0], source[1], d.prompt_field, d.answer_field, d.id_field, d.template, limit)
+    return load_problems(source[0], source[1], d.prompt_field, d.answer_field, d.id_field, d.template, limit,
+                         d.skip_invalid)

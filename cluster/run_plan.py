@@ -10,7 +10,7 @@ from pathlib import Path
 
 from cluster.config import ConfigError, check_device, save_config
 from cluster.run_checkpoints import Checkpoints, DriverState
-from cluster.data import Problem, data_sources, load_split
+from cluster.data import Problem, data_sources, keep_fitting, load_split
 from cluster.train_config import TrainConfig
 
 
@@ -36,13 +36,31 @@ def prepare(cfg: TrainConfig) -> RunPlan:
     if not cfg.resume and checkpoints.complete():
         raise ConfigError(f"run_dir {str(run_dir)!r} already holds checkpoints of a run; pass resume=true to "
                           "continue it, or choose another run_dir")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, run_dir / "config.yaml")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, run_dir / "config.yaml")
+    except OSError as err:
+        raise ConfigError(f"run_dir {str(run_dir)!r} cannot be written ({err.strerror or err}); choose a "
+                          "writable folder") from None
     train_source, eval_source = data_sources(cfg, run_dir)
     train_problems = load_split(cfg, train_source)
     wants_eval = cfg.eval.before or cfg.eval.after
     eval_problems = load_split(cfg, eval_source, cfg.eval.num_problems) if wants_eval else []
-    return RunPlan(run_dir, initial_model(cfg), train_problems, eval_problems, resume)
+    model_path = initial_model(cfg)
+    train_problems, eval_problems = fitting_prompts(cfg, model_path, train_problems, eval_problems)
+    return RunPlan(run_dir, model_path, train_problems, eval_problems, resume)
+
+
+def fitting_prompts(cfg: TrainConfig, model_path: str, train: list[Problem], evaluation: list[Problem]):
+    """Train and eval problems whose prompt fits the engine's max_model_len (others left out, counted)."""
+    from transformers import AutoConfig
+
+    from rollout.loader import load_tokenizer
+
+    limit = cfg.engine.max_model_len or AutoConfig.from_pretrained(model_path, local_files_only=True).max_position_embeddings
+    tokenizer = load_tokenizer(model_path)
+    fitting = keep_fitting(train, tokenizer, limit, "train")
+    return fitting, keep_fitting(evaluation, tokenizer, limit, "eval") if evaluation else evaluation
 
 
 def initial_model(cfg: TrainConfig) -> str:

@@ -78,6 +78,9 @@ class DataConfig(Section):
     """Column with a stable problem id; None (or a dataset without it) numbers the rows."""
     template: str = "{prompt}"
     """Prompt sent to the engine; ``{prompt}`` is replaced by the problem text."""
+    skip_invalid: bool = False
+    """Leave out rows whose prompt or answer is missing or null (counted and printed) instead of stopping
+    with an error naming the first such row."""
     shuffle: bool = True
     """Shuffle the prompt order (a new permutation each pass, from train.seed)."""
 

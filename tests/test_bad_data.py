@@ -1,0 +1,77 @@
+"""Bad input a user's dataset or filesystem can give `sliderl train` (issue 11, bugs 3 and 7): stopped
+before Ray with the row or path named, or — when asked — left out and counted. Never trained on."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cluster.cli import main
+from cluster.config import ConfigError, load_config
+from cluster.data import load_problems
+from cluster.run_plan import prepare
+from cluster.train_config import TrainConfig
+
+
+def write_rows(path, rows) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+ROWS = [{"prompt": "1 + 1 =", "answer": "2"}, {"prompt": "2 + 2 =", "answer": None},
+        {"prompt": None, "answer": "6"}, {"prompt": "4 + 4 =", "answer": "8"}, {"prompt": "  ", "answer": "1"}]
+
+
+def test_a_row_without_an_answer_stops_with_its_index(tmp_path):
+    # Catches: a null answer turned into the text "None" (str(None)) and rolled out and rewarded
+    # against it. Planted by dropping the blank check, no error is raised.
+    source = write_rows(tmp_path / "d.jsonl", ROWS)
+    with pytest.raises(ConfigError, match=r"row 1 has no 'answer' \(got None\).*data.skip_invalid=true"):
+        load_problems(source, "train", "prompt", "answer")
+
+
+def test_skip_invalid_leaves_bad_rows_out_and_counts_them(tmp_path, capsys):
+    # Catches: skipped rows still reaching the prompt stream, or skipped silently.
+    source = write_rows(tmp_path / "d.jsonl", ROWS)
+    problems = load_problems(source, "train", "prompt", "answer", skip_invalid=True)
+    assert [(p.prompt, p.answer) for p in problems] == [("1 + 1 =", "2"), ("4 + 4 =", "8")]
+    assert "left out 3 rows" in capsys.readouterr().out
+
+
+def test_bad_rows_end_sliderl_train_before_ray(tmp_path, capsys):
+    # Catches: the bad row found only inside a rollout worker. Exit 2, one line, Ray never started.
+    import ray
+
+    was_running = ray.is_initialized()
+    source = write_rows(tmp_path / "d.jsonl", ROWS)
+    code = main(["train", "task.type=math", f"data.source={source}", "warmstart.enabled=false",
+                 f"run_dir={tmp_path / 'run'}", "eval.before=false", "eval.after=false"])
+    err = capsys.readouterr().err
+    assert code == 2 and "row 1 has no 'answer'" in err and err.count("\n") == 1, err
+    assert ray.is_initialized() == was_running
+
+
+def test_prompts_longer_than_the_engine_allows_are_left_out_before_the_run(tmp_path, tiny_model_factory, capsys):
+    # Catches: a prompt that does not fit max_model_len reaching a worker and killing the run mid-way
+    # ("prompt of N tokens does not fit"). Byte-level tokenizer: a prompt of n ASCII chars is n tokens.
+    model = tiny_model_factory(arch="qwen3")
+    rows = [{"prompt": "x" * n, "answer": "1"} for n in (10, 40, 12, 100)]
+    source = write_rows(tmp_path / "d.jsonl", rows)
+    base = ["task.type=math", f"data.source={source}", "warmstart.enabled=false", "model.type=hf",
+            f"model.path={model}", "eval.before=false", "eval.after=false"]
+    plan = prepare(load_config(TrainConfig, None, [*base, "engine.max_model_len=32", f"run_dir={tmp_path / 'a'}"]))
+    assert [len(p.prompt) for p in plan.train_problems] == [10, 12]
+    assert "left out 2 of 4 train problems" in capsys.readouterr().out
+    with pytest.raises(ConfigError, match="no train prompt fits max_model_len=8"):
+        prepare(load_config(TrainConfig, None, [*base, "engine.max_model_len=8", f"run_dir={tmp_path / 'b'}"]))
+
+
+def test_an_unwritable_run_dir_is_one_line_before_ray(tmp_path, capsys):
+    # Catches: NotADirectoryError / PermissionError tracebacks from deep in the run. A run_dir under a
+    # file can never be created, for root too.
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    code = main(["train", f"run_dir={blocker / 'run'}", "warmstart.enabled=false"])
+    err = capsys.readouterr().err
+    assert code == 2 and "cannot be written" in err and str(blocker / "run") in err and err.count("\n") == 1, err
