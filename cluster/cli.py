@@ -206,6 +206,10 @@ def run_train(config_path: str | None, overrides: list[str]) -> int:
     if result.eval_before is not None and result.eval_after is not None:
         before, after = result.eval_before.accuracy, result.eval_after.accuracy
         print(f"  eval change      accuracy {before:.3f} -> {after:.3f} ({100 * (after - before):+.1f} points)")
+    why = result.nothing_trained()
+    if why is not None:
+        print(f"sliderl train: run failed: {why}", file=sys.stderr)
+        return RUN_FAILED
     return 0
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from cluster.data import PromptGroup, PromptStream
@@ -39,6 +39,9 @@ if TYPE_CHECKING:
     from trainer.learner import StepMetrics
 
 
+SKIP_REASONS = ("zero_variance_groups", "no_pair_groups", "skipped_groups_nonfinite_reward")  # algorithm counts
+
+
 class LearnerLost(RuntimeError):
     """The learner actor died; the run continues from the latest checkpoint when it can."""
 
@@ -53,6 +56,16 @@ class RunResult:
     eval_after: EvalResult | None
     summary: str
     stopped_early: bool = False
+    optimizer_steps: int = 0  # policy versions this session's learner gained (0: nothing was trained)
+    skipped_groups: dict[str, float] = field(default_factory=dict)  # why groups gave no signal, summed over steps
+
+    def nothing_trained(self) -> str | None:
+        """Why the run took no optimizer step, or None when it took one (or was stopped early)."""
+        if self.stopped_early or self.optimizer_steps > 0 or self.state.step == 0:
+            return None
+        reasons = ", ".join(f"{k}={v:g}" for k, v in self.skipped_groups.items() if v) or "no loss token"
+        return (f"no optimizer step was taken in {self.state.step} steps: every group was skipped ({reasons}); "
+                "the reward gives no signal (check the reward terms and the task)")
 
 
 StepHook = Callable[["Session", int, StepReport], "bool | None"]
@@ -125,6 +138,7 @@ class Session:
                                       cfg.learner.device, cfg.weight_sync.timeout_s)
         self.awaiting_weights: set[int] = set()
         self._step_counters = _Counters()
+        self._skipped: dict[str, float] = {}
         self._learner_busy = False
         self.eval_before: EvalResult | None = None
         self._unlogged_eval_before: EvalResult | None = None  # goes into the next step's report
@@ -142,7 +156,7 @@ class Session:
             self._publish()  # workers start from the initial model: give them the checkpoint's weights
         if self.cfg.eval.before and self.state.step == 0:
             self.eval_before = self._unlogged_eval_before = self._evaluate("before")
-        stopped = False
+        start_version, stopped = self.state.version, False
         while self.state.step < self.cfg.train.steps and not stopped:
             report = self._step()
             stopped = self.on_step is not None and self.on_step(self, self.state.step, report) is False
@@ -150,7 +164,8 @@ class Session:
             self._checkpoint()
         (self.plan.run_dir / STATE_FILE).write_text(self._snapshot().to_json())
         summary = self.monitor.finish()
-        return RunResult(self.plan.run_dir, self._snapshot(), self.eval_before, self.eval_after, summary, stopped)
+        return RunResult(self.plan.run_dir, self._snapshot(), self.eval_before, self.eval_after, summary, stopped,
+                         self.state.version - start_version, dict(self._skipped))
 
     def close(self) -> None:
         """Stop every actor of this session (the placement group stays for the next one)."""
@@ -171,6 +186,8 @@ class Session:
         batch = self._collect(n)
         trained_at = self.state.version
         self.state.version, step_seconds, learner_metrics = _learner_part(self._train(batch))
+        for key in SKIP_REASONS:
+            self._skipped[key] = self._skipped.get(key, 0.0) + learner_metrics.get(key, 0.0)
         self.ledger.mark_trained(batch)
         self.state.step += 1
         sync_seconds = None

@@ -114,7 +114,7 @@ class Monitor:
         values = _numbers(metrics)
         row = {"step": int(step), "elapsed_s": round(self.elapsed(), 3), **values}
         self.history.setdefault(row["step"], {}).update(row)
-        self._file.write(json.dumps(row) + "\n")
+        self._file.write(json.dumps(_strict(row), allow_nan=False) + "\n")  # NaN/inf are not JSON: null
         self._file.flush()
         if self._run is not None and (row["step"] % self.cfg.log_every == 0 or row["step"] >= self.total_steps):
             self._run.log(values, step=row["step"])
@@ -235,7 +235,8 @@ def _progress_bar(total_steps: int, done: int):
 def _postfix(row: dict) -> str:
     shown = [(KEYS.reward, "reward", "{:.3f}"), (KEYS.visible_kv, "kv", "{:.0f}"),
              (KEYS.rollout_tokens_per_s, "tok/s", "{:.0f}")]
-    return " ".join(f"{label}={fmt.format(row[key])}" for key, label, fmt in shown if key in row)
+    return " ".join(f"{label}={fmt.format(row[key])}" for key, label, fmt in shown
+                    if isinstance(row.get(key), (int, float)) and math.isfinite(row[key]))
 
 
 # ------------------------------------------------------------------------------ plots, summary
@@ -265,8 +266,14 @@ def write_plots(history: dict[int, dict], run_dir: Path) -> list[Path]:
     return written
 
 
+def _strict(row: dict) -> dict:
+    """``row`` with non-finite numbers as None, so that it is strict JSON."""
+    return {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in row.items()}
+
+
 def _series(history: dict[int, dict], key: str) -> tuple[list[int], list[float]]:
-    steps = [s for s in sorted(history) if key in history[s] and math.isfinite(history[s][key])]
+    steps = [s for s in sorted(history) if isinstance(history[s].get(key), (int, float))
+             and math.isfinite(history[s][key])]
     return steps, [history[s][key] for s in steps]
 
 

@@ -75,3 +75,17 @@ def test_an_unwritable_run_dir_is_one_line_before_ray(tmp_path, capsys):
     code = main(["train", f"run_dir={blocker / 'run'}", "warmstart.enabled=false"])
     err = capsys.readouterr().err
     assert code == 2 and "cannot be written" in err and str(blocker / "run") in err and err.count("\n") == 1, err
+
+
+def test_a_run_that_trains_nothing_exits_1_and_says_why(tmp_path, tiny_model_factory, capsys):
+    # Catches: a run whose every group was skipped (here: a random model never answers right, so
+    # every group has zero reward variance) reporting success with exit 0. Planted by returning 0
+    # regardless in cli.run_train, this fails.
+    from cluster_jobs import tiny_overrides
+
+    model = tiny_model_factory("qwen3")
+    code = main(["train", *tiny_overrides(model, tmp_path / "run"), "reward={correctness: 1.0}", "train.steps=2",
+                 "ray.num_cpus=2", "monitor.include_dashboard=false"])
+    err = capsys.readouterr().err
+    assert code == 1, err
+    assert "no optimizer step was taken in 2 steps: every group was skipped (zero_variance_groups=4)" in err, err

@@ -326,3 +326,25 @@ def test_ray_metrics_recorded_inside_an_actor(monkeypatch):
         assert {key: got.get(key, math.nan) for key in expected} == pytest.approx(expected)
     finally:
         ray.shutdown()
+
+
+def test_metrics_jsonl_is_strict_json_when_a_value_is_not_finite(tmp_path):
+    # Catches: a NaN reward written as the bare token NaN (json.dumps' default), which strict JSON
+    # readers reject, and a resumed Monitor choking on the null that replaces it.
+    from cluster.monitor import Monitor, MonitorConfig, WandbConfig
+
+    cfg = MonitorConfig(wandb=WandbConfig(mode="disabled"), plots=True)
+    first = Monitor(tmp_path, cfg, total_steps=3)
+    first.log(1, {"reward": float("nan"), "visible_kv": 4.0})
+    first.log(2, {"reward": 0.5, "visible_kv": float("inf")})
+    first.finish()
+
+    def no_constants(name):
+        raise ValueError(f"not strict JSON: {name}")
+
+    rows = [json.loads(line, parse_constant=no_constants) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["reward"] is None and rows[1]["visible_kv"] is None and rows[1]["reward"] == 0.5
+    second = Monitor(tmp_path, cfg, total_steps=3)  # a resume reads the nulls back
+    second.log(3, {"reward": 1.0, "visible_kv": 5.0})
+    summary = second.finish()
+    assert "0.5000 (step 2) -> 1.0000 (step 3)" in summary
