@@ -239,6 +239,31 @@ def test_checkpoint_round_trip_resumes_exactly_and_loads_elsewhere(tiny_model_fa
     assert len(llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0.0))[0].token_ids) == 4
 
 
+def test_a_resumed_learner_keeps_checkpointing_after_its_checkpoint_is_pruned(tiny_model_factory, tmp_path):
+    # Catches (issue 11, bug 1): a learner resumed from checkpoint A read A's config again whenever it
+    # saved, so once pruning deleted A ("keep" saves later) every save failed; and BoNBoN's reference
+    # defaulting to the folder the learner was loaded from (A) instead of the initial model. Planted
+    # by saving from self.model_path again, the second save raises.
+    import shutil
+
+    path = tiny_model_factory(arch="qwen3")
+    groups = [[make_trace(i, 12, reward=float(i), components={"speedup": float(i), "correctness": 1.0})
+               for i in (0, 1)]]
+    learner = Learner(str(path), lr=1e-2, algo=BoNBoNOptions())
+    assert learner.args.reference_model_path == str(path)
+    learner.step(groups)
+    first = tmp_path / "step_000001"
+    learner.save_checkpoint(first)
+    resumed = Learner.from_checkpoint(first)
+    assert resumed.args.reference_model_path == str(path)  # still the initial model, not the checkpoint
+    shutil.rmtree(first)  # what Checkpoints.prune does `keep` saves later
+    resumed.step(groups)
+    second = tmp_path / "step_000002"
+    resumed.save_checkpoint(second)
+    again = Learner.from_checkpoint(second)
+    assert again.version == 2 and (second / "config.json").is_file()
+
+
 class _RunsCode:
     """Unpickling this runs ``open(path, "w")``: what a crafted trainer_state.pt could do with os.system."""
 

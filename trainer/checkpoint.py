@@ -8,9 +8,11 @@ loadable by ``transformers.AutoModelForCausalLM`` and ``rollout.loader.load_mode
 
 from __future__ import annotations
 
+import copy
 import pickle
 import random
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -24,25 +26,32 @@ MODEL_FILE = "model.safetensors"
 GENERATION_CONFIG = "generation_config.json"
 
 
-def save_hf_model(model: DecoderLM, tokenizer, source_dir: str | Path, out_dir: str | Path) -> None:
-    """Write ``model`` (its current vocabulary size) with ``tokenizer`` to ``out_dir`` in HF layout.
-
-    ``source_dir`` is the HF directory the model was loaded from; its config is reused with
-    ``vocab_size`` updated. Tied embeddings are stored once, as transformers stores them.
-    """
+def read_hf_source(source_dir: str | Path) -> tuple[Any, str | None]:
+    """The HF config object and the generation_config.json text (or None) of the model directory a learner
+    loads; kept in memory, so later checkpoints do not need that directory to exist any more."""
     from transformers import AutoConfig
 
-    source, out = model_dir(source_dir), Path(out_dir)
-    config = AutoConfig.from_pretrained(str(source), local_files_only=True)
+    source = model_dir(source_dir)
     generation = source / GENERATION_CONFIG
-    generation_text = generation.read_text() if generation.is_file() else None
+    return (AutoConfig.from_pretrained(str(source), local_files_only=True),
+            generation.read_text() if generation.is_file() else None)
+
+
+def save_hf_model(model: DecoderLM, tokenizer, source: tuple[Any, str | None], out_dir: str | Path) -> None:
+    """Write ``model`` (its current vocabulary size) with ``tokenizer`` to ``out_dir`` in HF layout.
+
+    ``source``: ``read_hf_source`` of the directory the model was loaded from; its config is reused
+    with ``vocab_size`` updated. Tied embeddings are stored once, as transformers stores them.
+    """
+    config, generation_text = copy.deepcopy(source[0]), source[1]
+    out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     config.vocab_size = model.config.vocab_size
     config.save_pretrained(out)
     weights = {name: p.detach().to("cpu").contiguous() for name, p in model.named_parameters()}
     save_file(weights, str(out / MODEL_FILE), metadata={"format": "pt"})
     tokenizer.save_pretrained(str(out))
-    if generation_text is not None:  # read before writing: out_dir may be source_dir
+    if generation_text is not None:
         (out / GENERATION_CONFIG).write_text(generation_text)
 
 

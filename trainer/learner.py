@@ -22,8 +22,8 @@ from rollout.loader import DTYPES, load_model, load_tokenizer
 from rollout.trace import Trace
 from rollout.vocab import bind_policy_vocab
 from trainer.algorithms import Algorithm, Row, Selection, Totals, make_algorithm
-from trainer.checkpoint import (TRAINER_STATE, load_trainer_state, rng_state, save_hf_model, save_trainer_state,
-                                set_rng_state)
+from trainer.checkpoint import (TRAINER_STATE, load_trainer_state, read_hf_source, rng_state, save_hf_model,
+                                save_trainer_state, set_rng_state)
 from trainer.learner_args import LearnerArgs
 from trainer.logprobs import PackedWindows, WindowInput, logprob_mismatch, pack_windows, packed_logits, packed_logprobs
 from trainer.windows import training_windows
@@ -93,14 +93,17 @@ class Learner:
 
     def __init__(self, model_path: str, args: LearnerArgs | None = None, **kwargs):
         args = LearnerArgs(**kwargs) if args is None else replace(args, **kwargs)
-        self.args = args
         self.algorithm: Algorithm = make_algorithm(args.algo)
+        if self.algorithm.needs_reference and args.reference_model_path is None:
+            args = replace(args, reference_model_path=str(model_path))  # checkpoints keep the initial model
+        self.args = args
         torch.manual_seed(args.seed)
         self.model_path = str(model_path)
         self.device = torch.device(args.device)
         self.model = load_model(model_path, dtype=DTYPES[args.dtype], device=self.device).train()
         self.model.gradient_checkpointing = args.gradient_checkpointing
         self.tokenizer = load_tokenizer(model_path)
+        self._hf_source = read_hf_source(model_path)  # model_path may be a checkpoint that gets pruned
         self.reference = self._load_reference() if self.algorithm.needs_reference else None
         self.optimizer = self._make_optimizer()
         self.version = 0
@@ -110,8 +113,7 @@ class Learner:
 
     # ---- set-up -------------------------------------------------------------------------------
     def _load_reference(self):
-        path = self.args.reference_model_path or self.model_path
-        reference = load_model(path, dtype=DTYPES[self.args.dtype], device=self.device)
+        reference = load_model(self.args.reference_model_path, dtype=DTYPES[self.args.dtype], device=self.device)
         if len(self.tokenizer) > reference.config.vocab_size:
             reference.resize_vocab(len(self.tokenizer))
         return reference.eval().requires_grad_(False)
@@ -353,7 +355,7 @@ class Learner:
 
     def save_checkpoint(self, path) -> None:
         """The model in HF layout in ``path`` plus ``trainer_state.pt`` (optimizer, version, RNG, settings)."""
-        save_hf_model(self.model, self.tokenizer, self.model_path, path)
+        save_hf_model(self.model, self.tokenizer, self._hf_source, path)
         save_trainer_state(path, {"version": self.version, "optimizer": self.optimizer.state_dict(),
                                   "rng": rng_state(), "args": asdict(self.args)})
 
