@@ -95,3 +95,17 @@ def test_learner_crash_resumes_from_the_last_checkpoint(resumed_runs):
     assert len(kills) == 1 and second.state.learner_restarts == 1
     assert second.state.step == 4 and second.state.version == sum(
         int(r["learner/stepped"]) for r in metric_rows(second.run_dir).values())
+
+
+def test_a_resumed_run_keeps_checkpointing_after_pruning_its_source(resumed_runs, model_dir):
+    # Catches (issue 11, bug 1, at the cluster level): the learner resumed from step_000004 read that
+    # folder's config at every save; with checkpoint.every=1 and keep=2 the folder is pruned after the
+    # step-6 save, and the step-7 save failed ("model path ... does not exist"), leaving it incomplete.
+    from cluster.driver import train
+
+    _, second, _ = resumed_runs
+    third = train(tiny_job(model_dir, second.run_dir, "train.mode=sync", "train.steps=7", "checkpoint.every=1",
+                           "checkpoint.keep=2", "resume=true"))
+    assert third.state.step == 7
+    assert sorted(p.name for p in (second.run_dir / "checkpoints").iterdir()) == ["step_000006", "step_000007"]
+    assert (second.run_dir / "checkpoints" / "step_000007" / "COMPLETE").is_file()
