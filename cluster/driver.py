@@ -128,6 +128,12 @@ class Session:
                                    cfg.data.shuffle, cursor=self.state.cursor)
         self.backlog: list[PromptGroup] = [self.stream.group(n) for n in self.state.outstanding]
         self.trace_log = TraceLog(plan.run_dir)
+        if plan.resume is not None:  # the log holds exactly the groups the checkpoint resolved
+            ledger = plan.resume[1].ledger
+            dropped = self.trace_log.keep_groups(set(ledger.trained) | set(ledger.stale))
+            if dropped:
+                print(f"sliderl: rolled the trace log back to {plan.resume[0].name}: {dropped} traces of groups "
+                      "it had not resolved will be generated again", flush=True)
         self.checkpoints = Checkpoints(plan.run_dir, cfg.checkpoint.keep)
         self.monitor = None
         self.queue = make_queue(cfg)

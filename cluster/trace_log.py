@@ -77,6 +77,32 @@ class TraceLog:
             total += self._rows[part.name]
         return total
 
+    def keep_groups(self, group_ids: set[str]) -> int:
+        """Drop every logged trace whose group is not in ``group_ids``; returns how many were dropped.
+
+        A resume rolls the log back to its checkpoint this way: groups logged after it (or logged but
+        not resolved by it) are generated and logged again, so each group stays in the log once. A part
+        that loses rows is rewritten to a temp file and replaces the old one atomically (one dropped
+        entirely is deleted); parts that keep every row are not touched.
+        """
+        dropped = 0
+        for part in self.parts():
+            table = pq.read_table(part, schema=TRACE_SCHEMA)
+            keep = pa.array([g in group_ids for g in table.column("group_id").to_pylist()], type=pa.bool_())
+            kept = table.filter(keep)
+            if kept.num_rows == table.num_rows:
+                continue
+            dropped += table.num_rows - kept.num_rows
+            self._rows.pop(part.name, None)
+            if kept.num_rows == 0:
+                part.unlink()
+                continue
+            temp = self.dir / f".{part.name}.rollback-{os.getpid()}"
+            _write_synced(kept, temp)
+            os.replace(temp, part)
+        _fsync_dir(self.dir)
+        return dropped
+
     def _move_into_place(self, temp: Path) -> Path:
         """Give ``temp`` the next free part name without ever replacing an existing part."""
         while True:

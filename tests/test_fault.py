@@ -97,6 +97,17 @@ def test_learner_crash_resumes_from_the_last_checkpoint(resumed_runs):
         int(r["learner/stepped"]) for r in metric_rows(second.run_dir).values())
 
 
+def test_resumed_runs_log_each_trained_group_once(resumed_runs):
+    # Catches (issue 11, bug 6): after a stop + resume (and a learner restart from the step-2
+    # checkpoint), the groups logged after that checkpoint were generated and logged again, so the
+    # trace log held them twice. The log is rolled back to the checkpoint on resume. Planted by
+    # skipping the rollback, groups of step 3 appear 8 times instead of 4.
+    _, second, _ = resumed_runs
+    trained = second.state.ledger.trained
+    counts = Counter(t["group_id"] for t in logged_traces(second.run_dir))
+    assert set(counts) == set(trained) and set(counts.values()) == {4}, counts
+
+
 def test_a_resumed_run_keeps_checkpointing_after_pruning_its_source(resumed_runs, model_dir):
     # Catches (issue 11, bug 1, at the cluster level): the learner resumed from step_000004 read that
     # folder's config at every save; with checkpoint.every=1 and keep=2 the folder is pruned after the

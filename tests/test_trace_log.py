@@ -198,3 +198,19 @@ def test_a_trace_field_without_an_arrow_type_is_refused():
         arrow_schema(extended)
     typed = make_dataclass("Typed", [("extra", Int32, field(default=0))], bases=(Trace,))
     assert arrow_schema(typed).field("extra").type == pa.int32()
+
+
+def test_keep_groups_rolls_the_log_back_part_by_part(tmp_path):
+    # Catches: a rollback that drops the wrong rows, leaves a part it emptied, rewrites parts it
+    # need not touch, or leaves a temp file behind (issue 11, bug 6: each group logged once).
+    log = TraceLog(tmp_path)
+    mixed = log.append([make_trace(0, group_id="g1"), make_trace(1, group_id="g2"), make_trace(2, group_id="g1")])
+    only_g3 = log.append([make_trace(3, group_id="g3")])
+    only_g2 = log.append([make_trace(4, group_id="g2")])
+    untouched = only_g3.stat().st_mtime_ns
+    assert log.keep_groups({"g1", "g3"}) == 2
+    assert [p.name for p in log.parts()] == [mixed.name, only_g3.name] and not only_g2.exists()
+    assert only_g3.stat().st_mtime_ns == untouched
+    assert [(r["trace_id"], r["group_id"]) for r in log.read(["trace_id", "group_id"]).to_pylist()] == \
+        [("t0", "g1"), ("t2", "g1"), ("t3", "g3")]
+    assert log.count() == 3 and visible_files(tmp_path / "traces") == [mixed.name, only_g3.name]
