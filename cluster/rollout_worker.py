@@ -17,6 +17,7 @@ trace keeps the version its group started with, so staleness is judged conservat
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 import time
 import traceback
@@ -27,7 +28,7 @@ from typing import Any
 
 from cluster.data import Problem, PromptGroup
 from cluster.weight_sync import WeightReceiver
-from rewards import RewardInput, RewardSpec
+from rewards import RewardInput, RewardRecord, RewardSpec
 from rollout.engine_args import EngineArgs
 from rollout.sampling import SamplingParams
 from rollout.trace import Trace
@@ -278,9 +279,10 @@ class RolloutWorker:
 
     def _trace(self, job: _InFlight, j: int, out) -> Trace:
         problem: Problem = job.group.problem
-        record = self.reward.score(RewardInput(out.text, problem.answer, out.kv.mean_visible_tokens))
+        trace_id = f"{job.group.group_id}-{j}-w{self.worker_id}.{self.incarnation}"
+        record = self._reward(trace_id, out, problem)
         return Trace(
-            trace_id=f"{job.group.group_id}-{j}-w{self.worker_id}.{self.incarnation}",
+            trace_id=trace_id,
             group_id=job.group.group_id, prompt_id=problem.prompt_id, worker_id=self.worker_id,
             policy_version=job.version, kv_policy=self.llm.policy.spec,
             prompt_token_ids=list(out.prompt_token_ids), completion_token_ids=list(out.token_ids),
@@ -291,6 +293,16 @@ class RolloutWorker:
             completion_text=out.text, num_tokens=len(out.token_ids), peak_visible_kv=out.kv.peak_visible_tokens,
             mean_visible_kv=float(out.kv.mean_visible_tokens), decode_seconds=float(out.seconds),
         )
+
+    def _reward(self, trace_id: str, out, problem: Problem) -> RewardRecord:
+        """The trace's reward; a term that raises gives a NaN reward (``reward_error`` 1), which makes the
+        learner skip the trace's whole group and count it (``skipped_groups_nonfinite_reward``)."""
+        try:
+            return self.reward.score(RewardInput(out.text, problem.answer, out.kv.mean_visible_tokens))
+        except Exception as err:  # any term's failure: the run goes on, the group is not trained
+            print(f"rollout worker {self.worker_id}: the reward failed on trace {trace_id}, its group will be "
+                  f"skipped: {type(err).__name__}: {' '.join(str(err).split())}", file=sys.stderr, flush=True)
+            return RewardRecord(float("nan"), {"reward_error": 1.0})
 
     def _record(self, group: RolloutGroup) -> None:
         if self._ray_metrics is None or not group.traces:

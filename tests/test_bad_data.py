@@ -4,6 +4,7 @@ before Ray with the row or path named, or — when asked — left out and counte
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -89,3 +90,35 @@ def test_a_run_that_trains_nothing_exits_1_and_says_why(tmp_path, tiny_model_fac
     err = capsys.readouterr().err
     assert code == 1, err
     assert "no optimizer step was taken in 2 steps: every group was skipped (zero_variance_groups=4)" in err, err
+
+
+def test_a_reward_that_raises_skips_its_group_and_the_worker_goes_on(tiny_model_factory, capsys):
+    # Catches (issue 11, bug 4): a reward term that raises killed the worker's scorer thread and with it
+    # the run. Here the arith verifier really raises (a problem without a reference answer): the
+    # group comes out with NaN rewards and reward_error, the message names the trace, the worker keeps
+    # serving, and GRPO skips the group and counts it. Planted by calling the reward without the
+    # try/except, the group never arrives and the worker reports the error.
+    import queue as std_queue
+
+    from cluster.data import Problem, PromptGroup
+    from cluster.rollout_worker import RolloutWorker
+    from rewards import RewardSpec
+    from rollout import EngineArgs, SamplingParams
+    from trainer.algorithms import GRPO, GRPOOptions
+
+    out: std_queue.Queue = std_queue.Queue()
+    worker = RolloutWorker(0, str(tiny_model_factory("qwen3")), 0, EngineArgs(num_blocks=64),
+                           SamplingParams(max_tokens=4), RewardSpec(), "arith", out)
+    try:
+        worker.submit([PromptGroup("g00000000", Problem("p0", "1 + 1 =", None), 2, 7),
+                       PromptGroup("g00000001", Problem("p1", "2 + 2 =", "4"), 2, 9)])
+        groups = {g.group_id: g for g in (out.get(timeout=120), out.get(timeout=120))}
+        assert worker.status().error is None
+    finally:
+        worker.stop()
+    bad, good = groups["g00000000"], groups["g00000001"]
+    assert all(math.isnan(t.reward) and t.reward_components == {"reward_error": 1.0} for t in bad.traces)
+    assert all(t.reward == 0.0 for t in good.traces)  # a random model's 4 tokens hold no boxed 4
+    assert "the reward failed on trace g00000000-0-w0" in capsys.readouterr().err
+    selection = GRPO(GRPOOptions()).select([bad.traces, good.traces])
+    assert selection.metrics["skipped_groups_nonfinite_reward"] == 1.0

@@ -297,6 +297,9 @@ class BoNBoN(Algorithm):
     def select(self, groups: list[list[Trace]]) -> Selection:
         sel = Selection(metrics={"no_pair_groups": 0.0, "skipped_groups_nonfinite_reward": 0.0})
         for group in groups:
+            if not _finite([t.reward for t in group]):  # e.g. a reward term failed: its components are missing
+                sel.metrics["skipped_groups_nonfinite_reward"] += 1
+                continue
             scores = [self.score(t) for t in group]
             if not _finite(scores):
                 sel.metrics["skipped_groups_nonfinite_reward"] += 1
