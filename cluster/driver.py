@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from cluster.data import PromptGroup, PromptStream
 from cluster.evaluation import EvalResult, score

@@ -46,9 +46,10 @@ def prepare(cfg: TrainConfig) -> RunPlan:
     train_problems = load_split(cfg, train_source)
     wants_eval = cfg.eval.before or cfg.eval.after
     eval_problems = load_split(cfg, eval_source, cfg.eval.num_problems) if wants_eval else []
-    model_path = initial_model(cfg)
-    train_problems, eval_problems = fitting_prompts(cfg, model_path, train_problems, eval_problems)
-    return RunPlan(run_dir, model_path, train_problems, eval_problems, resume)
+    # prompts are checked against the configured model's tokenizer and length first: a dataset nothing
+    # of which fits is an error before the warm start (which keeps the tokenizer and the config)
+    train_problems, eval_problems = fitting_prompts(cfg, cfg.model.resolve(), train_problems, eval_problems)
+    return RunPlan(run_dir, initial_model(cfg), train_problems, eval_problems, resume)
 
 
 def fitting_prompts(cfg: TrainConfig, model_path: str, train: list[Problem], evaluation: list[Problem]):

@@ -122,3 +122,18 @@ def test_a_reward_that_raises_skips_its_group_and_the_worker_goes_on(tiny_model_
     assert "the reward failed on trace g00000000-0-w0" in capsys.readouterr().err
     selection = GRPO(GRPOOptions()).select([bad.traces, good.traces])
     assert selection.metrics["skipped_groups_nonfinite_reward"] == 1.0
+
+
+def test_no_fitting_prompt_is_an_error_before_the_warm_start(tmp_path, tiny_model_factory):
+    # Catches: the prompt-length check running after the warm start, so a user waits for SFT before
+    # learning that no prompt fits. With the warm start enabled, its cache must stay empty.
+    model = tiny_model_factory(arch="qwen3")
+    source = write_rows(tmp_path / "d.jsonl", [{"prompt": "x" * 40, "answer": "1"}])
+    pairs = write_rows(tmp_path / "p.jsonl", [{"prompt": "a", "completion": "b"}] * 80)
+    cfg = load_config(TrainConfig, None, [
+        "task.type=math", f"data.source={source}", "model.type=hf", f"model.path={model}",
+        "engine.max_model_len=8", f"run_dir={tmp_path / 'run'}", f"warmstart.cache_dir={tmp_path / 'cache'}",
+        f"warmstart.data.source={pairs}", "warmstart.data.held_out=4", "eval.before=false", "eval.after=false"])
+    with pytest.raises(ConfigError, match="no train prompt fits max_model_len=8"):
+        prepare(cfg)
+    assert not (tmp_path / "cache").exists()
