@@ -69,6 +69,11 @@ def unknown_key_message(key: Any, valid: list[str]) -> str:
     return f"unknown key {key!r}{hint}; valid keys: {', '.join(valid)}"
 
 
+def base_record(section, base: type):
+    """The ``base`` record a config section extends (``TinyModel`` -> ``TinyModelSpec``): its fields only."""
+    return base(**{f.name: getattr(section, f.name) for f in dataclasses.fields(base)})
+
+
 # --------------------------------------------------------------------------------------- model
 
 
@@ -82,7 +87,7 @@ class TinyModel(TinyModelSpec):
     """Folder that holds built tiny models; one subfolder per spec, built when missing."""
 
     def spec(self) -> TinyModelSpec:
-        return TinyModelSpec(**{f.name: getattr(self, f.name) for f in dataclasses.fields(TinyModelSpec)})
+        return base_record(self, TinyModelSpec)
 
     def resolve(self) -> str:
         """Path of the model directory, building it (atomically) when it is not there yet."""

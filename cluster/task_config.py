@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Tag, field_validator
 
-from cluster.config import Section
+from cluster.config import Section, base_record
 from rewards.arith import ArithTask
 
 
@@ -37,7 +37,7 @@ class ArithTaskConfig(ArithTask):
 
     def arith(self) -> ArithTask:
         """The generator these settings describe."""
-        return ArithTask(**{f.name: getattr(self, f.name) for f in dataclasses.fields(ArithTask)})
+        return base_record(self, ArithTask)
 
 
 class MathTaskConfig(Section):

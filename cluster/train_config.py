@@ -15,7 +15,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
-from cluster.config import ModelSource, Section, TinyModel, run_folder
+from cluster.config import ModelSource, Section, TinyModel, base_record, run_folder
 from cluster.monitor import MonitorConfig
 from cluster.sft_config import WarmStartConfig
 from cluster.task_config import ArithTaskConfig, DataConfig, TaskSource
@@ -64,7 +64,7 @@ class LearnerSection(LearnerArgs):
 
     def args(self) -> LearnerArgs:
         """The ``LearnerArgs`` part."""
-        return LearnerArgs(**{f.name: getattr(self, f.name) for f in dataclasses.fields(LearnerArgs)})
+        return base_record(self, LearnerArgs)
 
 
 class LoopConfig(Section):
