@@ -232,7 +232,7 @@ class Session:
     def _train(self, batch: list) -> dict:
         """One learner step; in async mode the queue keeps being drained for the next step meanwhile."""
         import ray
-        from ray.exceptions import RayActorError
+        from ray.exceptions import RayActorError, RayTaskError
 
         ref = self.learner.step.remote([g.traces for g in batch])
         prefetch = self.cfg.train.mode == "async" and self.state.step + 1 < self.cfg.train.steps
@@ -249,6 +249,11 @@ class Session:
             return ray.get(ref)
         except RayActorError as err:
             raise LearnerLost(" ".join(str(err).split())[:300]) from None
+        except RayTaskError as err:  # the step raised (a non-finite loss or gradient, a bad trace): not retried
+            cause = err.cause if err.cause is not None else err
+            raise RunError(f"learner step {self.state.step + 1} failed: {type(cause).__name__}: "
+                           f"{' '.join(str(cause).split())[:500]}; its weights were not updated; checkpoints and "
+                           f"traces are in {self.plan.run_dir}") from None
         finally:
             self._learner_busy = False
 

@@ -137,3 +137,28 @@ def test_no_fitting_prompt_is_an_error_before_the_warm_start(tmp_path, tiny_mode
     with pytest.raises(ConfigError, match="no train prompt fits max_model_len=8"):
         prepare(cfg)
     assert not (tmp_path / "cache").exists()
+
+
+def test_an_engine_thread_failure_is_reported_not_swallowed(tiny_model_factory):
+    # Catches: an exception in a worker's engine thread (here a real one: a prompt longer than the
+    # engine's max_model_len reaches the engine, as a dataset the up-front filter did not see would)
+    # killing the thread silently, so the driver waits for groups that never come. The error must
+    # show in status() (which the driver's health check turns into a RunError naming the worker) and
+    # in every blocked call. Planted by catching and dropping the exception in RolloutWorker._guard,
+    # status().error stays None and evaluate() blocks (the test times out).
+    from cluster.data import Problem, PromptGroup
+    from cluster.rollout_worker import RolloutWorker
+    from rewards import RewardSpec
+    from rollout import EngineArgs, SamplingParams
+
+    import queue as std_queue
+
+    worker = RolloutWorker(0, str(tiny_model_factory("qwen3")), 0, EngineArgs(num_blocks=64, max_model_len=16),
+                           SamplingParams(max_tokens=4), RewardSpec(), "arith", std_queue.Queue())
+    try:
+        worker.submit([PromptGroup("g00000000", Problem("p0", "x" * 40, "1"), 2, 7)])
+        with pytest.raises(RuntimeError, match=r"(?s)rollout worker 0 stopped: Traceback.*does not fit max_model_len=16"):
+            worker.evaluate(["1 + 1 ="], SamplingParams(max_tokens=2))
+        assert "max_model_len" in worker.status().error
+    finally:
+        worker.stop()

@@ -207,6 +207,33 @@ def test_bad_input_raises_or_is_counted_never_nan(tiny_model_factory):
         bonbon.step([[make_trace(1, 5, components=dict(correctness=1.0)), make_trace(2, 5)]])
 
 
+
+def test_a_non_finite_loss_or_gradient_raises_and_leaves_the_weights_untouched(tiny_model_factory):
+    # Catches: an optimizer step taken on NaN/inf gradients (weights silently destroyed, version
+    # bumped), or gradients of the failed step left in .grad to leak into the next one. Both faults
+    # are injected for real: a weight set to NaN (a corrupted model: the loss is NaN), and a tensor
+    # hook that makes one parameter's gradient infinite (the loss stays finite). Planted by removing
+    # the isfinite check in Learner._clip_and_step, the optimizer steps and the weights change.
+    path = tiny_model_factory(arch="qwen3")
+    learner = Learner(str(path), lr=1e-2)
+    group = [make_trace(1, 20, reward=1.0), make_trace(2, 20, reward=0.0)]
+    before = {n: p.detach().clone() for n, p in learner.model.named_parameters()}
+    param = dict(learner.model.named_parameters())["model.layers.0.mlp.down_proj.weight"]
+    hook = param.register_hook(lambda g: torch.full_like(g, math.inf))
+    with pytest.raises(FloatingPointError, match="gradient norm is (inf|nan); the step was not taken"):
+        learner.step([group])
+    hook.remove()
+    assert learner.version == 0 and all(p.grad is None for p in learner.model.parameters())
+    assert all(torch.equal(p, before[n]) for n, p in learner.model.named_parameters())
+    with torch.no_grad():
+        param[0, 0] = math.nan
+    with pytest.raises(FloatingPointError, match=r"non-finite loss nan in a micro-batch of \d+ windows"):
+        learner.step([group])
+    assert learner.version == 0 and all(p.grad is None for p in learner.model.parameters())
+    with torch.no_grad():
+        param[0, 0] = before["model.layers.0.mlp.down_proj.weight"][0, 0]
+    assert learner.step([group]).stepped == 1 and learner.version == 1  # the learner is usable again
+
 # ---- weights and checkpoints ----------------------------------------------------------------------
 def test_checkpoint_round_trip_resumes_exactly_and_loads_elsewhere(tiny_model_factory, tmp_path):
     path = tiny_model_factory(arch="qwen3")  # its tokenizer has no <reg_i>: the learner adds two

@@ -1,0 +1,166 @@
+"""The ways a run ends or recovers that a user's cluster produces, each injected for real on a local Ray:
+a learner killed with no checkpoint, learner restarts used up, a hung worker (no group before
+``group_timeout_s``), every worker dead, a diverged learner (non-finite loss), delayed weight
+sync (``sync_every`` 2), and a broadcast that fails and is published again. One Ray instance serves
+the module; each run is a few tiny steps.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from cluster.worker_pool import RunError
+from cluster_jobs import logged_traces, metric_rows, model_dir, ray_session, tiny_job  # noqa: F401 (fixtures)
+
+WEIGHT = "model.layers.0.mlp.down_proj.weight"
+
+
+def kill_learner_at(ray_session, steps: set[int], kills: list[int]):
+    """An on_step hook that SIGKILLs the learner's process after each step in ``steps`` (once per step)."""
+    def hook(session, step, report):
+        if step in steps and step not in {s for s, _ in kills}:
+            pid = ray_session.get(session.learner.pid.remote())
+            kills.append((step, pid))
+            os.kill(pid, signal.SIGKILL)
+    return hook
+
+
+def test_a_learner_lost_without_a_checkpoint_ends_the_run_and_keeps_its_traces(ray_session, model_dir, tmp_path):
+    # Catches: a learner death with nothing to resume from crashing on `None[0]` (or hanging)
+    # instead of a RunError that says so and leaves the trace log. Planted by dropping the
+    # `latest is None` test in driver._sessions, this fails with a TypeError.
+    from cluster.driver import train
+
+    kills: list = []
+    cfg = tiny_job(model_dir, tmp_path / "run", "train.mode=sync", "train.steps=3", "checkpoint.every=0")
+    with pytest.raises(RunError, match=r"the learner died \(.*\) and no checkpoint exists"):
+        train(cfg, on_step=kill_learner_at(ray_session, {1}, kills))
+    assert len(kills) == 1
+    assert {t["group_id"] for t in logged_traces(tmp_path / "run")}  # the traces of step 1 are on disk
+
+
+def test_learner_restarts_used_up_end_the_run_with_the_checkpoints_intact(ray_session, model_dir, tmp_path):
+    # Catches: an off-by-one in train.max_learner_restarts (a third learner started, or the first
+    # restart refused). Killed after step 1 and again after the replayed step 2 with one restart
+    # allowed: the first death resumes from step_000001, the second ends the run. Planted with
+    # `restarts > max_learner_restarts`, the run restarts twice and finishes; with `>=` replaced
+    # by `>= max - 1`... the first death already ends it (the kills list then has one entry).
+    from cluster.driver import train
+    from cluster.run_checkpoints import Checkpoints
+
+    kills: list = []
+    cfg = tiny_job(model_dir, tmp_path / "run", "train.mode=sync", "train.steps=4", "checkpoint.every=1",
+                   "checkpoint.keep=3", "train.max_learner_restarts=1")
+    with pytest.raises(RunError, match=r"the learner died \(.*\) and its restarts are used up"):
+        train(cfg, on_step=kill_learner_at(ray_session, {1, 2}, kills))
+    assert [step for step, _ in kills] == [1, 2] and kills[0][1] != kills[1][1]
+    latest = Checkpoints(tmp_path / "run", keep=3).latest()
+    assert latest is not None and latest[1].step == 2 and latest[1].learner_restarts == 1
+
+
+def test_a_hung_worker_ends_the_run_after_group_timeout(ray_session, model_dir, tmp_path):
+    # Catches: a run that waits forever when no group arrives (a worker hung in a kernel, a stuck
+    # verifier). The worker's process is stopped with SIGSTOP after step 1 (sync mode: step 2's groups
+    # are dealt after that), so it answers neither groups nor health checks. Planted by never raising
+    # in Session._collect, the run hangs (the test times out).
+    from cluster.driver import train
+
+    stopped = []
+
+    def stop_worker(session, step, report):
+        if step == 1:
+            stopped.append(ray_session.get(session.pool.handles[0].status.remote()).pid)
+            os.kill(stopped[0], signal.SIGSTOP)
+
+    cfg = tiny_job(model_dir, tmp_path / "run", "train.mode=sync", "train.steps=3", "train.group_timeout_s=8")
+    try:
+        with pytest.raises(RunError, match=r"no rollout group arrived for 8 s \(live workers: \[0\]\)"):
+            train(cfg, on_step=stop_worker)
+    finally:
+        for pid in stopped:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:  # ended with the session
+                pass
+    assert stopped
+
+
+def test_every_worker_dead_ends_the_run(ray_session, model_dir, tmp_path):
+    # Catches: a run whose only worker is gone for good (restarts used up) waiting for the group
+    # timeout, or dealing to a dead worker, instead of ending at once with the reason. Planted by
+    # removing the `not self.pool.live()` check in Session._handle, the run ends only at
+    # group_timeout_s with a different message and this fails.
+    from cluster.driver import train
+
+    def kill_worker(session, step, report):
+        if step == 1:
+            os.kill(ray_session.get(session.pool.handles[0].status.remote()).pid, signal.SIGKILL)
+
+    cfg = tiny_job(model_dir, tmp_path / "run", "train.mode=sync", "train.steps=3", "rollout.max_restarts=0",
+                   "train.group_timeout_s=120")
+    with pytest.raises(RunError, match=r"every rollout worker died \(restarts used up: rollout.max_restarts=0\)"):
+        train(cfg, on_step=kill_worker)
+
+
+def test_a_diverged_learner_ends_the_run_with_a_clear_error(ray_session, model_dir, tmp_path):
+    # Catches: a non-finite loss or gradient surfacing as a Ray traceback from inside the actor (or
+    # an optimizer step taken on NaN gradients). lr=1e30 makes the first Adam step blow the weights
+    # up, so the next step's loss is not finite. Planted by removing the RayTaskError branch in
+    # Session._train, a raw RayTaskError escapes and this fails.
+    from cluster.driver import train
+
+    cfg = tiny_job(model_dir, tmp_path / "run", "train.mode=sync", "train.steps=4", "learner.lr=1e30",
+                   "learner.max_grad_norm=1e30")
+    with pytest.raises(RunError, match=r"learner step \d failed: FloatingPointError: (non-finite loss|gradient norm)"):
+        train(cfg)
+    assert metric_rows(tmp_path / "run")  # the steps before it were logged
+
+
+def test_sync_every_2_publishes_every_other_step(ray_session, model_dir, tmp_path):
+    # Catches: train.sync_every ignored (weights published after every step) or never honoured at the
+    # last step. Async, sync_every=2, 4 steps, every step trains (kv_penalty gives every group reward
+    # variance): versions 2 and 4 are published, never 1 or 3, so every trace was sampled at version 0
+    # or 2, and only steps 2 and 4 report a weight-sync time. Planted with `due = True`, the traces of
+    # version 1 appear and step 1 has a sync time.
+    from cluster.driver import train
+
+    cfg = tiny_job(model_dir, tmp_path / "run", "train.mode=async", "train.steps=4", "train.sync_every=2",
+                   "train.max_staleness=4", "rollout.max_inflight_groups=2")
+    result = train(cfg)
+    rows = metric_rows(result.run_dir)
+    assert result.state.version == 4, "every step should train (else the versions below are not 2 and 4)"
+    synced = [step for step, row in sorted(rows.items()) if row.get("weight_sync_seconds") is not None]
+    assert synced == [2, 4]
+    versions = {t["policy_version"] for t in logged_traces(result.run_dir)}
+    assert versions <= {0, 2, 4} and 2 in versions, versions
+
+
+def test_a_failed_broadcast_is_published_again(ray_session, model_dir, tmp_path):
+    # Catches: a worker left on old weights after a broadcast fails (a worker killed mid-run drops
+    # out of the gloo group; the next broadcast to the old group fails), or a publish that never
+    # rebuilds the group. Two workers, gloo broadcast, sync mode: worker 1 is killed after step 1;
+    # at the end both workers hold exactly the learner's weights. Planted by leaving
+    # `self._members` as it was after a failure (no rebuild), worker 1 never receives weights again
+    # and this fails.
+    from cluster.driver import train
+
+    seen: dict = {}
+
+    def hook(session, step, report):
+        if step == 1:
+            seen["killed"] = ray_session.get(session.pool.handles[1].status.remote()).pid
+            os.kill(seen["killed"], signal.SIGKILL)
+        if step == 4:
+            seen["learner"] = ray_session.get(session.learner.parameter.remote(WEIGHT))
+            seen["workers"] = [ray_session.get(h.parameter.remote(WEIGHT)) for h in session.pool.handles.values()]
+            seen["pid"] = ray_session.get(session.pool.handles[1].status.remote()).pid
+
+    cfg = tiny_job(model_dir, tmp_path / "run", "train.mode=sync", "train.steps=4", "rollout.num_workers=2",
+                   "rollout.num_cpus=0.25", "weight_sync.backend=broadcast", "weight_sync.timeout_s=20",
+                   "rollout.max_restarts=2")
+    result = train(cfg, on_step=hook)
+    assert result.state.worker_restarts == 1 and seen["pid"] != seen["killed"]
+    assert all(w == seen["learner"] for w in seen["workers"])  # by value, after the group was rebuilt
