@@ -1,7 +1,8 @@
 """The ways a run ends or recovers that a user's cluster produces, each injected for real on a local Ray:
 a learner killed with no checkpoint, learner restarts used up, a hung worker (no group before
 ``group_timeout_s``), every worker dead, a diverged learner (non-finite loss), delayed weight
-sync (``sync_every`` 2), and a broadcast that fails and is published again. One Ray instance serves
+sync (``sync_every`` 2), and a broadcast that fails and is published again (on the WeightSync with
+real actors). One Ray instance serves
 the module; each run is a few tiny steps.
 """
 
@@ -139,28 +140,44 @@ def test_sync_every_2_publishes_every_other_step(ray_session, model_dir, tmp_pat
 
 
 def test_a_failed_broadcast_is_published_again(ray_session, model_dir, tmp_path):
-    # Catches: a worker left on old weights after a broadcast fails (a worker killed mid-run drops
-    # out of the gloo group; the next broadcast to the old group fails), or a publish that never
-    # rebuilds the group. Two workers, gloo broadcast, sync mode: worker 1 is killed after step 1;
-    # at the end both workers hold exactly the learner's weights. Planted by leaving
-    # `self._members` as it was after a failure (no rebuild), worker 1 never receives weights again
-    # and this fails.
-    from cluster.driver import train
+    # Catches: a broadcast group left with a dead member, so every later publish fails (or hangs) and
+    # a restarted worker stays fenced on its initial weights. Real actors and a real gloo group: after
+    # a publish reached both workers, worker 1's process is SIGKILLed and Ray restarts it (fenced: no
+    # work until it gets weights) without telling the WeightSync; the next broadcast then fails (its
+    # rank is gone, the new process never joined) and is reported, and the one after rebuilds the
+    # group and reaches both. The learner has not trained, so every publish is its version 0. Planted
+    # by leaving `self._members` as it was after a failure (no rebuild), the third publish fails too
+    # and worker 1 stays fenced.
+    import time
 
-    seen: dict = {}
+    from cluster.resources import make_learner, make_queue, make_worker, release, reserve
+    from cluster.weight_sync import WeightSync
 
-    def hook(session, step, report):
-        if step == 1:
-            seen["killed"] = ray_session.get(session.pool.handles[1].status.remote()).pid
-            os.kill(seen["killed"], signal.SIGKILL)
-        if step == 4:
-            seen["learner"] = ray_session.get(session.learner.parameter.remote(WEIGHT))
-            seen["workers"] = [ray_session.get(h.parameter.remote(WEIGHT)) for h in session.pool.handles.values()]
-            seen["pid"] = ray_session.get(session.pool.handles[1].status.remote()).pid
-
-    cfg = tiny_job(model_dir, tmp_path / "run", "train.mode=sync", "train.steps=4", "rollout.num_workers=2",
-                   "rollout.num_cpus=0.25", "weight_sync.backend=broadcast", "weight_sync.timeout_s=20",
-                   "rollout.max_restarts=2")
-    result = train(cfg, on_step=hook)
-    assert result.state.worker_restarts == 1 and seen["pid"] != seen["killed"]
-    assert all(w == seen["learner"] for w in seen["workers"])  # by value, after the group was rebuilt
+    cfg = tiny_job(model_dir, tmp_path / "run", "rollout.num_workers=2", "rollout.num_cpus=0.25",
+                   "learner.num_cpus=0.25", "weight_sync.backend=broadcast", "rollout.max_restarts=2")
+    pg = reserve(cfg)
+    queue = make_queue(cfg)
+    learner = make_learner(cfg, pg, str(model_dir))
+    workers = {w: make_worker(cfg, pg, w, str(model_dir), 0, queue) for w in range(2)}
+    try:
+        first = ray_session.get(workers[1].status.remote())
+        sync = WeightSync("broadcast", "gloo", "cpu", timeout_s=8)
+        assert sync.publish(0, learner, workers).failed == []
+        os.kill(first.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # Ray restarts the process: wait for the new incarnation
+            try:
+                if ray_session.get(workers[1].status.remote(), timeout=5).incarnation != first.incarnation:
+                    break
+            except Exception:  # restarting
+                time.sleep(0.5)
+        assert ray_session.get(workers[1].status.remote()).fenced  # restarted: waits for weights
+        assert 1 in sync.publish(0, learner, workers).failed  # the old group has a dead rank
+        assert sync.publish(0, learner, workers).failed == []  # a new group, both workers in it
+        assert not ray_session.get(workers[1].status.remote()).fenced
+        learner_weight = ray_session.get(learner.parameter.remote(WEIGHT))
+        assert all(ray_session.get(w.parameter.remote(WEIGHT)) == learner_weight for w in workers.values())
+    finally:
+        for actor in [learner, queue.actor, *workers.values()]:
+            ray_session.kill(actor, no_restart=True)
+        release(pg)
