@@ -83,9 +83,9 @@ DAMAGE = {  # what is done to the newest checkpoint -> the file the warning must
 def test_a_damaged_newest_checkpoint_is_skipped_for_the_intact_one_before_it(run_copy, damage, capsys):
     # Catches (issue 11, bug 5): latest() returned the newest complete folder whatever its files held,
     # so a truncated model.safetensors or trainer_state.pt made the learner fail on it at every restart
-    # and the intact older checkpoint was never tried. Planted: load() without the manifest check
-    # returns step_000002 for every file damage (and raises for the driver state); damage() comparing
-    # sizes only misses the flipped byte.
+    # and the intact older checkpoint was never tried. Planted: load() without the manifest's damage
+    # check returns step_000002 for the four file damages; damage() comparing sizes only misses the
+    # flipped byte; latest() walking oldest first never looks at step_000002.
     run, weights = run_copy
     spoil, file = DAMAGE[damage]
     spoil(run / "checkpoints" / "step_000002")
@@ -140,8 +140,9 @@ def test_streamed_weights_are_what_safetensors_writes_and_transformers_reads(tin
     # Catches: a hand-written safetensors writer that differs from the library's (header layout,
     # tensor order, offsets, padding, a tied head stored twice): the bytes are compared with
     # safetensors' own serializer, the tensors with load_file, and transformers' logits with those of
-    # the same weights written by save_file. Planted by ordering tensors by name only, the bytes
-    # differ; by dropping the header padding, load_file refuses the file.
+    # the same weights written by save_file. Planted: a tied head stored twice fails the keys (tied
+    # case); shapes written reversed fail load_file's tensors even without the byte comparison; no
+    # header padding is seen by the byte comparison only (safetensors reads such files).
     learner = Learner(str(tiny_model_factory("qwen3", tie_word_embeddings=tied)), algo=SFTOptions(), lr=1e-2)
     learner.step(sft_batch(0))
     ckpt, reference = tmp_path / "ckpt", tmp_path / "reference"
@@ -162,11 +163,11 @@ def test_streamed_weights_are_what_safetensors_writes_and_transformers_reads(tin
 
 def test_write_safetensors_matches_the_library_for_every_dtype_and_shape(tmp_path):
     # Catches: dtype names, sort order across dtypes of one item size, 0-d / empty / non-contiguous
-    # tensors written unlike safetensors. Planted by sorting by item size instead of the library's
-    # dtype order, F16 and BF16 swap places and the bytes differ.
+    # tensors written unlike safetensors. Planted by sorting by item size then name instead of the
+    # library's dtype order, F16/BF16, I32/F32 and F64/I64 come out in name order and the bytes differ.
     gen = torch.Generator().manual_seed(0)
     tensors = {"w": torch.randn(3, 5, generator=gen), "bf": torch.randn(4, generator=gen).bfloat16(),
-               "half": torch.randn(3, generator=gen).half(), "ids": torch.arange(4), "i32": torch.arange(3).int(),
+               "a_half": torch.randn(3, generator=gen).half(), "ids": torch.arange(4), "i32": torch.arange(3).int(),
                "scalar": torch.tensor(2.5), "empty": torch.zeros(0), "mask": torch.tensor([True, False, True]),
                "t": torch.randn(4, 6, generator=gen).t(), "i8": torch.arange(-3, 4, dtype=torch.int8),
                "u8": torch.arange(5, dtype=torch.uint8), "i16": torch.arange(3, dtype=torch.int16),
@@ -220,7 +221,8 @@ def test_a_checkpoint_without_a_manifest_is_accepted_and_a_bad_state_names_its_f
 def test_a_driver_state_with_wrong_keys_names_the_file_and_the_key(tmp_path, text, problem):
     # Catches: a driver state with wrong keys or types loading as a silent default (a missing step
     # read as 0) or failing in the dataclass with a TypeError that names no file. Planted by the old
-    # from_json (unknown keys dropped, no checks), "stepz" loads as DriverState(step=0).
+    # from_json (unknown keys dropped, no checks), "stepz" loads as DriverState(step=0) and cursor "3"
+    # loads as a string.
     path = tmp_path / "driver_state.json"
     path.write_text(text)
     with pytest.raises(DamagedCheckpoint) as err:
@@ -231,7 +233,7 @@ def test_a_driver_state_with_wrong_keys_names_the_file_and_the_key(tmp_path, tex
 def test_resume_from_a_bad_legacy_state_is_exit_2_naming_the_file(run_copy, model_dir, capsys):
     # Catches: the CLI's resume=true surfacing a corrupt driver_state.json as a traceback (or exit 1
     # after Ray started) instead of exit 2 with the file named, before Ray starts. Planted by letting
-    # DamagedCheckpoint escape prepare() as a non-ValueError, the exit code is not 2.
+    # DamagedCheckpoint escape prepare() unwrapped as a RuntimeError, main() raises it.
     run, _ = run_copy
     for ckpt in (run / "checkpoints").iterdir():
         (ckpt / MANIFEST).unlink()
