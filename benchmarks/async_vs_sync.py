@@ -143,9 +143,11 @@ def main(argv: list[str] | None = None) -> None:
     sync_model = make_tiny_model(scratch / "sync-model", "qwen3", hidden_size=args.sync_hidden,
                                  num_layers=args.sync_layers, num_heads=8, num_kv_heads=4,
                                  intermediate_size=4 * args.sync_hidden)
+    from cluster.resources import start_local_ray
+
     num_gpus = torch.cuda.device_count()
     gpu = num_gpus > 0
-    ray.init(address="local", num_cpus=2, num_gpus=num_gpus, include_dashboard=False, log_to_driver=False)
+    start_local_ray(num_cpus=2, num_gpus=num_gpus, include_dashboard=False, log_to_driver=False)
     print(f"# async_vs_sync  {time.strftime('%Y-%m-%d %H:%M')}  torch {torch.__version__}  ray {ray.__version__}  "
           f"gpu {torch.cuda.get_device_name() if gpu else 'none'}  cpus {os.cpu_count()}")
     if not args.skip_modes:

@@ -126,14 +126,15 @@ def main() -> None:
 
     import ray
     import torch
+
+    from cluster.resources import start_local_ray
     gpus = torch.cuda.device_count()
     if not args.cpu_smoke and gpus < 2:
         raise SystemExit(f"needs at least 2 GPUs (learner + a rollout worker), found {gpus}")
     args.workers = args.workers or (1 if args.cpu_smoke else gpus - 1)
     scratch = Path(tempfile.mkdtemp(prefix="sliderl-mgpu-"))
     model = build_model(scratch / "model", args.cpu_smoke)
-    ray.init(address="local", num_cpus=max(4, args.workers + 2), num_gpus=gpus, include_dashboard=False,
-             log_to_driver=False)
+    start_local_ray(num_cpus=max(4, args.workers + 2), num_gpus=gpus, include_dashboard=False, log_to_driver=False)
     print(f"# multi_gpu {time.strftime('%Y-%m-%d %H:%M')} torch {torch.__version__} ray {ray.__version__} "
           f"gpus {gpus} x {torch.cuda.get_device_name() if gpus else 'none'}; rollout workers {args.workers}", flush=True)
     print("\n## weight sync per version (learner -> every worker)")

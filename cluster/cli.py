@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cluster.config import (ConfigError, GenerateConfig, check_device, config_reference, load_config, save_config,
-                            to_yaml)
+from cluster.config import (ConfigError, GenerateConfig, check_device, check_outlives_job, config_reference,
+                            load_config, save_config, to_yaml)
 from cluster.sft_config import SFTJobConfig
 from cluster.train_config import TrainConfig
 
@@ -105,6 +105,7 @@ def run_generate(config_path: str | None, overrides: list[str]) -> int:
     """``sliderl generate``: load the config, generate, print and write the results."""
     cfg = load_config(GenerateConfig, config_path, overrides)
     check_device(cfg.engine.device, "engine.device")
+    check_outlives_job(cfg.output_dir, "output_dir")
     print(to_yaml(cfg), end="", flush=True)
     out_dir = Path(cfg.output_dir)
     save_config(cfg, out_dir / "config.yaml")
@@ -222,6 +223,7 @@ def run_sft(config_path: str | None, overrides: list[str]) -> int:
 
     cfg = load_config(SFTJobConfig, config_path, overrides)
     check_device(cfg.learner.device, "learner.device")
+    check_outlives_job(cfg.output_dir, "output_dir")
     train, held_out = stage_examples(cfg, cfg.task)  # the data's errors come before anything is written
     print(to_yaml(cfg), end="", flush=True)
     save_config(cfg, Path(cfg.output_dir) / "config.yaml")

@@ -19,6 +19,7 @@ import ast
 import dataclasses
 import difflib
 import inspect
+import json
 import os
 import shutil
 import textwrap
@@ -147,6 +148,25 @@ ModelSource = Annotated[
 def run_folder(kind: str):
     """A default factory for a job's output folder: ``runs/<kind>-<timestamp>``."""
     return lambda: f"runs/{kind}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def check_outlives_job(folder: str, key: str) -> None:
+    """Refuse a relative output folder in a job started by ``ray job submit --working-dir``.
+
+    Such a job runs in Ray's temporary copy of the working dir, deleted with the job: a relative
+    ``folder`` (the default ``runs/...`` too) would take the job's outputs with it.
+    """
+    job = os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR")  # set by Ray in a submitted job's entrypoint
+    if job is None or Path(folder).expanduser().is_absolute():
+        return
+    try:
+        copied = bool(json.loads(job).get("runtime_env", {}).get("working_dir"))
+    except (ValueError, AttributeError):
+        copied = False
+    if copied:
+        raise ConfigError(f"{key}={folder!r} is relative, and this job runs in Ray's temporary copy of its "
+                          f"working dir ({os.getcwd()}), deleted when the job ends; give an absolute path, "
+                          f"e.g. {key}=$PWD/{folder} on the machine that submits the job")
 
 
 class GenerateConfig(Section):

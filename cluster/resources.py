@@ -43,8 +43,7 @@ def connect(cfg: TrainConfig) -> bool:
         return False
     address = cluster_address(cfg)
     if address is None:  # "local": a new instance, never a `ray start` cluster found on this machine
-        ray.init(address="local", num_cpus=cfg.ray.num_cpus, num_gpus=cfg.ray.num_gpus,
-                 **cfg.monitor.ray_init_kwargs())
+        start_local_ray(num_cpus=cfg.ray.num_cpus, num_gpus=cfg.ray.num_gpus, **cfg.monitor.ray_init_kwargs())
         return True
     check_reachable(address)
     try:
@@ -52,6 +51,27 @@ def connect(cfg: TrainConfig) -> bool:
     except (ConnectionError, RuntimeError, ValueError) as err:
         raise ResourceError(f"cannot join the Ray cluster at {address!r}: {' '.join(str(err).split())}") from None
     return True
+
+
+# Ray's switch for "this instance is not a cluster": its node IP becomes 127.0.0.1, so GCS, raylet,
+# object manager, core workers, agents and metrics endpoints all listen on loopback only, and no
+# other node can join. Read by Ray at import time, in this process and in every process Ray starts.
+LOCAL_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def start_local_ray(**init_kwargs) -> None:
+    """``ray.init(address="local", **init_kwargs)`` with every Ray port bound to 127.0.0.1.
+
+    Ray's token authentication stays as Ray sets it (on by default for a local instance). A process
+    that imported Ray before this call has already read ``LOCAL_ONLY_ENV``; Ray's module constant is
+    then set to the value the variable gives, as the import would have.
+    """
+    os.environ[LOCAL_ONLY_ENV] = "0"
+    import ray
+    from ray._private import ray_constants
+
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    ray.init(address="local", **init_kwargs)
 
 
 def check_reachable(address: str) -> None:

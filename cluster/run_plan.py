@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from cluster.config import ConfigError, check_device, save_config
+from cluster.config import ConfigError, check_device, check_outlives_job, save_config
 from cluster.run_checkpoints import Checkpoints, DamagedCheckpoint, DriverState
 from cluster.data import Problem, data_sources, keep_fitting, load_split
 from cluster.train_config import TrainConfig
@@ -28,6 +28,7 @@ class RunPlan:
 def prepare(cfg: TrainConfig) -> RunPlan:
     """Run directory, resolved config, data (fields checked) and initial weights; no Ray yet."""
     check_devices(cfg)
+    check_outlives_job(cfg.run_dir, "run_dir")
     run_dir = Path(cfg.run_dir).expanduser().resolve()
     checkpoints = Checkpoints(run_dir, cfg.checkpoint.keep)
     resume = latest_checkpoint(checkpoints) if cfg.resume else None

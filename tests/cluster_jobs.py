@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from cluster.config import load_config
+from cluster.resources import start_local_ray
 from cluster.train_config import TrainConfig
 
 STOP_IDS = list(range(0, 256, 8))
@@ -64,7 +65,7 @@ def initial_weight(model_dir: Path, name: str) -> list[float]:
 def ray_session():
     import ray
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    start_local_ray(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
 

@@ -17,6 +17,7 @@ from pydantic import ValidationError
 from cluster.evaluation import EvalResult
 from cluster.monitor import MonitorConfig, Monitor, WandbConfig
 from cluster.ray_metrics import LearnerMetrics, RolloutMetrics
+from cluster.resources import start_local_ray
 from cluster.step_report import KEYS, StepReport
 from cluster.trace_log import TraceLog
 from rollout.trace import Trace
@@ -295,7 +296,8 @@ def test_ray_metrics_recorded_inside_an_actor(monkeypatch):
             self.learner.record(step_seconds=2.5, queue_depth=2)  # no sync this step
             return True
 
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    # a new local instance: a bare ray.init() would attach to a cluster the user left running (`ray start`)
+    start_local_ray(num_cpus=1, include_dashboard=False, log_to_driver=False)
     try:
         recorder = Recorder.remote()
         assert ray.get(recorder.record.remote())
