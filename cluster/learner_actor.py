@@ -15,6 +15,7 @@ from trainer.learner_args import LearnerArgs
 
 if TYPE_CHECKING:
     from trainer.learner import StepMetrics
+    from trainer.manifest import Manifest
 
 
 class LearnerActor:
@@ -73,9 +74,9 @@ class LearnerActor:
     def join_broadcast(self, address: str, world_size: int, name: str, backend: str, timeout_s: float) -> None:
         self.sender.join(address, world_size, name, backend, timeout_s)
 
-    def save_checkpoint(self, path: str) -> None:
-        """``Learner.save_checkpoint(path)``: HF layout plus optimizer, version and RNG."""
-        self.learner.save_checkpoint(path)
+    def save_checkpoint(self, path: str) -> Manifest:
+        """``Learner.save_checkpoint(path)``: HF layout plus optimizer, version and RNG; the files' manifest."""
+        return self.learner.save_checkpoint(path)
 
     def record(self, staleness: float | None = None, weight_sync_seconds: float | None = None,
                queue_depth: float | None = None, reward: float | None = None) -> None:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cluster.config import ConfigError, check_device, check_outlives_job, save_config
-from cluster.run_checkpoints import Checkpoints, DriverState
+from cluster.run_checkpoints import Checkpoints, DamagedCheckpoint, DriverState
 from cluster.data import Problem, data_sources, keep_fitting, load_split
 from cluster.train_config import TrainConfig
 
@@ -31,9 +31,9 @@ def prepare(cfg: TrainConfig) -> RunPlan:
     check_outlives_job(cfg.run_dir, "run_dir")
     run_dir = Path(cfg.run_dir).expanduser().resolve()
     checkpoints = Checkpoints(run_dir, cfg.checkpoint.keep)
-    resume = checkpoints.latest() if cfg.resume else None
+    resume = latest_checkpoint(checkpoints) if cfg.resume else None
     if cfg.resume and resume is None:
-        raise ConfigError(f"resume=true but {run_dir / 'checkpoints'} holds no complete checkpoint")
+        raise ConfigError(f"resume=true but {run_dir / 'checkpoints'} holds no complete, intact checkpoint")
     if not cfg.resume and checkpoints.complete():
         raise ConfigError(f"run_dir {str(run_dir)!r} already holds checkpoints of a run; pass resume=true to "
                           "continue it, or choose another run_dir")
@@ -51,6 +51,14 @@ def prepare(cfg: TrainConfig) -> RunPlan:
     # of which fits is an error before the warm start (which keeps the tokenizer and the config)
     train_problems, eval_problems = fitting_prompts(cfg, cfg.model.resolve(), train_problems, eval_problems)
     return RunPlan(run_dir, initial_model(cfg), train_problems, eval_problems, resume)
+
+
+def latest_checkpoint(checkpoints: Checkpoints) -> tuple[Path, DriverState] | None:
+    """``checkpoints.latest()`` (damaged ones skipped with a warning); one it cannot judge is a ConfigError."""
+    try:
+        return checkpoints.latest()
+    except DamagedCheckpoint as err:
+        raise ConfigError(f"resume=true: {err}") from None
 
 
 def fitting_prompts(cfg: TrainConfig, model_path: str, train: list[Problem], evaluation: list[Problem]):

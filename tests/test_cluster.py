@@ -25,6 +25,7 @@ from cluster.rollout_worker import RolloutGroup
 from cluster.run_checkpoints import Checkpoints, DriverState
 from cluster.train_config import TrainConfig
 from cluster.weight_sync import FlatLayout, flatten, unflatten
+from trainer.manifest import Manifest
 from cluster_jobs import initial_weight, logged_traces, metric_rows, model_dir, ray_session, tiny_job, tiny_overrides  # noqa: F401 (fixtures)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -364,7 +365,7 @@ def test_checkpointed_books_refuse_a_group_resolved_before_the_resume(tmp_path):
     assert ledger.state() == books
 
     Checkpoints(tmp_path).save(1, DriverState(step=1, cursor=3, outstanding=[2], ledger=ledger.state()),
-                               lambda path: None)
+                               lambda path: Manifest())
     _, state = Checkpoints(tmp_path).latest()
     assert state == DriverState(step=1, cursor=3, outstanding=[2], ledger=books)
     resumed = GroupLedger(state.ledger)

@@ -1,6 +1,7 @@
 """Failures on a real local Ray: a rollout worker killed mid-run (its groups re-issued, none trained
-twice), a run stopped after a checkpoint and resumed to the same final step, and a learner killed
-mid-run (recreated from its last checkpoint). One Ray instance serves the module.
+twice), a run stopped after a checkpoint and resumed to the same final step, a learner killed
+mid-run (recreated from its last checkpoint), and a resume past a damaged newest checkpoint. One Ray
+instance serves the module.
 """
 
 import os
@@ -108,15 +109,48 @@ def test_resumed_runs_log_each_trained_group_once(resumed_runs):
     assert set(counts) == set(trained) and set(counts.values()) == {4}, counts
 
 
-def test_a_resumed_run_keeps_checkpointing_after_pruning_its_source(resumed_runs, model_dir):
-    # Catches (issue 11, bug 1, at the cluster level): the learner resumed from step_000004 read that
-    # folder's config at every save; with checkpoint.every=1 and keep=2 the folder is pruned after the
-    # step-6 save, and the step-7 save failed ("model path ... does not exist"), leaving it incomplete.
+@pytest.fixture(scope="module")
+def kept_two_run(resumed_runs, model_dir):
+    """Run C resumes run B (at step 4) to step 7 with a checkpoint every step and keep=2; the checkpoint
+    folders right after it."""
     from cluster.driver import train
 
     _, second, _ = resumed_runs
     third = train(tiny_job(model_dir, second.run_dir, "train.mode=sync", "train.steps=7", "checkpoint.every=1",
                            "checkpoint.keep=2", "resume=true"))
+    folders = sorted(p.name for p in (second.run_dir / "checkpoints").iterdir())
+    return third, folders, (second.run_dir / "checkpoints" / "step_000007" / "COMPLETE").is_file()
+
+
+def test_a_resumed_run_keeps_checkpointing_after_pruning_its_source(kept_two_run):
+    # Catches (issue 11, bug 1, at the cluster level): the learner resumed from step_000004 read that
+    # folder's config at every save; with checkpoint.every=1 and keep=2 the folder is pruned after the
+    # step-6 save, and the step-7 save failed ("model path ... does not exist"), leaving it incomplete.
+    third, folders, step7_complete = kept_two_run
     assert third.state.step == 7
-    assert sorted(p.name for p in (second.run_dir / "checkpoints").iterdir()) == ["step_000006", "step_000007"]
-    assert (second.run_dir / "checkpoints" / "step_000007" / "COMPLETE").is_file()
+    assert folders == ["step_000006", "step_000007"] and step7_complete
+
+
+def test_resume_falls_back_past_a_damaged_newest_checkpoint(kept_two_run, model_dir, capsys):
+    # Catches (issue 11, bug 5, through the driver): with step_000007's model.safetensors truncated,
+    # resume=true picked step_000007 anyway; the learner failed to load it, was restarted on the same
+    # checkpoint, and the run ended with "restarts are used up" although step_000006 was intact.
+    # Planted by latest() without the manifest check, train() raises RunError.
+    from cluster.driver import train
+    from trainer.manifest import Manifest
+
+    third, _, _ = kept_two_run
+    checkpoints = third.run_dir / "checkpoints"
+    weights = checkpoints / "step_000007" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    capsys.readouterr()
+    fourth = train(tiny_job(model_dir, third.run_dir, "train.mode=sync", "train.steps=8", "checkpoint.every=1",
+                            "checkpoint.keep=2", "resume=true"))
+    warning = capsys.readouterr().err
+    assert "checkpoint step_000007 is damaged and skipped" in warning and str(weights) in warning, warning
+    assert fourth.state.step == 8 and fourth.state.learner_restarts == 0
+    assert fourth.state.ledger.trained[:6 * 2] == third.state.ledger.trained[:6 * 2]  # step 6's books, kept
+    assert len(fourth.state.ledger.trained) == 8 * 2 and len(set(fourth.state.ledger.trained)) == 8 * 2
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_000007", "step_000007.damaged", "step_000008"]
+    for step in ("step_000007", "step_000008"):  # the re-done step 7 and step 8 are intact
+        assert Manifest.read(checkpoints / step).damage(checkpoints / step) is None

@@ -3,27 +3,39 @@
 A checkpoint directory holds ``config.json``, ``model.safetensors``, the tokenizer files (with any
 ``<reg_i>`` tokens the learner added) and ``generation_config.json`` when the source model had one —
 loadable by ``transformers.AutoModelForCausalLM`` and ``rollout.loader.load_model`` — and
-``trainer_state.pt``: optimizer state, version, RNG states and the learner's settings.
+``trainer_state.pt``: optimizer state, version, RNG states and the learner's settings. The writers
+return each file's size and sha256 for the checkpoint's manifest (``trainer.manifest``); the two big
+files are hashed while they are written.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import pickle
 import random
+import struct
+import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import save_file
 
 from rollout.loader import model_dir
 from rollout.model import DecoderLM
+from trainer.manifest import FileEntry, HashingWriter, Manifest, hash_file
 
 TRAINER_STATE = "trainer_state.pt"
 MODEL_FILE = "model.safetensors"
 GENERATION_CONFIG = "generation_config.json"
+HF_CONFIG = "config.json"
+# safetensors dtype names in the order its reference writer sorts tensors by (descending): item sizes
+# never grow along the file, so with the header padded to 8 bytes every tensor is aligned
+SAFETENSORS_DTYPES = {torch.bool: "BOOL", torch.uint8: "U8", torch.int8: "I8", torch.int16: "I16",
+                      torch.float16: "F16", torch.bfloat16: "BF16", torch.int32: "I32", torch.float32: "F32",
+                      torch.float64: "F64", torch.int64: "I64"}
+_DTYPE_RANK = {dtype: rank for rank, dtype in enumerate(SAFETENSORS_DTYPES)}
 
 
 def read_hf_source(source_dir: str | Path) -> tuple[Any, str | None]:
@@ -37,22 +49,59 @@ def read_hf_source(source_dir: str | Path) -> tuple[Any, str | None]:
             generation.read_text() if generation.is_file() else None)
 
 
-def save_hf_model(model: DecoderLM, tokenizer, source: tuple[Any, str | None], out_dir: str | Path) -> None:
+def save_hf_model(model: DecoderLM, tokenizer, source: tuple[Any, str | None], out_dir: str | Path) -> Manifest:
     """Write ``model`` (its current vocabulary size) with ``tokenizer`` to ``out_dir`` in HF layout.
 
     ``source``: ``read_hf_source`` of the directory the model was loaded from; its config is reused
     with ``vocab_size`` updated. Tied embeddings are stored once, as transformers stores them.
+    Returns the entries of the files written.
     """
     config, generation_text = copy.deepcopy(source[0]), source[1]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     config.vocab_size = model.config.vocab_size
     config.save_pretrained(out)
-    weights = {name: p.detach().to("cpu").contiguous() for name, p in model.named_parameters()}
-    save_file(weights, str(out / MODEL_FILE), metadata={"format": "pt"})
-    tokenizer.save_pretrained(str(out))
+    small = [out / HF_CONFIG] + [Path(f) for f in tokenizer.save_pretrained(str(out))]
     if generation_text is not None:
         (out / GENERATION_CONFIG).write_text(generation_text)
+        small.append(out / GENERATION_CONFIG)
+    manifest = Manifest({f.name: hash_file(f) for f in small if f.is_file()})
+    weights = dict(model.named_parameters())
+    manifest.add(MODEL_FILE, write_safetensors(out / MODEL_FILE, weights, metadata={"format": "pt"}))
+    return manifest
+
+
+def write_safetensors(path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> FileEntry:
+    """Write ``tensors`` (on any device) to ``path`` in the safetensors format, one tensor at a time, and
+    return the file's entry, hashed while writing.
+
+    The bytes are those ``safetensors.torch.save_file`` writes: the header's length (8 bytes, little
+    endian), the JSON header (``__metadata__``, then per tensor its dtype, shape and data_offsets) padded
+    with spaces to a multiple of 8, then the tensors' raw bytes, sorted by dtype (descending) then
+    name. Only one tensor at a time is copied to the CPU, and no whole-file buffer is built.
+    """
+    order = sorted(tensors, key=lambda name: (-_DTYPE_RANK[tensors[name].dtype], name))
+    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for name in order:
+        t = tensors[name]
+        end = offset + t.numel() * t.element_size()
+        header[name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, end]}
+        offset = end
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-len(text) % 8)
+    with HashingWriter(path) as out:
+        out.write(struct.pack("<Q", len(text)))
+        out.write(text)
+        for name in order:
+            out.write(_raw_bytes(tensors[name]))
+    return out.entry()
+
+
+def _raw_bytes(t: torch.Tensor) -> np.ndarray:
+    """The tensor's elements row-major as bytes, on the CPU (this machine's order: little endian)."""
+    assert sys.byteorder == "little", "safetensors stores little-endian values"
+    return t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
 def rng_state() -> dict:
@@ -74,8 +123,11 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_trainer_state(out_dir: str | Path, state: dict) -> None:
-    torch.save(state, Path(out_dir) / TRAINER_STATE)
+def save_trainer_state(out_dir: str | Path, state: dict) -> FileEntry:
+    """``torch.save(state)`` as ``out_dir/trainer_state.pt``; its entry, hashed while writing."""
+    with HashingWriter(Path(out_dir) / TRAINER_STATE) as out:
+        torch.save(state, out)
+    return out.entry()
 
 
 def load_trainer_state(path: str | Path) -> dict:

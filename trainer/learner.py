@@ -26,6 +26,7 @@ from trainer.checkpoint import (TRAINER_STATE, load_trainer_state, read_hf_sourc
                                 save_trainer_state, set_rng_state)
 from trainer.learner_args import LearnerArgs
 from trainer.logprobs import PackedWindows, WindowInput, logprob_mismatch, pack_windows, packed_logits, packed_logprobs
+from trainer.manifest import Manifest
 from trainer.windows import training_windows
 
 WINDOWED_KINDS = ("prefix_sliding", "sliding_window", "streaming")
@@ -353,11 +354,16 @@ class Learner:
         skips it anyway)."""
         return {name: p.detach().to(device, copy=True) for name, p in self.model.named_parameters()}
 
-    def save_checkpoint(self, path) -> None:
-        """The model in HF layout in ``path`` plus ``trainer_state.pt`` (optimizer, version, RNG, settings)."""
-        save_hf_model(self.model, self.tokenizer, self._hf_source, path)
-        save_trainer_state(path, {"version": self.version, "optimizer": self.optimizer.state_dict(),
-                                  "rng": rng_state(), "args": asdict(self.args)})
+    def save_checkpoint(self, path) -> Manifest:
+        """The model in HF layout in ``path`` plus ``trainer_state.pt`` (optimizer, version, RNG, settings),
+        and ``manifest.json`` listing each file's size and sha256; returns that manifest (a run's
+        checkpoint adds its own files to it)."""
+        manifest = save_hf_model(self.model, self.tokenizer, self._hf_source, path)
+        manifest.add(TRAINER_STATE, save_trainer_state(path, {
+            "version": self.version, "optimizer": self.optimizer.state_dict(), "rng": rng_state(),
+            "args": asdict(self.args)}))
+        manifest.write(path)
+        return manifest
 
     @classmethod
     def from_checkpoint(cls, path, args: LearnerArgs | None = None) -> Learner:
