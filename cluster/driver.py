@@ -104,7 +104,7 @@ def _sessions(cfg: TrainConfig, plan: RunPlan, pg, on_step: StepHook | None) -> 
         except LearnerLost as err:
             latest = Checkpoints(plan.run_dir, cfg.checkpoint.keep).latest()
             if latest is None or restarts >= cfg.train.max_learner_restarts:
-                why = "no checkpoint exists" if latest is None else "its restarts are used up"
+                why = "no intact checkpoint exists" if latest is None else "its restarts are used up"
                 raise RunError(f"the learner died ({err}) and {why}; checkpoints and traces are in "
                                f"{plan.run_dir}") from None
             restarts += 1

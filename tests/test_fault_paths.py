@@ -37,7 +37,7 @@ def test_a_learner_lost_without_a_checkpoint_ends_the_run_and_keeps_its_traces(r
 
     kills: list = []
     cfg = tiny_job(model_dir, tmp_path / "run", "train.mode=sync", "train.steps=3", "checkpoint.every=0")
-    with pytest.raises(RunError, match=r"the learner died \(.*\) and no checkpoint exists"):
+    with pytest.raises(RunError, match=r"the learner died \(.*\) and no intact checkpoint exists"):
         train(cfg, on_step=kill_learner_at(ray_session, {1}, kills))
     assert len(kills) == 1
     assert {t["group_id"] for t in logged_traces(tmp_path / "run")}  # the traces of step 1 are on disk
