@@ -149,9 +149,8 @@ class LLM:
         at once: the pool over one's block bound, at most ``max_num_seqs``. Exact under a bounded
         policy; under full and registers, the count that fits if every request reaches its bound
         (more start while they are short, and preemption sorts it out)."""
-        bound = block_bound(self.policy, prompt_len, max_tokens, self.max_model_len, self.block_size,
-                            self.args.max_num_batched_tokens)
-        return min(self.args.max_num_seqs, self.scheduler.blocks.num_blocks // bound)
+        return self._concurrency(block_bound(self.policy, prompt_len, max_tokens, self.max_model_len,
+                                             self.block_size, self.args.max_num_batched_tokens))
 
     def load_weights(self, weights) -> None:
         """Replace the model's weights in place (a state dict or ``(name, tensor)`` pairs).
@@ -172,7 +171,6 @@ class LLM:
         if self.closed:
             return
         self.closed = True
-        self.run_ahead.drop()
         self.runner.close()
         self.model = self.runner = self.run_ahead = self.postprocess = None
         self.scheduler.waiting.clear()
@@ -201,17 +199,19 @@ class LLM:
                 f"(max_model_len={self.max_model_len}), more than the whole pool of {pool} blocks; "
                 f"raise num_blocks / kv_cache_gb, or lower {smaller}")
 
+    def _concurrency(self, bound: int) -> int:
+        return min(self.args.max_num_seqs, self.scheduler.blocks.num_blocks // bound)
+
     def _note_concurrency(self, seq: Sequence) -> None:
         """``stats.max_concurrency`` for the largest bound so far; logged when it first is set or drops."""
-        pool = self.scheduler.blocks.num_blocks
-        concurrency = min(self.args.max_num_seqs, pool // seq.block_bound)
+        concurrency = self._concurrency(seq.block_bound)
         if self.stats.max_concurrency and concurrency >= self.stats.max_concurrency:
             return
         self.stats.max_concurrency = concurrency
         logger.info("KV pool of %d blocks x %d tokens under %s: a request of %d prompt tokens and max_tokens=%d "
-                    "holds at most %d blocks, so %d such requests run at once (max_num_seqs=%d)", pool,
-                    self.block_size, self.policy.spec, seq.prompt_len, seq.params.max_tokens, seq.block_bound,
-                    concurrency, self.args.max_num_seqs)
+                    "holds at most %d blocks, so %d such requests run at once (max_num_seqs=%d)",
+                    self.scheduler.blocks.num_blocks, self.block_size, self.policy.spec, seq.prompt_len,
+                    seq.params.max_tokens, seq.block_bound, concurrency, self.args.max_num_seqs)
 
     def _check_prompt(self, ids: list[int]) -> None:
         if not ids:

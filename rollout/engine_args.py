@@ -41,7 +41,7 @@ class EngineArgs:
     max_num_batched_tokens: int = 1024
     """Most tokens (prefill + decode) in one engine step (>= 1)."""
     kv_watermark: float = 0.01
-    """Under full and registers, admit a request only while this fraction of the KV pool stays free after it (0 <= x < 1), so admissions do not preempt at once; bounded policies admit by their block bound instead."""
+    """Pool fraction (0 <= x < 1) left free by an admission under full/registers; bounded policies admit by block bound."""
     max_model_len: int | None = None
     """Longest sequence, prompt + completion (>= 1); None takes the model's max_position_embeddings."""
     seed: int = 0

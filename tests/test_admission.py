@@ -81,13 +81,16 @@ def test_block_bound_is_never_exceeded_and_is_reached(tiny_model_factory, reques
 
 def test_chunked_prefill_of_a_long_prompt_fits_the_bound(tiny_model_factory):
     # catches: a bound that counts only decode steps under sliding_window (a 13-token chunk writes
-    # 13 positions while the window's older keys are still held: more blocks than any decode step)
+    # 13 positions while the window's older keys are still held: more blocks than any decode step),
+    # and a concurrency not capped by max_num_seqs
     path = tiny_model_factory(arch="qwen3")
-    llm = LLM(path, kv="sliding_window:4", block_size=4, num_blocks=64, max_num_batched_tokens=13, overlap=False)
+    llm = LLM(path, kv="sliding_window:4", block_size=4, num_blocks=64, max_num_batched_tokens=13, overlap=False,
+              max_num_seqs=8)
     seq = llm.add_request(list(range(1, 41)), SamplingParams(max_tokens=10, **GREEDY))
     # decode: q sees q-3 .. q, at most 2 blocks; prefill chunk [13, 26) after [0, 13): keys 10 .. 25 held,
     # blocks 2 .. 6 = 5; the worst chunking (any start a, 13 long) spans a-3 .. a+12: at most 5 blocks
     assert seq.block_bound == 5
+    assert llm.stats.max_concurrency == llm.max_concurrency(40, 10) == 8  # 64 // 5 = 12, capped at 8
     while llm.scheduler.has_unfinished():
         llm.step()
     assert seq.kv.peak_blocks == 5
@@ -116,7 +119,8 @@ def test_full_tight_pool_completes_and_the_watermark_preempts_less(tiny_model_fa
     # or the run never completes) and the watermark ignored (as many preemptions as without it)
     path = tiny_model_factory(arch="qwen3")
     gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, 256, (int(n),), generator=gen).tolist() for n in torch.randint(1, 30, (24,), generator=gen)]
+    lengths = torch.randint(1, 30, (24,), generator=gen)
+    prompts = [torch.randint(0, 256, (int(n),), generator=gen).tolist() for n in lengths]
     params = [SamplingParams(max_tokens=int(m), **GREEDY) for m in torch.randint(1, 40, (24,), generator=gen)]
     roomy = LLM(path, kv="full", block_size=4, num_blocks=512).generate(prompts, params)
     preemptions = {}
