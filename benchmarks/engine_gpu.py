@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import gc
 import json
 import math
 import os
@@ -224,9 +223,7 @@ def bench_engine(path: Path, spec: str, position: int, steps: int, kv_gb: float,
            "redone_rows_per_step": llm.stats.redone_rows / llm.stats.steps, **step_breakdown(llm, 8)}
     if profile_steps:
         row["profile"] = kernel_profile(llm, profile_steps)
-    del llm, seqs
-    gc.collect()  # the runner and its CUDA graphs hold each other
-    torch.cuda.empty_cache()
+    llm.close()  # the pool, weights and CUDA graphs go before the next row's engine is built
     return row
 
 

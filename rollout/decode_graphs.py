@@ -54,6 +54,14 @@ class DecodeGraphs:
         graph.replay()
         return hidden[:s]
 
+    def close(self) -> None:
+        """Release the captured graphs (their memory pool), the static buffers and the runner they point to."""
+        for graph, _, _ in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self.static.clear()
+        self.runner = self.pool = None
+
     def _splits(self, bucket: int, width: int) -> int:
         from kernels.decode import decode_config
         cfg = self.runner.model.config

@@ -5,12 +5,16 @@ One engine step: schedule (or take the decode step queued ahead), run the model,
 
 from __future__ import annotations
 
+import gc
+import logging
+import math
 import time
 from dataclasses import dataclass
 
 import torch
 
 from kernels.metadata import PagedKVCache
+from rollout.block_bound import block_bound
 from rollout.block_manager import BlockManager
 from rollout.engine_args import EngineArgs
 from rollout.loader import DTYPES, load_model, load_tokenizer
@@ -22,6 +26,8 @@ from rollout.scheduler import ScheduledBatch, Scheduler
 from rollout.sequence import RequestOutput, Sequence, Status
 from rollout.vocab import bind_policy_vocab
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass
 class EngineStats:
@@ -32,6 +38,8 @@ class EngineStats:
     seconds: float = 0.0
     queued_ahead: int = 0  # decode steps launched before the previous step's tokens were read
     redone_rows: int = 0  # rows of queued steps computed again because a register kill changed what they see
+    max_running: int = 0  # most sequences running at once in any step
+    max_concurrency: int = 0  # requests like the one with the largest block bound so far that run at once (0: none yet)
 
 
 class LLM:
@@ -43,6 +51,11 @@ class LLM:
     On CUDA, decode steps replay CUDA graphs unless ``cuda_graphs=False``, and with ``overlap`` the
     next decode step is queued before the current one's tokens are read back (``rollout.run_ahead``);
     outputs are the same either way.
+
+    Under a bounded policy each request reserves its block bound on admission (``Sequence.block_bound``),
+    so ``max_concurrency(prompt_len, max_tokens)`` requests of that shape run at once and none is ever
+    preempted; a request whose bound alone exceeds the pool is refused by ``add_request``.
+    ``close()`` (or leaving ``with LLM(...) as llm:``) frees the KV pool, the weights and the CUDA graphs.
     """
 
     def __init__(self, model: str, kv: str | None = None, *, args: EngineArgs | None = None, **keywords):
@@ -60,7 +73,8 @@ class LLM:
         self.runner = ModelRunner(self.model, num_blocks, args.block_size, self.device, dtype, args.max_num_seqs,
                                   self.max_model_len, args.cuda_graphs)
         self.scheduler = Scheduler(BlockManager(num_blocks), args.max_num_seqs, args.max_num_batched_tokens,
-                                   self.max_model_len)
+                                   self.max_model_len, admit_by_bound=self.policy.bounded,
+                                   watermark_blocks=math.ceil(round(args.kv_watermark * num_blocks, 6)))
         overlap = args.overlap
         if overlap is None:  # registers' overlap (a redo after each kill) is not yet measured on the GPU
             overlap = self.device.type == "cuda" and self.policy.kind != "registers"
@@ -70,6 +84,7 @@ class LLM:
                                          self.runner.set_death)
         self.stats = EngineStats()
         self._next_id = 0
+        self.closed = False
 
     # ---- set-up -------------------------------------------------------------------------------
     def _blocks_for_memory(self, kv_cache_gb: float | None, dtype: torch.dtype) -> int:
@@ -96,6 +111,7 @@ class LLM:
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """Generate for each prompt (text or token ids); outputs come back in prompt order."""
+        self._check_open()
         prompts = [prompts] if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)) else prompts
         params = params or SamplingParams()
         params = params if isinstance(params, list) else [params] * len(prompts)
@@ -110,14 +126,31 @@ class LLM:
         return [self.output(s) for s in seqs]
 
     def add_request(self, prompt: str | list[int], params: SamplingParams) -> Sequence:
+        """Queue one request; its ``Sequence`` (``output(seq)`` once it finished).
+
+        Raises ValueError for a bad prompt, or when the request's block bound alone exceeds the KV pool
+        (it could not run even alone).
+        """
+        self._check_open()
         ids = self.tokenizer(prompt).input_ids if isinstance(prompt, str) else list(prompt)
         self._check_prompt(ids)
         rid = self._next_id
-        self._next_id += 1
         seed = params.seed if params.seed is not None else (self.args.seed * 1_000_003 + rid) % (2**31)
-        seq = Sequence(rid, ids, params, seed, self.policy.tracker(len(ids)), self.block_size, time.perf_counter())
+        seq = Sequence(rid, ids, params, seed, self.policy.tracker(len(ids)), self.block_size, time.perf_counter(),
+                       max_model_len=self.max_model_len, max_chunk=self.args.max_num_batched_tokens)
+        self._check_pool(seq)
+        self._next_id += 1
+        self._note_concurrency(seq)
         self.scheduler.add(seq)
         return seq
+
+    def max_concurrency(self, prompt_len: int, max_tokens: int) -> int:
+        """How many requests of ``prompt_len`` prompt tokens and up to ``max_tokens`` generated ones run
+        at once: the pool over one's block bound, at most ``max_num_seqs``. Exact under a bounded
+        policy; under full and registers, the count that fits if every request reaches its bound
+        (more start while they are short, and preemption sorts it out)."""
+        return self._concurrency(block_bound(self.policy, prompt_len, max_tokens, self.max_model_len,
+                                             self.block_size, self.args.max_num_batched_tokens))
 
     def load_weights(self, weights) -> None:
         """Replace the model's weights in place (a state dict or ``(name, tensor)`` pairs).
@@ -125,8 +158,60 @@ class LLM:
         A decode step queued with the old weights is dropped: every token sampled after this call
         comes from the new weights.
         """
+        self._check_open()
         self.run_ahead.drop()
         self.model.load_weights(weights)
+
+    def close(self) -> None:
+        """Free the device memory the engine holds: the queued step, the CUDA graphs, the KV pool and the
+        weights (and, on CUDA, hand the cached memory back), so another engine fits in this process.
+
+        Unfinished requests are dropped; every later call raises. Closing again does nothing.
+        """
+        if self.closed:
+            return
+        self.closed = True
+        self.runner.close()
+        self.model = self.runner = self.run_ahead = self.postprocess = None
+        self.scheduler.waiting.clear()
+        self.scheduler.running.clear()
+        if self.device.type == "cuda":
+            gc.collect()  # whatever a caller's reference cycle still holds goes before the cache is emptied
+            torch.cuda.empty_cache()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("this LLM was closed (close() freed its weights and KV pool); build a new LLM")
+
+    def _check_pool(self, seq: Sequence) -> None:
+        pool = self.scheduler.blocks.num_blocks
+        if seq.block_bound > pool:
+            smaller = "max_tokens, the window or the prompt" if self.policy.bounded else "max_tokens or the prompt"
+            raise ValueError(
+                f"a request of {seq.prompt_len} prompt tokens and max_tokens={seq.params.max_tokens} may hold "
+                f"{seq.block_bound} KV blocks of {self.block_size} tokens under {self.policy.spec} "
+                f"(max_model_len={self.max_model_len}), more than the whole pool of {pool} blocks; "
+                f"raise num_blocks / kv_cache_gb, or lower {smaller}")
+
+    def _concurrency(self, bound: int) -> int:
+        return min(self.args.max_num_seqs, self.scheduler.blocks.num_blocks // bound)
+
+    def _note_concurrency(self, seq: Sequence) -> None:
+        """``stats.max_concurrency`` for the largest bound so far; logged when it first is set or drops."""
+        concurrency = self._concurrency(seq.block_bound)
+        if self.stats.max_concurrency and concurrency >= self.stats.max_concurrency:
+            return
+        self.stats.max_concurrency = concurrency
+        logger.info("KV pool of %d blocks x %d tokens under %s: a request of %d prompt tokens and max_tokens=%d "
+                    "holds at most %d blocks, so %d such requests run at once (max_num_seqs=%d)",
+                    self.scheduler.blocks.num_blocks, self.block_size, self.policy.spec, seq.prompt_len,
+                    seq.params.max_tokens, seq.block_bound, concurrency, self.args.max_num_seqs)
 
     def _check_prompt(self, ids: list[int]) -> None:
         if not ids:
@@ -145,20 +230,23 @@ class LLM:
         With overlap the forward may be the decode step the previous call queued ahead (see
         ``rollout.run_ahead``); this call then queues the next one before reading its own tokens back.
         """
+        self._check_open()
         t0 = time.perf_counter()
         flight = self.run_ahead.take()
         if flight is None:
             flight = self.run_ahead.launch(self.scheduler.schedule())
+        running = len(self.scheduler.running)
         tokens, logprobs = self.runner.sample(flight.sampling_seqs(), flight.logits)
         read = self.run_ahead.read_back(tokens, logprobs)  # copied before the next step is queued: no wait for it
         self.run_ahead.queue_next(flight, tokens)
         finished, killers = self.postprocess(flight.batch, flight.rows, *read(), flight.logits)
         self.run_ahead.redo_killers(killers)
-        self._count(flight.batch, time.perf_counter() - t0)
+        self._count(flight.batch, running, time.perf_counter() - t0)
         return finished
 
-    def _count(self, batch: ScheduledBatch, seconds: float) -> None:
+    def _count(self, batch: ScheduledBatch, running: int, seconds: float) -> None:
         self.stats.steps += 1
+        self.stats.max_running = max(self.stats.max_running, running)
         self.stats.seconds += seconds
         self.stats.preemptions = self.scheduler.num_preemptions
         self.stats.queued_ahead = self.run_ahead.num_queued
@@ -169,6 +257,7 @@ class LLM:
 
     def output(self, seq: Sequence) -> RequestOutput:
         """The output record of a finished request (from ``add_request``)."""
+        self._check_open()
         return self.postprocess.output(seq)
 
 

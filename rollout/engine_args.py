@@ -40,6 +40,8 @@ class EngineArgs:
     """Most sequences scheduled in one engine step (>= 1)."""
     max_num_batched_tokens: int = 1024
     """Most tokens (prefill + decode) in one engine step (>= 1)."""
+    kv_watermark: float = 0.01
+    """Pool fraction (0 <= x < 1) left free by an admission under full/registers; bounded policies admit by block bound."""
     max_model_len: int | None = None
     """Longest sequence, prompt + completion (>= 1); None takes the model's max_position_embeddings."""
     seed: int = 0
@@ -63,6 +65,9 @@ class EngineArgs:
         if gb is not None and (isinstance(gb, bool) or not isinstance(gb, (int, float))
                                or not 0 < gb < math.inf):
             raise ValueError(f"kv_cache_gb must be None or a finite number > 0, got {gb!r}")
+        mark = self.kv_watermark
+        if isinstance(mark, bool) or not isinstance(mark, (int, float)) or not 0 <= mark < 1:
+            raise ValueError(f"kv_watermark must be a fraction of the KV pool, 0 <= x < 1, got {mark!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if not isinstance(self.cuda_graphs, bool):

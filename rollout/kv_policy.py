@@ -92,6 +92,19 @@ class KVPolicy:
             raise ValueError(f"{self.spec} needs {self.num_registers} register token ids, got {len(register_ids)}")
         return replace(self, register_ids=tuple(register_ids), end_think_id=end_think_id)
 
+    @property
+    def bounded(self) -> bool:
+        """Keys die ``window`` positions after they are written, except a kept prefix: a sequence's
+        live KV is bounded whatever its length (prefix_sliding, sliding_window, streaming)."""
+        return self.kind in ("prefix_sliding", "sliding_window", "streaming")
+
+    def kept_prefix(self, prompt_len: int) -> int | None:
+        """How many leading positions never die (the rest die at ``k + window``); None for the unbounded
+        policies, whose keys live until a token kills them (registers) or forever (full)."""
+        if not self.bounded:
+            return None
+        return {"prefix_sliding": prompt_len, "streaming": self.sinks, "sliding_window": 0}[self.kind]
+
     def tracker(self, prompt_len: int) -> DeathTracker:
         """A fresh incremental follower of one sequence with a prompt of ``prompt_len`` tokens."""
         return DeathTracker(self, prompt_len)
@@ -139,11 +152,8 @@ class DeathTracker:
 
     def initial_death(self, pos: int) -> int:
         """d(pos) as known when the token at ``pos`` is written."""
-        p = self.policy
-        if p.kind in ("full", "registers"):
-            return NEVER
-        keep = {"prefix_sliding": self.prompt_len, "streaming": p.sinks, "sliding_window": 0}[p.kind]
-        return NEVER if pos < keep else pos + p.window
+        keep = self.policy.kept_prefix(self.prompt_len)
+        return NEVER if keep is None or pos < keep else pos + self.policy.window
 
     def append(self, pos: int, token_id: int) -> list[tuple[int, int]]:
         assert pos == len(self.death), (pos, len(self.death))

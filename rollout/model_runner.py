@@ -126,6 +126,13 @@ class ModelRunner:
             any_truncation=any(p.top_k > 0 or p.top_p < 1 for p in params),
         )
 
+    def close(self) -> None:
+        """Drop the CUDA graphs, the KV cache and the model: their device memory is freed once the engine
+        drops this runner too (nothing here needs a garbage collection)."""
+        if self.graphs is not None:
+            self.graphs.close()
+        self.graphs = self.cache = self.model = None
+
     def set_death(self, slots: list[int], death: int) -> None:
         """Registers: keys at ``slots`` die at position ``death`` (their step was killed)."""
         index = self.host_tensor(slots, torch.long).to(self.device, non_blocking=True)

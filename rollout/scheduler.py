@@ -46,16 +46,23 @@ class ScheduledBatch:
 class Scheduler:
     """Running sequences first (decode or the next prefill chunk), then admissions from the queue.
 
-    When a running sequence needs a block and none is free, the most recently admitted sequence
-    is preempted: its blocks go back to the pool and it is recomputed from its tokens later.
+    Under a bounded policy (``admit_by_bound``) a request is admitted only while its block bound
+    (``Sequence.block_bound``) and the running sequences' bounds fit the pool together: a running
+    sequence always finds its next block free, so none is ever preempted. Under ``full`` and
+    ``registers`` a request is admitted while its first chunk leaves free a block per running
+    sequence plus ``watermark_blocks``; when a running sequence then needs a block and none is free,
+    the most recently admitted sequence is preempted: its blocks go back to the pool and it is
+    recomputed from its tokens later.
     """
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int):
+                 max_model_len: int, *, admit_by_bound: bool, watermark_blocks: int):
         self.blocks = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
+        self.admit_by_bound = admit_by_bound
+        self.watermark_blocks = watermark_blocks
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -65,6 +72,18 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    @property
+    def reserved_blocks(self) -> int:
+        """The most blocks the running sequences can hold together (the sum of their bounds)."""
+        return sum(seq.block_bound for seq in self.running)
+
+    def can_admit(self, seq: Sequence) -> bool:
+        """Whether ``seq`` may join the running sequences now, as far as their number and bounds go
+        (the blocks of its first chunk are ``_fit``'s to check)."""
+        if len(self.running) >= self.max_num_seqs:
+            return False
+        return not self.admit_by_bound or self.reserved_blocks + seq.block_bound <= self.blocks.num_blocks
 
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
@@ -76,12 +95,12 @@ class Scheduler:
         """The next decode step of ``batch``'s sequences, allocated now, before ``batch``'s sampled tokens are known.
 
         Only when that step is certain to be needed as it is: every sequence samples in ``batch``, no
-        request waits for admission (it would be starved), budget forcing cannot replace a sampled
+        request that could be admitted now waits (it would be starved), budget forcing cannot replace a sampled
         token, every sequence stays within ``max_model_len``, and the pool has the blocks without
         preempting anyone. ``batch`` is then marked computed. (A register kill is known only once the
         tokens are read: the run-ahead stepper redoes the rows it affects.)
         """
-        if self.waiting or len(batch.sampling_rows()) != len(batch):
+        if (self.waiting and self.can_admit(self.waiting[0])) or len(batch.sampling_rows()) != len(batch):
             return None
         new_blocks = 0
         for seq in batch.seqs:
@@ -120,10 +139,11 @@ class Scheduler:
         return budget
 
     def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
-        reserve = len(self.running)  # keep a block per running sequence for its next decode
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0 and self.can_admit(self.waiting[0]):
             seq = self.waiting[0]
-            n = self._fit(seq, min(seq.num_uncomputed, budget), reserve=reserve)
+            want = min(seq.num_uncomputed, budget)
+            n = self._fit(seq, want, reserve=self._admission_reserve())
+            assert n == want or not self.admit_by_bound, "the pool less the running bounds holds any chunk of a bound"
             if n == 0:
                 break
             self.waiting.popleft()
@@ -132,7 +152,13 @@ class Scheduler:
             self.allocate(seq, n)
             batch.add(seq, n)
             budget -= n
-            reserve += 1
+
+    def _admission_reserve(self) -> int:
+        """Free blocks an admission must leave: none under a bounded policy (the bounds reserve them);
+        otherwise one per running sequence for its next decode plus, while any runs, the watermark."""
+        if self.admit_by_bound or not self.running:
+            return 0
+        return len(self.running) + self.watermark_blocks
 
     def _fit(self, seq: Sequence, n: int, reserve: int = 0) -> int:
         """The most of the next ``n`` tokens whose blocks can be allocated now."""
@@ -147,9 +173,11 @@ class Scheduler:
         for j in range(seq.num_computed // bs, (seq.num_computed + n - 1) // bs + 1):
             if j not in seq.blocks:
                 seq.add_block(j, self.blocks.allocate())
+        assert len(seq.blocks) <= seq.block_bound, (seq.request_id, len(seq.blocks), seq.block_bound)
         seq.kv.peak_blocks = max(seq.kv.peak_blocks, len(seq.blocks))
 
     def _preempt(self, seq: Sequence) -> None:
+        assert not self.admit_by_bound, f"request {seq.request_id} was admitted by its bound yet needs preempting"
         self.running.remove(seq)
         for block in seq.reset_for_recompute():
             self.blocks.free(block)

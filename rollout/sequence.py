@@ -8,6 +8,7 @@ from enum import Enum, auto
 
 import numpy as np
 
+from rollout.block_bound import block_bound
 from rollout.kv_policy import DeathTracker
 from rollout.sampling import SamplingParams
 
@@ -50,10 +51,14 @@ class Sequence:
     ``blocks`` maps logical block index -> physical block for live blocks only. ``block_table`` /
     ``block_index`` mirror it as arrays (first ``len(blocks)`` entries, in no particular order:
     attention masks by position, so a freed block is swap-removed in O(1)).
+
+    ``block_bound`` is the most blocks it can ever hold (``rollout.block_bound``), from its policy,
+    prompt length and ``max_tokens``, capped by ``max_model_len``; ``max_chunk`` is the longest
+    prefill chunk (``max_num_batched_tokens``). Admission reserves it under a bounded policy.
     """
 
     def __init__(self, request_id: int, prompt_token_ids: list[int], params: SamplingParams, seed: int,
-                 tracker: DeathTracker, block_size: int, arrival: float):
+                 tracker: DeathTracker, block_size: int, arrival: float, *, max_model_len: int, max_chunk: int):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.token_ids = list(prompt_token_ids)
@@ -78,6 +83,8 @@ class Sequence:
         self.num_preemptions = 0
         self.visible_sum = 0
         self.kv = KVUsage()
+        self.block_bound = block_bound(tracker.policy, self.prompt_len, params.max_tokens, max_model_len, block_size,
+                                       max_chunk)
         for pos, tok in enumerate(self.prompt_token_ids):
             tracker.append(pos, tok)
 

@@ -10,8 +10,8 @@ from rollout import LLM, EngineArgs
 
 # LLM's library defaults as the README's "Python API" section spells them out
 README_DEFAULTS = dict(kv="full", device="cpu", dtype="float32", block_size=16, num_blocks=None, kv_cache_gb=None,
-                       max_num_seqs=64, max_num_batched_tokens=1024, max_model_len=None, seed=0, cuda_graphs=True,
-                       overlap=None)
+                       max_num_seqs=64, max_num_batched_tokens=1024, kv_watermark=0.01, max_model_len=None, seed=0,
+                       cuda_graphs=True, overlap=None)
 
 
 def test_defaults_are_the_documented_ones():
@@ -34,6 +34,8 @@ def test_defaults_are_the_documented_ones():
     ("max_model_len", 0, "max_model_len must be None or an integer >= 1, got 0"),
     ("kv_cache_gb", 0, "kv_cache_gb must be None or a finite number > 0, got 0"),
     ("kv_cache_gb", -1.5, "kv_cache_gb must be None or a finite number > 0, got -1.5"),
+    ("kv_watermark", 1.0, "kv_watermark must be a fraction of the KV pool, 0 <= x < 1, got 1.0"),
+    ("kv_watermark", -0.1, "kv_watermark must be a fraction of the KV pool, 0 <= x < 1, got -0.1"),
     ("seed", 1.5, "seed must be an integer, got 1.5"),
     ("cuda_graphs", "no", "cuda_graphs must be true or false, got 'no'"),
     ("overlap", 1, "overlap must be None, true or false, got 1"),
@@ -46,7 +48,8 @@ def test_bad_values_name_the_value_and_what_is_valid(field, value, message):
 def test_valid_edge_values_are_accepted_and_kv_is_canonical():
     # catches: a bound that is off by one (>= 1 written as > 1) or a kv spec stored as typed
     args = EngineArgs(kv=" prefix_sliding:08 ", device="cuda:1", dtype="float16", block_size=1, num_blocks=1,
-                      kv_cache_gb=0.001, max_num_seqs=1, max_num_batched_tokens=1, max_model_len=1, overlap=False)
+                      kv_cache_gb=0.001, max_num_seqs=1, max_num_batched_tokens=1, max_model_len=1, overlap=False,
+                      kv_watermark=0)
     assert args.kv == "prefix_sliding:8" and args.device == "cuda:1"
     assert EngineArgs(kv="streaming:0:4").kv == "streaming:0:4"
 

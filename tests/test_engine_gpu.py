@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -51,3 +53,50 @@ def test_gpu_bf16_runs_and_samples_like_cpu_seeded(tiny_model_factory):
     assert all(len(o.token_ids) == 200 for o in outs)
     assert len({tuple(o.token_ids) for o in outs}) == 1  # same seed, same prompt: same draw in every row
     assert all(torch.isfinite(torch.tensor(o.logprobs)).all() for o in outs)
+
+
+@pytest.fixture(scope="module")
+def qwen3_1p7b(tmp_path_factory):
+    """The Qwen3-1.7B config with random bf16 weights (built on the GPU), saved with the tiny byte tokenizer."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from rollout.tiny import build_tokenizer
+
+    root = tmp_path_factory.mktemp("qwen3-1.7b")
+    cfg = Qwen3Config(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                      num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                      rms_norm_eps=1e-6, tie_word_embeddings=True, rope_theta=1_000_000, eos_token_id=256)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    model.save_pretrained(root)
+    build_tokenizer().save_pretrained(root)
+    del model
+    torch.cuda.empty_cache()
+    return root
+
+
+def test_close_frees_device_memory_for_a_second_full_size_engine(qwen3_1p7b):
+    # catches: close() leaving the KV pool, the weights, the CUDA graphs (and their memory pool) or the
+    # queued step on the device: two pools of 60% of free memory cannot both fit, so the second
+    # engine could not even be built, and memory_allocated() would not return to its baseline
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    baseline = torch.cuda.memory_allocated()
+    free, _ = torch.cuda.mem_get_info()
+    kv_gb = 0.6 * free / 2**30
+    prompts = [list(range(100, 100 + n)) for n in (17, 300, 64, 5)]
+    sp = SamplingParams(max_tokens=64, **GREEDY)
+    outs = []
+    for _ in range(2):
+        with LLM(str(qwen3_1p7b), kv="prefix_sliding:128", device="cuda", dtype="bfloat16", kv_cache_gb=kv_gb,
+                 max_num_seqs=8) as llm:
+            assert torch.cuda.memory_allocated() - baseline > 0.6 * free - 2**30  # the pool is there
+            outs.append([o.token_ids for o in llm.generate(prompts, sp)])
+            assert llm.runner.graphs.graphs and llm.stats.queued_ahead > 0  # graphs captured, a step queued ahead
+        torch.cuda.synchronize()
+        # what may stay: cuBLAS workspaces (per stream, tens of MiB) and the decode kernel's split counters
+        assert torch.cuda.memory_allocated() - baseline < 256 * 2**20
+        assert torch.cuda.mem_get_info()[0] > free - 2 * 2**30  # handed back to the driver, not only cached
+    assert outs[0] == outs[1]
