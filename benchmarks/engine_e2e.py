@@ -71,10 +71,9 @@ def run(path: Path, spec: str, kv_gb: float, seqs: int, tokens: int, budget_s: f
            "seconds": total_s, "generated": total, "tokens_per_s": total / total_s,
            "last_quarter_tokens_per_s": _rate(samples, 0.75 * total, total),
            "preemptions": llm.stats.preemptions, "max_running": concurrency,
+           "admitted_concurrency": llm.max_concurrency(PROMPT, tokens),
            "rate_by_eighth": eighths, "num_blocks": llm.scheduler.blocks.num_blocks}
-    close = getattr(llm, "close", None)
-    if close is not None:
-        close()
+    llm.close()
     del llm, requests
     gc.collect()
     if device == "cuda":
