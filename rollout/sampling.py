@@ -138,15 +138,20 @@ def _mix32_(x: torch.Tensor) -> torch.Tensor:
     return x.bitwise_xor_(x >> 16)
 
 
+def noise_keys(seed: torch.Tensor, step: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-row hash keys ``key_a, key_b`` (``[B]`` int64 holding 32-bit values) of the module docstring."""
+    seed, step = seed.long(), step.long()
+    seed_lo, seed_hi = seed & _MASK32, (seed >> 32) & _MASK32
+    key_a = _mix32_(_mix32_(_mix32_(seed_hi ^ 0x2545F491) ^ seed_lo) ^ (step & _MASK32))  # [B]
+    return key_a, _mix32_(key_a ^ 0x9E3779B9)
+
+
 def uniform_noise(seed: torch.Tensor, step: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Uniforms in (0, 1) that depend only on (seed, step, vocab index): ``[B], [B] -> [B, V]`` float32.
 
     See the module docstring for the hash. In-place ops keep the [B, V] int64 temporaries to two.
     """
-    seed, step = seed.long(), step.long()
-    seed_lo, seed_hi = seed & _MASK32, (seed >> 32) & _MASK32
-    key_a = _mix32_(_mix32_(_mix32_(seed_hi ^ 0x2545F491) ^ seed_lo) ^ (step & _MASK32))  # [B]
-    key_b = _mix32_(key_a ^ 0x9E3779B9)  # [B]
+    key_a, key_b = noise_keys(seed, step)
     vocab = torch.arange(vocab_size, dtype=torch.int64, device=seed.device)  # [V]
     h = _mix32_(_mix32_(vocab[None, :] ^ key_a[:, None]).bitwise_xor_(key_b[:, None]))  # [B, V]
     return h.bitwise_right_shift_(9).mul_(2).add_(1).to(torch.float32).mul_(2.0**-24)
@@ -217,15 +222,28 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
     and float32 logprobs under the module's logprob convention (before truncation).
     ``all_greedy`` / ``any_truncation``: what the caller knows of the rows (every T == 0; some
     top-k or top-p active); given, they spare two device-to-host reads, so nothing here waits for
-    the GPU and the engine can queue its next step behind this one.
+    the GPU and the engine can queue its next step behind this one. On CUDA, when no row truncates,
+    one fused Triton pass (``kernels.sample``) does all of it: the same tokens and logprobs.
     """
     _check_inputs(logits, temperature, top_p, top_k, seed, step)
+    if any_truncation is None:
+        any_truncation = bool(((top_k > 0) | (top_p < 1)).any())
+    if logits.is_cuda and not any_truncation and logits.stride(1) == 1:  # one fused pass (kernels.sample)
+        from kernels.sample import fused_sample
+        return fused_sample(logits, temperature, *noise_keys(seed, step))
+    return torch_sample(logits, temperature, top_p, top_k, seed, step, all_greedy=all_greedy,
+                        any_truncation=any_truncation)
+
+
+def torch_sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
+                 seed: torch.Tensor, step: torch.Tensor, *, all_greedy: bool | None = None,
+                 any_truncation: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sample`` in plain torch ops on any device: the CPU path, rows that truncate, and the reference
+    the fused kernel is checked against."""
     scaled = _scaled(logits, temperature)  # [B, V]
     greedy = temperature <= 0
     if all_greedy is None:
         all_greedy = bool(greedy.all())
-    if any_truncation is None:
-        any_truncation = bool(((top_k > 0) | (top_p < 1)).any())
     if all_greedy:
         tokens = scaled.argmax(dim=-1)
         return tokens, _logprob_of(scaled, tokens)

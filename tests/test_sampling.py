@@ -192,6 +192,19 @@ def test_cpu_and_cuda_draw_the_same_tokens():
     cpu, _ = sample(**rows)
     cuda, _ = sample(**{k: t.cuda() for k, t in rows.items()})
     assert torch.equal(cpu, cuda.cpu())
+    # rows without top-k/top-p take the fused kernel on CUDA (kernels.sample): same tokens at a
+    # Qwen3-size vocabulary (near-ties apart, which random logits do not produce)
+    gen = torch.Generator().manual_seed(1)
+    b, v = 64, 151936
+    logits = torch.randn(b, v, generator=gen) * 2
+    temperature = torch.rand(b, generator=gen) + 0.25
+    temperature[::8] = 0.0
+    seed, step = torch.randint(-2**62, 2**62, (b,), generator=gen), torch.randint(0, 2**20, (b,), generator=gen)
+    args = (temperature, torch.ones(b), torch.full((b,), -1, dtype=torch.long), seed, step)
+    cpu_tokens, cpu_logprobs = sample(logits, *args)
+    cuda_tokens, cuda_logprobs = sample(logits.cuda(), *(a.cuda() for a in args))
+    assert torch.equal(cpu_tokens, cuda_tokens.cpu())
+    assert torch.allclose(cpu_logprobs, cuda_logprobs.cpu(), rtol=0, atol=1e-4)
 
 
 def test_sampling_params_public_api_and_normalisation():
@@ -215,3 +228,33 @@ def test_sampling_params_public_api_and_normalisation():
 def test_sampling_params_rejects_bad_values(kwargs, name):
     with pytest.raises(ValueError, match=name):
         SamplingParams(**kwargs)
+
+
+def test_fused_kernel_draws_the_torch_samplers_tokens_and_logprobs():
+    # Catches a fused CUDA sampler (kernels.sample, used whenever no row truncates) that drifts from
+    # the documented sampler: a hash computed differently, key_a and key_b swapped, the
+    # tail block of the vocabulary read unmasked, a greedy row sampled, the logprob normalised over a
+    # block instead of the row, or a later block's tie winning. Runs the Triton kernel in the CPU
+    # interpreter against ``sample``'s torch path on the same rows. Planted: swapping the keys
+    # changes most tokens; reading the tail block unmasked changes the logprobs; `ms >= top` lets
+    # the later index win the greedy tie row.
+    import os
+
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    from kernels.sample import fused_sample
+    from rollout.sampling import noise_keys
+
+    gen = torch.Generator().manual_seed(0)
+    b, v = 8, 1000  # 1000 = 3 full blocks of 256 + a masked tail block in the interpreter
+    logits = torch.randn(b, v, generator=gen) * 3
+    logits[7] = 0.0
+    logits[7, [5, 700]] = 9.0  # an exact tie across blocks: torch.argmax (greedy) takes index 5
+    temperature = torch.tensor([1.0, 0.0, 0.5, 1.7, 1.0, 1.0, 0.3, 0.0])
+    seed = torch.tensor([0, 1, -7, 2**62 + 5, 123456789, -(2**63), 42, 3])
+    step = torch.tensor([0, 5, 9, 1, 2**33 + 4, 17, 3, 8])
+    ones, off = torch.ones(b), torch.full((b,), -1, dtype=torch.long)
+    want_tokens, want_logprobs = sample(logits, temperature, ones, off, seed, step)
+    tokens, logprobs = fused_sample(logits, temperature, *noise_keys(seed, step))
+    assert tokens.tolist() == want_tokens.tolist()
+    assert torch.allclose(logprobs, want_logprobs, rtol=0, atol=1e-5), (logprobs, want_logprobs)
+    assert tokens[7] == 5
