@@ -52,10 +52,8 @@ def main() -> None:
             kw = dict(all_greedy=t == 0, any_truncation=False)
             assert torch.equal(sample(logits, *rows, **kw)[0], torch_sample(logits, *rows, **kw)[0])
             from kernels.sample import fused_sample
-            from rollout.sampling import noise_keys
-            keys = noise_keys(seed, step)
             slow = time_ms(lambda: torch_sample(logits, *rows, **kw))
-            fast = time_ms(lambda: fused_sample(logits, rows[0], *keys))
+            fast = time_ms(lambda: fused_sample(logits, rows[0], seed, step))
             print(f"{b:>6}{t:>5g}{slow:>10.3f}{fast:>10.3f}{slow / fast:>7.1f}x", flush=True)
 
 

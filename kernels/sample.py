@@ -32,14 +32,18 @@ def _mix32(x):
 
 
 @triton.jit
-def _sample_kernel(logits_ptr, stride_row, temperature_ptr, key_a_ptr, key_b_ptr, token_ptr, logprob_ptr, V,
+def _sample_kernel(logits_ptr, stride_row, temperature_ptr, seed_ptr, step_ptr, token_ptr, logprob_ptr, V,
                    BLOCK: tl.constexpr):
     row = tl.program_id(0)
     t = tl.load(temperature_ptr + row)
     greedy = t <= 0
     t = tl.where(greedy, 1.0, t)
-    key_a = tl.load(key_a_ptr + row).to(tl.uint32)
-    key_b = tl.load(key_b_ptr + row).to(tl.uint32)
+    seed = tl.load(seed_ptr + row)  # int64; its two 32-bit halves (two's complement), as noise_keys
+    seed_lo = (seed & 0xFFFFFFFF).to(tl.uint32)
+    seed_hi = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    step_lo = (tl.load(step_ptr + row) & 0xFFFFFFFF).to(tl.uint32)
+    key_a = _mix32(_mix32(_mix32(seed_hi ^ 0x2545F491) ^ seed_lo) ^ step_lo)
+    key_b = _mix32(key_a ^ 0x9E3779B9)
     offs = tl.arange(0, BLOCK)
     best_score = -float("inf")  # Gumbel-max: max of scaled + g, its index and its scaled value
     best_index = 0
@@ -76,18 +80,18 @@ def _sample_kernel(logits_ptr, stride_row, temperature_ptr, key_a_ptr, key_b_ptr
     tl.store(logprob_ptr + row, picked - lse)
 
 
-def fused_sample(logits: torch.Tensor, temperature: torch.Tensor, key_a: torch.Tensor,
-                 key_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def fused_sample(logits: torch.Tensor, temperature: torch.Tensor, seed: torch.Tensor,
+                 step: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokens ``[B]`` int64 and logprobs ``[B]`` float32 for ``logits [B, V]`` (rows contiguous).
 
-    ``temperature [B]`` float32 (0 = greedy); ``key_a``, ``key_b`` ``[B]`` int64 holding the rows'
-    32-bit hash keys (``rollout.sampling.noise_keys``). No top-k/top-p: the caller keeps those rows
-    on the torch path.
+    ``temperature [B]`` float32 (0 = greedy); ``seed``, ``step`` ``[B]`` int64 as ``rollout.sampling.sample``
+    takes them (the hash keys are computed in the kernel: on the host side they were two dozen tiny
+    launches). No top-k/top-p: the caller keeps those rows on the torch path.
     """
     b, v = logits.shape
     if logits.stride(1) != 1:
         raise ValueError(f"logits rows must be contiguous, got strides {logits.stride()}")
-    for name, t in (("temperature", temperature), ("key_a", key_a), ("key_b", key_b)):
+    for name, t in (("temperature", temperature), ("seed", seed), ("step", step)):
         if tuple(t.shape) != (b,) or t.device != logits.device:
             raise ValueError(f"{name} must be [B] = ({b},) on {logits.device}, got {tuple(t.shape)} on {t.device}")
     tokens = torch.empty(b, dtype=torch.int64, device=logits.device)
@@ -95,6 +99,7 @@ def fused_sample(logits: torch.Tensor, temperature: torch.Tensor, key_a: torch.T
     if b:
         block = 256 if interpreting() else BLOCK_V
         _sample_kernel[(b,)](logits, logits.stride(0), temperature.to(torch.float32).contiguous(),
-                             key_a.contiguous(), key_b.contiguous(), tokens, logprobs, v, BLOCK=block,
+                             seed.to(torch.int64).contiguous(), step.to(torch.int64).contiguous(), tokens, logprobs,
+                             v, BLOCK=block,
                              num_warps=8)
     return tokens, logprobs

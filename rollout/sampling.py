@@ -234,7 +234,7 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
     # (one program per row: ~1 ms whatever the batch; docs/benchmarks.md)
     if logits.is_cuda and not any_truncation and all_greedy is not True and logits.stride(1) == 1:
         from kernels.sample import fused_sample
-        return fused_sample(logits, temperature, *noise_keys(seed, step))
+        return fused_sample(logits, temperature, seed, step)
     return torch_sample(logits, temperature, top_p, top_k, seed, step, all_greedy=all_greedy,
                         any_truncation=any_truncation)
 

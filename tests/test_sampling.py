@@ -242,7 +242,6 @@ def test_fused_kernel_draws_the_torch_samplers_tokens_and_logprobs():
 
     os.environ.setdefault("TRITON_INTERPRET", "1")
     from kernels.sample import fused_sample
-    from rollout.sampling import noise_keys
 
     gen = torch.Generator().manual_seed(0)
     b, v = 8, 1000  # 1000 = 3 full blocks of 256 + a masked tail block in the interpreter
@@ -254,7 +253,7 @@ def test_fused_kernel_draws_the_torch_samplers_tokens_and_logprobs():
     step = torch.tensor([0, 5, 9, 1, 2**33 + 4, 17, 3, 8])
     ones, off = torch.ones(b), torch.full((b,), -1, dtype=torch.long)
     want_tokens, want_logprobs = sample(logits, temperature, ones, off, seed, step)
-    tokens, logprobs = fused_sample(logits, temperature, *noise_keys(seed, step))
+    tokens, logprobs = fused_sample(logits, temperature, seed, step)
     assert tokens.tolist() == want_tokens.tolist()
     assert torch.allclose(logprobs, want_logprobs, rtol=0, atol=1e-5), (logprobs, want_logprobs)
     assert tokens[7] == 5
