@@ -42,20 +42,8 @@ STEP_TOKENS = 256  # registers: a register token every this many tokens after th
 
 def build_model(root: Path) -> Path:
     """Qwen3-1.7B config with random bf16 weights (built on the GPU), saved with the tiny byte tokenizer."""
-    from transformers import AutoModelForCausalLM, Qwen3Config
-
-    from rollout.tiny import build_tokenizer
-    cfg = Qwen3Config(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
-                      num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
-                      rms_norm_eps=1e-6, tie_word_embeddings=True, rope_theta=1_000_000, eos_token_id=256)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    model.save_pretrained(root)
-    build_tokenizer().save_pretrained(root)
-    del model
-    torch.cuda.empty_cache()
-    return root
+    from rollout.tiny import make_qwen3_1p7b
+    return make_qwen3_1p7b(root)
 
 
 def history(llm: LLM, position: int) -> tuple[list[int], object]:

@@ -181,3 +181,26 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+# The Qwen3-1.7B shapes (28 layers, 2048 wide, GQA 16/8, head 128, 151,936-token vocabulary): the
+# GPU benchmarks' and GPU tests' full-size model, with random weights and the byte tokenizer.
+QWEN3_1P7B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                  num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                  rms_norm_eps=1e-6, tie_word_embeddings=True, rope_theta=1_000_000, eos_token_id=256)
+
+
+def make_qwen3_1p7b(out_dir: str | Path, device: str = "cuda", dtype: torch.dtype = torch.bfloat16) -> Path:
+    """The Qwen3-1.7B config with random weights (seed 0, built on ``device``) saved with the byte tokenizer."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(Qwen3Config(**QWEN3_1P7B), dtype=dtype)
+    model.save_pretrained(out_dir)
+    build_tokenizer().save_pretrained(str(out_dir))
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return Path(out_dir)
+
