@@ -147,6 +147,33 @@ def test_chunked_windows_cover_the_trace_and_match_with_enough_context(long_trac
     assert (scored - torch.tensor(out.logprobs, dtype=torch.float64)).abs().max() < 1e-4
 
 
+
+def test_logprobs_in_vocabulary_chunks_equal_the_whole_logits_with_their_gradients(long_trace):
+    # Catches a chunked loss (packed_logprobs scoring the LM head a chunk of targets at a time under
+    # checkpointing, so [M, V] float32 logits are never held whole) that misaligns targets with their
+    # hidden states, drops the last partial chunk, scores a chunk at the wrong temperature, or loses
+    # the gradient through the recomputed chunks. 7-row chunks (so the last is partial) against the
+    # whole logits: same logprobs, same gradient on every weight. Planted by splitting the targets one
+    # row off the hidden states, or by detaching the chunks, this fails.
+    model, policy, out = long_trace
+    p = len(out.prompt_token_ids)
+    items = [window_input(out.prompt_token_ids, out.token_ids, policy, t, w)
+             for t, w in ((0.8, chunked_windows(p, len(out.token_ids), 8, multiplier=4)[0]), (0.0, None))]
+    packed = pack_windows(items)
+    weights = torch.randn(int(packed.target_ids.shape[0]), generator=torch.Generator().manual_seed(0))
+    results = []
+    for rows in (10**9, 7):
+        model.zero_grad(set_to_none=True)
+        lp = packed_logprobs(model, packed, chunk_rows=rows)
+        (lp * weights).sum().backward()
+        results.append((lp.detach(), {n: q.grad.clone() for n, q in model.named_parameters()}))
+    (whole, whole_grads), (chunked, chunked_grads) = results
+    assert whole.shape[0] > 7 and whole.shape[0] % 7 != 0
+    assert torch.allclose(chunked, whole, rtol=0, atol=1e-5)  # a 7-row GEMM rounds differently from an M-row one
+    # float32 sums in another order: compare each weight's gradient to its own scale
+    assert all((chunked_grads[n] - g).abs().max() <= 1e-5 * g.abs().max() for n, g in whole_grads.items())
+    model.zero_grad(set_to_none=True)
+
 def test_mismatch_estimators_by_hand():
     behaviour = torch.tensor([-1.0, -2.0, -3.0])
     recomputed = torch.tensor([-1.5, -2.0, 7.0])

@@ -98,10 +98,36 @@ def packed_logits(model: DecoderLM, packed: PackedWindows, backend: str = "auto"
     return model.compute_logits(hidden[packed.predictor_index])  # [M, V] float32
 
 
-def packed_logprobs(model: DecoderLM, packed: PackedWindows, backend: str = "auto") -> Tensor:
-    """Logprob of every target under the sampler's convention: float32 ``[M]``, with grad when enabled."""
-    logits = packed_logits(model, packed, backend)
-    return logprobs_at(logits, packed.target_ids.to(logits.device), packed.temperature.to(logits.device))
+LOGIT_CHUNK_ELEMENTS = 2**27  # float32 logits materialised at once by packed_logprobs: 512 MiB
+
+
+def packed_logprobs(model: DecoderLM, packed: PackedWindows, backend: str = "auto",
+                    chunk_rows: int | None = None) -> Tensor:
+    """Logprob of every target under the sampler's convention: float32 ``[M]``, with grad when enabled.
+
+    The ``[M, V]`` float32 logits are never held whole: targets go through the LM head in chunks of
+    ``chunk_rows`` (default: ``LOGIT_CHUNK_ELEMENTS // V``, about 880 rows of a 152K vocabulary), each
+    under activation checkpointing when grad is on, so backward recomputes one chunk's logits at a
+    time. Memory for the loss is then flat in the number of targets instead of M x V x 4 bytes
+    (13.9 GiB at M = 23K of a 152K vocabulary).
+    """
+    device = next(model.parameters()).device
+    packed = packed.to(device)
+    attn = training_attention(packed.visibility, device, backend)
+    hidden = model(packed.input_ids, packed.positions, attn)[packed.predictor_index]  # [M, hidden]
+    rows = chunk_rows or max(1, LOGIT_CHUNK_ELEMENTS // model.config.vocab_size)
+    if hidden.shape[0] <= rows:
+        return _chunk_logprobs(model, hidden, packed.target_ids, packed.temperature)
+    chunks = zip(hidden.split(rows), packed.target_ids.split(rows), packed.temperature.split(rows))
+    if not torch.is_grad_enabled():
+        return torch.cat([_chunk_logprobs(model, *chunk) for chunk in chunks])
+    from torch.utils.checkpoint import checkpoint
+    return torch.cat([checkpoint(_chunk_logprobs, model, *chunk, use_reentrant=False) for chunk in chunks])
+
+
+def _chunk_logprobs(model: DecoderLM, hidden: Tensor, target_ids: Tensor, temperature: Tensor) -> Tensor:
+    """``[C, hidden]`` -> the logprobs of ``target_ids [C]`` at ``temperature [C]``: float32 ``[C]``."""
+    return logprobs_at(model.compute_logits(hidden), target_ids, temperature)
 
 
 def recompute_logprobs(model: DecoderLM, prompt_ids: Sequence[int], completion_ids: Sequence[int],
