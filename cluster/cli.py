@@ -248,6 +248,11 @@ def run_eval(checkpoint: str | None, overrides: list[str]) -> int:
     path = Path(checkpoint).expanduser()
     if not (path / "config.json").is_file():
         raise ConfigError(f"checkpoint {checkpoint!r} is not a Hugging Face model directory (no config.json)")
+    from trainer.manifest import check_intact
+    try:
+        check_intact(path)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     run_config = path.resolve().parent.parent / "config.yaml"
     cfg = load_config(TrainConfig, str(run_config) if run_config.is_file() else None, overrides)
     with tempfile.TemporaryDirectory() as scratch:

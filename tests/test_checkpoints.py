@@ -135,6 +135,25 @@ def test_a_learner_checkpoint_alone_carries_a_manifest_that_verifies(tiny_model_
     assert "model.safetensors" in on_disk.damage(tmp_path / "ckpt")
 
 
+
+def test_loading_a_damaged_checkpoint_outside_a_run_names_the_file(tiny_model_factory, tmp_path, capsys):
+    # Catches: Learner.from_checkpoint and `sliderl eval` loading a damaged checkpoint (a flipped byte:
+    # same size, so only the checksum sees it) without a word, training on or scoring corrupted
+    # weights. Both check the manifest first: the learner raises naming the file, eval exits 2
+    # naming it. Planted by dropping check_intact from from_checkpoint (it loads) or from run_eval
+    # (it scores), this fails.
+    from cluster.cli import main
+
+    learner = Learner(str(tiny_model_factory("qwen3")), algo=SFTOptions(), lr=1e-2)
+    learner.save_checkpoint(tmp_path / "ckpt")
+    assert Learner.from_checkpoint(tmp_path / "ckpt").version == 0  # intact: loads
+    flip_byte(tmp_path / "ckpt" / "model.safetensors")
+    with pytest.raises(ValueError, match=r"is damaged: .*model.safetensors does not match its sha256"):
+        Learner.from_checkpoint(tmp_path / "ckpt")
+    code = main(["eval", str(tmp_path / "ckpt"), "eval.num_problems=2"])
+    err = capsys.readouterr().err
+    assert code == 2 and "model.safetensors does not match its sha256" in err, err
+
 @pytest.mark.parametrize("tied", [True, False])
 def test_streamed_weights_are_what_safetensors_writes_and_transformers_reads(tiny_model_factory, tmp_path, tied):
     # Catches: a hand-written safetensors writer that differs from the library's (header layout,

@@ -314,6 +314,9 @@ def test_a_crafted_trainer_state_is_refused_without_running_code(tiny_model_fact
     assert {"version", "optimizer", "rng", "args"} <= set(state)
     marker = tmp_path / "pwned"
     torch.save({**state, "args": _RunsCode(str(marker))}, ckpt / "trainer_state.pt")
+    with pytest.raises(ValueError, match="trainer_state.pt (has|does not match)"):  # the manifest sees the change
+        Learner.from_checkpoint(ckpt)
+    (ckpt / "manifest.json").unlink()  # whoever crafts the file controls the folder: the loader must refuse it too
     with pytest.raises(ValueError, match="holds objects other than tensors and plain values"):
         Learner.from_checkpoint(ckpt)
     assert not marker.exists()

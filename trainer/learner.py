@@ -26,7 +26,7 @@ from trainer.checkpoint import (TRAINER_STATE, load_trainer_state, read_hf_sourc
                                 save_trainer_state, set_rng_state)
 from trainer.learner_args import LearnerArgs
 from trainer.logprobs import PackedWindows, WindowInput, logprob_mismatch, pack_windows, packed_logits, packed_logprobs
-from trainer.manifest import Manifest
+from trainer.manifest import Manifest, check_intact
 from trainer.windows import training_windows
 
 WINDOWED_KINDS = ("prefix_sliding", "sliding_window", "streaming")
@@ -366,11 +366,15 @@ class Learner:
         return manifest
 
     @classmethod
-    def from_checkpoint(cls, path, args: LearnerArgs | None = None) -> Learner:
+    def from_checkpoint(cls, path, args: LearnerArgs | None = None, verify: bool = True) -> Learner:
         """Resume from ``save_checkpoint(path)``: weights, optimizer, version (so the lr schedule), RNG.
 
         ``args``: the settings to continue with; default: the ones saved in the checkpoint.
+        ``verify``: check the files against the checkpoint's manifest first (ValueError naming a damaged
+        file); a run's driver has checked them already (``Checkpoints.latest``) and passes False.
         """
+        if verify:
+            check_intact(path)
         state = load_trainer_state(path)
         learner = cls(str(path), args or LearnerArgs.from_dict(state["args"]))
         learner.optimizer.load_state_dict(state["optimizer"])

@@ -153,3 +153,13 @@ def _entry(name: str, value) -> FileEntry:
     if not valid:
         raise ValueError(f'the entry of {name!r} is not {{"size": bytes, "sha256": 64 hex digits}}: {value!r}')
     return FileEntry(value["size"], value["sha256"])
+
+
+def check_intact(folder: str | os.PathLike) -> None:
+    """Raise ValueError naming the file when ``folder`` does not match its manifest (a checkpoint written
+    before manifests, without one, passes: there is nothing to compare with)."""
+    manifest = Manifest.read(folder)
+    problem = manifest.damage(folder) if manifest is not None else None
+    if problem is not None:
+        raise ValueError(f"checkpoint {str(folder)!r} is damaged: {problem}")
+
