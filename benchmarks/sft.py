@@ -149,7 +149,7 @@ def run(config: str, overrides: list[str], num_eval: int) -> list[dict]:
         record = json.loads((Path(path) / MARKER).read_text())["result"]
         sft.update(train_kv=cfg.engine.kv, seed=cfg.model.seed, steps_run=record["steps_run"],
                    final_loss=record["losses"][-1])
-        task, window = cfg.task.arith(), KVPolicy.parse(cfg.engine.kv).window
+        task, window = cfg.task.generator(), KVPolicy.parse(cfg.engine.kv).window
         problems = task.problems(num_eval, "eval")
         policies = [f"prefix_sliding:{window}", f"sliding_window:{window}", "full"]
         return [{**sft, **evaluate(path, problems, kv, task.max_completion_chars() + 8)} for kv in policies]

@@ -166,7 +166,7 @@ def data_sources(cfg, run_dir: str | Path) -> tuple[tuple[str, str], tuple[str, 
     (a single file is split ``train`` for ``datasets``).
     """
     if cfg.data.source == "task":
-        task = cfg.task.arith()
+        task = cfg.task.generator()
         folder = Path(run_dir) / "data"
         train = task.write_jsonl(folder / "train.jsonl", cfg.task.train_size, "train")
         held_out = task.write_jsonl(folder / "eval.jsonl", cfg.task.eval_size, "eval")

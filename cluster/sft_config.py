@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 from pydantic import Field, field_validator, model_validator
 
 from cluster.config import ModelSource, Section, TinyModel, run_folder
-from cluster.task_config import ArithTaskConfig, TaskSource
+from cluster.task_config import GENERATED_TASKS, ArithTaskConfig, TaskSource
 from rollout.kv_policy import KVPolicy
 from trainer.algorithms import SFTOptions
 from trainer.learner_args import LearnerArgs
@@ -24,7 +24,11 @@ class SFTData(Section):
     """(prompt, completion) pairs for an SFT stage."""
 
     source: str = "task"
-    """task: the task's reference solutions (arith); else a local .jsonl/.json/.parquet file or folder."""
+    """task: the task's reference solutions (arith, regmachine); else a local .jsonl/.json/.parquet file or folder."""
+    task_solution: str = "solution"
+    """source=task: which reference solution is the completion (regmachine: solution = lazy ``<reg_i>``
+    annotations, TIP's SFT target; solution_dense = the same lines without registers, the Dense
+    baseline's; solution_optimal = the optimal schedule)."""
     prompt_field: str = "prompt"
     """Column holding the prompt (files only)."""
     completion_field: str = "completion"
@@ -80,7 +84,7 @@ class SFTJobConfig(SFTStage):
     model: ModelSource = Field(default_factory=TinyModel)
     """Initial weights: type tiny (random, built locally) or hf (a local directory)."""
     task: TaskSource = Field(default_factory=ArithTaskConfig)
-    """With data.source=task: the arith task whose reference solutions are the pairs."""
+    """With data.source=task: the generated task (arith, regmachine) whose reference solutions are the pairs."""
     kv: str = "full"
     """Visibility every example is trained under (the KV policy its rollouts will use), e.g. prefix_sliding:24."""
     output_dir: str = Field(default_factory=run_folder("sft"))
@@ -93,7 +97,7 @@ class SFTJobConfig(SFTStage):
 
     @model_validator(mode="after")
     def _data_has_solutions(self) -> SFTJobConfig:
-        if self.data.source == "task" and self.task.type != "arith":
-            raise ValueError("data.source=task needs task.type=arith (its reference solutions are the pairs); "
+        if self.data.source == "task" and self.task.type not in GENERATED_TASKS:
+            raise ValueError("data.source=task needs task.type=arith or regmachine (its reference solutions are the pairs); "
                              "point data.source at a file of prompt/completion pairs")
         return self

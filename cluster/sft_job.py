@@ -1,7 +1,7 @@
 """SFT stages as jobs: ``sliderl sft`` and the warm start of ``sliderl train``.
 
-Both turn an ``SFTStage`` (data, learner settings, steps) into ``trainer.sft`` examples — the arith
-task's reference solutions or a user's file of prompt/completion pairs — and train them with the
+Both turn an ``SFTStage`` (data, learner settings, steps) into ``trainer.sft`` examples — a generated
+task's reference solutions (arith, regmachine) or a user's file of prompt/completion pairs — and train them with the
 one trainer, ``trainer.Learner`` with the SFT algorithm, under one KV policy (the job's ``kv``; for
 the warm start, the rollouts' ``engine.kv``). The warm start's checkpoint is cached by everything
 that shapes its weights; ``sliderl sft`` writes its checkpoint to ``output_dir/model``.
@@ -14,24 +14,28 @@ from pathlib import Path
 from cluster.config import ConfigError
 from cluster.data import open_dataset
 from cluster.sft_config import SFTJobConfig, SFTStage
-from cluster.task_config import ArithTaskConfig
+from cluster.task_config import GENERATED_TASKS
 from cluster.train_config import TrainConfig
 from trainer.sft import SFTExample, cached_sft, run_sft
 
 
 def stage_examples(stage: SFTStage, task) -> tuple[list[SFTExample], list[SFTExample]]:
-    """(train, held-out) examples of ``stage``: from the arith ``task`` or from ``stage.data.source``.
+    """(train, held-out) examples of ``stage``: from a generated ``task`` (its ``data.task_solution``) or from ``stage.data.source``.
 
     Task: step s trains on problems ``s*B .. (s+1)*B - 1`` of the train split (each seen once), and the
     ``held_out`` problems after them are scored. File: the last ``held_out`` rows are held out.
     """
     d = stage.data
     if d.source == "task":
-        if not isinstance(task, ArithTaskConfig):
-            raise ConfigError("an SFT stage with data.source=task needs task.type=arith")
+        if task.type not in GENERATED_TASKS:
+            raise ConfigError(f"an SFT stage with data.source=task needs a generated task ({', '.join(GENERATED_TASKS)}), "
+                              f"got task.type={task.type}")
         n = stage.sft.steps * stage.sft.batch_size
-        rows = task.arith().problems(n + d.held_out, "train")
-        examples = [SFTExample(r["prompt"], r["solution"]) for r in rows]
+        rows = task.generator().problems(n + d.held_out, "train")
+        if d.task_solution not in rows[0]:
+            raise ConfigError(f"data.task_solution={d.task_solution!r}: task.type={task.type} writes the solutions "
+                              f"{', '.join(k for k in rows[0] if k.startswith('solution'))}")
+        examples = [SFTExample(r["prompt"], r[d.task_solution]) for r in rows]
         return examples[:n], examples[n:]
     table = open_dataset(d.source, "train")
     missing = [f for f in (d.prompt_field, d.completion_field) if f not in table.column_names]

@@ -18,7 +18,7 @@ from pydantic import Field, model_validator
 from cluster.config import ModelSource, Section, TinyModel, base_record, run_folder
 from cluster.monitor import MonitorConfig
 from cluster.sft_config import WarmStartConfig
-from cluster.task_config import ArithTaskConfig, DataConfig, TaskSource
+from cluster.task_config import GENERATED_TASKS, ArithTaskConfig, DataConfig, TaskSource
 from rewards.spec import CorrectnessTerm, RewardSpec
 from rollout.engine_args import EngineArgs
 from rollout.sampling import SamplingParams
@@ -163,7 +163,7 @@ class TrainConfig(Section):
     RECIPE: ClassVar[str] = "tiny-arith.yaml"
 
     task: TaskSource = Field(default_factory=ArithTaskConfig)
-    """What is learned: type arith (generated problems) or math (data.source with reference answers)."""
+    """What is learned: type arith or regmachine (generated problems) or math (data.source with reference answers)."""
     data: DataConfig = Field(default_factory=DataConfig)
     """Prompt and eval datasets."""
     model: ModelSource = Field(default_factory=TinyModel)
@@ -239,14 +239,14 @@ class TrainConfig(Section):
                              "a group gets the group's seed + j); leave sampling.seed null")
 
     def _check_task(self) -> None:
-        if self.warmstart.enabled and self.warmstart.data.source == "task" and self.task.type != "arith":
-            raise ValueError(f"warmstart.data.source=task trains on the arith task's reference solutions; with "
+        if self.warmstart.enabled and self.warmstart.data.source == "task" and self.task.type not in GENERATED_TASKS:
+            raise ValueError(f"warmstart.data.source=task trains on a generated task's reference solutions; with "
                              f"task.type={self.task.type} point warmstart.data.source at a file of prompt/completion "
                              "pairs, or set warmstart.enabled=false")
         if self.task.type == "math" and self.data.source == "task":
             raise ValueError("task.type=math has no problem generator: set data.source to a dataset "
                              "(a .jsonl/.parquet path or a hub name)")
-        if self.task.type == "arith" and self.data.source == "task" and self.data.eval_source is None \
+        if self.task.type in GENERATED_TASKS and self.data.source == "task" and self.data.eval_source is None \
                 and self.eval.num_problems > self.task.eval_size:
             raise ValueError(f"eval.num_problems={self.eval.num_problems} but the task writes only "
                              f"task.eval_size={self.task.eval_size} eval problems; raise task.eval_size")

@@ -276,14 +276,14 @@ def test_task_and_warm_start_settings_reach_the_generator_and_the_sft_stage(tmp_
 
     cfg = load_config(TrainConfig, None, ["task.min_value=40", "task.max_value=60", "warmstart.sft.target_accuracy=0.3",
                                           "warmstart.sft.steps=3", "warmstart.sft.batch_size=2", "warmstart.learner.lr=0.5"])
-    for problem in cfg.task.arith().problems(50):
+    for problem in cfg.task.generator().problems(50):
         lines = problem["solution"].split("\n")  # "<think>", the start value, step lines "a+5=52", ...
         values = [int(lines[1])] + [int(line.split("=")[1]) for line in lines if "=" in line]
         assert 40 <= min(values) and max(values) <= 60
     assert cfg.warmstart.sft.target_accuracy == 0.3 and cfg.warmstart.learner.lr == 0.5
     assert cfg.warmstart.learner.algo.type == "sft" and cfg.warmstart.learner.total_steps == 3  # cosine over the stage
     train_examples, held_out = stage_examples(cfg.warmstart, cfg.task)
-    problems = cfg.task.arith().problems(3 * 2 + 64, "train")
+    problems = cfg.task.generator().problems(3 * 2 + 64, "train")
     assert [e.prompt for e in train_examples] == [p["prompt"] for p in problems[:6]]  # each problem seen once
     assert [e.completion for e in held_out] == [p["solution"] for p in problems[6:]]  # never trained on
     # the default job's warm start is the documented one: SFT through Learner with AdamW (0.9, 0.98), lr 1e-2,
