@@ -150,3 +150,23 @@ def test_bad_sft_settings_are_rejected_with_a_clear_message(tmp_path, base_model
         run_sft(base_model, tmp_path / "x", examples(4), [], KV, LearnerArgs(algo=GRPOOptions()), SFT)
     with pytest.raises(ValueError, match="needs held-out examples"):
         run_sft(base_model, tmp_path / "x", examples(4), [], KV, ARGS, SFTArgs(target_accuracy=0.5))
+
+
+def test_register_sft_tokenizes_registers_as_the_engine_does(tmp_path, base_model):
+    # catches: the SFT stage tokenizing "<reg_3>" into 7 bytes because the registers policy's tokens
+    # joined the vocabulary only at step 1, after the examples were tokenized — the model then never
+    # emits a register token and the engine never evicts. The first step's loss (the start weights) must
+    # equal the teacher-forced loss of the same batch tokenized with <reg_i> as single tokens, computed
+    # by a separate learner bound to registers:16 up front.
+    from rewards.regmachine import RegisterMachineTask
+    from trainer.learner import Learner
+
+    rows = RegisterMachineTask(repeats=(2, 3)).problems(4)
+    pairs = [SFTExample(r["prompt"], r["solution"]) for r in rows]
+    kv = "registers:16"
+    result = run_sft(base_model, tmp_path / "reg", pairs, [], kv, ARGS, SFTArgs(steps=1, batch_size=4))
+    reference = Learner(str(base_model), dataclasses.replace(ARGS, vocab_policy=kv))
+    traces = [sft_trace(reference.tokenizer, e, kv, i) for i, e in enumerate(pairs)]
+    reg_ids = set(reference.tokenizer.convert_tokens_to_ids([f"<reg_{i}>" for i in range(16)]))
+    assert all(reg_ids & set(t.completion_token_ids) for t in traces)
+    assert result.losses[0] == pytest.approx(reference.evaluate([traces]).loss, abs=2e-4)

@@ -111,7 +111,10 @@ def run_sft(model_path: str | Path, out_dir: str | Path, train_examples: list[SF
                          "give some or set target_accuracy=0")
     kv_policy = KVPolicy.parse(kv_policy).spec
     t0, cpu0 = time.perf_counter(), time.process_time()
-    learner = Learner(str(model_path), learner_args)
+    # the stage's policy tokens (registers:N's <reg_i>) join the vocabulary before the examples are
+    # tokenized, so "<reg_3>" in a completion is one token, the one the engine acts on
+    learner = Learner(str(model_path), learner_args if learner_args.vocab_policy else
+                      dataclasses.replace(learner_args, vocab_policy=kv_policy))
     train = [sft_trace(learner.tokenizer, e, kv_policy, i) for i, e in enumerate(train_examples)]
     held_out = [sft_trace(learner.tokenizer, e, kv_policy, -1 - i) for i, e in enumerate(held_out_examples)]
     losses, checks = [], []
