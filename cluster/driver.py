@@ -365,6 +365,7 @@ class Session:
             reward=_mean(t.reward for t in traces),
             accuracy=_mean(float(t.reward_components.get("correctness", 0.0) >= 1.0) for t in traces),
             visible_kv=_mean(t.mean_visible_kv for t in traces),
+            peak_visible_kv=_mean(t.peak_visible_kv for t in traces),
             completion_tokens=_mean(t.num_tokens for t in traces),
             rollout_tokens_per_s=counters.tokens / max(time.monotonic() - counters.since, 1e-9),
             stale_groups_dropped=counters.stale,

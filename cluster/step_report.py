@@ -24,6 +24,8 @@ class StepReport:
     """fraction of those traces the verifier scored correct (correctness component >= 1)"""
     visible_kv: float
     """mean over those traces of their mean visible KV tokens per decode step"""
+    peak_visible_kv: float
+    """mean over those traces of their peak visible KV tokens (the most any decode step saw)"""
     completion_tokens: float
     """mean generated tokens per trained trace"""
     rollout_tokens_per_s: float

@@ -219,13 +219,13 @@ def test_monitor_config_documents_and_checks_every_key():
 # ------------------------------------------------------------------------------ the step report
 
 # metrics.jsonl keys that tests, benchmarks and users' dashboards read
-JSONL_KEYS = {"reward", "accuracy", "visible_kv", "completion_tokens", "rollout_tokens_per_s",
+JSONL_KEYS = {"reward", "accuracy", "visible_kv", "peak_visible_kv", "completion_tokens", "rollout_tokens_per_s",
               "stale_groups_dropped", "staleness_mean", "staleness_max", "queue_depth", "version",
               "worker_restarts", "duplicate_groups", "reissued_groups", "learner_step_seconds"}
 
 
 def step_report(**overrides) -> StepReport:
-    values = dict(reward=0.5, accuracy=0.25, visible_kv=40.0, completion_tokens=12.0, rollout_tokens_per_s=300.0,
+    values = dict(reward=0.5, accuracy=0.25, visible_kv=40.0, peak_visible_kv=55.0, completion_tokens=12.0, rollout_tokens_per_s=300.0,
                   stale_groups_dropped=3, staleness_mean=0.5, staleness_max=1, queue_depth=2, version=7,
                   worker_restarts=0, duplicate_groups=1, reissued_groups=1, learner_step_seconds=1.25)
     return StepReport(**{**values, **overrides})
