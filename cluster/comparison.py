@@ -108,10 +108,10 @@ class CompareConfig(Section):
         plain = {e.label for e in self.entries if e.budget_of is None}
         for entry in self.entries:
             if entry.budget_of is not None and entry.budget_of not in plain:
-                templates = sorted({e.label for e in self.entries} - plain)
-                raise ValueError(f"entry {entry.label!r}: budget_of {entry.budget_of!r} names no entry without a "
-                                 f"budget; plain entries: {', '.join(sorted(plain)) or 'none'}"
-                                 + (f" (templates cannot be references: {', '.join(templates)})" if templates else ""))
+                templated = any(e.label == entry.budget_of for e in self.entries)
+                raise ValueError(f"entry {entry.label!r}: budget_of {entry.budget_of!r} " + (
+                    "is itself a budget template; " if templated else "names no entry without a budget; ")
+                    + f"plain entries: {', '.join(sorted(plain)) or 'none'}")
         labels = [label for e in self.entries for label in e.expanded_labels()]
         repeated = sorted({label for label in labels if labels.count(label) > 1})
         if repeated:
