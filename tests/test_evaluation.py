@@ -86,20 +86,28 @@ def test_seeds_report_mean_and_sample_std():
 
 
 def test_budgets_are_fractions_of_the_reference_mean_live_kv():
-    # Catches: a budget from the reference's peak (51) instead of its mean over seeds (45), Python's
-    # half-to-even round (0.3 x 45 = 13.5 -> 14 here, not 13), and {budget-N} ignoring N (window = budget).
-    reference = EntryResult("Dense", "ckpt", "full", (_run(0.5, 40.0), _run(0.7, 50.0)), (0, 1))  # mean KV 45
+    # Catches: a budget from the reference's peak (61) instead of its mean over seeds (50), Python's
+    # half-to-even round (0.25 x 50 = 12.5 -> 12, not 13), and {budget-N} ignoring N (window = budget).
+    reference = EntryResult("Dense", "ckpt", "full", (_run(0.5, 40.0), _run(0.7, 60.0)), (0, 1))  # mean KV 50
     entry = CompareConfig(entries=[{"label": "Dense"}, {"label": "S", "kv": "streaming:4:{budget-4}",
-                                                        "budget_of": "Dense", "budgets": [0.3, 1.0]}]).entries[1]
+                                                        "budget_of": "Dense", "budgets": [0.25, 1.0]}]).entries[1]
     low, full = expand(entry, "ckpt", reference)
-    # 0.3 x 45 = 13.5 -> 14 (half up); window 14 - 4 = 10. 1.0 x 45 = 45; window 41
-    assert (low.label, low.budget, low.kv) == ("S@30%", 14, "streaming:4:10")
-    assert (full.label, full.budget, full.kv) == ("S@100%", 45, "streaming:4:41")
+    # 0.25 x 50 = 12.5 -> 13 (half up); window 13 - 4 = 9. 1.0 x 50 = 50; window 46
+    assert (low.label, low.budget, low.kv, low.budget_of) == ("S@25%", 13, "streaming:4:9", "Dense")
+    assert (full.label, full.budget, full.kv) == ("S@100%", 50, "streaming:4:46")
     assert fill_budget("h2o:{budget}", 12) == "h2o:12"
     tiny = CompareConfig(entries=[{"label": "Dense"}, {"label": "S", "kv": "streaming:4:{budget-4}",
                                                        "budget_of": "Dense", "budgets": [0.05]}]).entries[1]
-    with pytest.raises(ValueError, match="budget 2, giving 'streaming:4:-2'.*raise the fraction"):
-        expand(tiny, "ckpt", reference)  # 0.05 x 45 = 2.25 -> 2, window 2 - 4 < 1
+    with pytest.raises(ValueError, match="budget 3, giving 'streaming:4:-1'.*raise the fraction"):
+        expand(tiny, "ckpt", reference)  # 0.05 x 50 = 2.5 -> 3, window 3 - 4 < 1
+
+
+def test_a_template_cannot_be_a_reference():
+    # Catches: chained templates (a budget of a budget), which would run before their reference exists.
+    with pytest.raises(ValueError, match="budget_of 'S' is itself a budget template; plain entries: Dense"):
+        CompareConfig(entries=[{"label": "Dense"},
+                               {"label": "S", "kv": "sliding_window:{budget}", "budget_of": "Dense", "budgets": [0.5]},
+                               {"label": "T", "kv": "sliding_window:{budget}", "budget_of": "S", "budgets": [0.5]}])
 
 
 def test_pareto_front_by_direction():
