@@ -104,7 +104,8 @@ def _compare_keys_help() -> str:
     """The ``eval.compare`` keys with their defaults and meanings."""
     from cluster.comparison import CompareConfig, CompareEntry
 
-    entry = [f"  eval.compare.entries[].{name}: {field.description}" for name, field in CompareEntry.model_fields.items()]
+    entry = [f"  eval.compare.entries[].{name}: {' '.join((field.description or '').split())}"
+             for name, field in CompareEntry.model_fields.items()]
     keys = [line for line in config_reference(CompareConfig(), "eval.compare.") if not line.startswith("eval.compare.output_dir")]
     return ("comparison keys, with their defaults (override with key=value):\n  " + "\n  ".join(keys)
             + "\n  eval.compare.output_dir = runs/eval-<timestamp>  Where results.md, results.jsonl, config.yaml "
