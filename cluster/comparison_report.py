@@ -97,7 +97,9 @@ def write_plots(results: list[EntryResult], out_dir: Path) -> list[Path]:
         for xi, yi, r in zip(x, y, results):
             ax.annotate(r.label, (xi, yi), textcoords="offset points", xytext=(4, 4), fontsize=8)
         front = pareto_front(list(zip(x, y)), lower_better)
-        ax.plot([x[i] for i in front], [y[i] for i in front], "--", color="tab:red", label="Pareto frontier")
+        ax.plot([x[i] for i in front], [y[i] for i in front], "--o", color="tab:red", markerfacecolor="none",
+                 markersize=11, label="Pareto frontier")  # circled, so a one-point frontier shows
+        ax.margins(x=0.15, y=0.1)  # room for the labels of the outermost points
         ax.set(xlabel=xlabel, ylabel="avg@k accuracy", title=f"accuracy against {xlabel}")
         ax.grid(alpha=0.3)
         ax.legend(loc="best", fontsize=8)
