@@ -57,15 +57,26 @@ def build_parser() -> argparse.ArgumentParser:
          "(data.source) — with the learner's SFT algorithm under one KV policy (kv). Writes config.yaml and the "
          "checkpoint (model/) to output_dir.", "data.source=pairs.jsonl sft.steps=100")
     evaluate = commands.add_parser(
-        "eval", help="score a checkpoint on the task's eval split with the engine",
-        usage="%(prog)s [-h] CHECKPOINT [key=value ...]",
-        description="Greedy accuracy and KV use of CHECKPOINT (a Hugging Face directory, e.g. "
-                    "run_dir/checkpoints/step_000020) on eval.num_problems eval problems. The run's "
-                    "config.yaml (two folders up) is used when present; overrides apply on top.",
+        "eval", help="score a checkpoint, or compare checkpoints and KV policies, on the task's eval split",
+        usage="%(prog)s [-h] CHECKPOINT | COMPARE.yaml [key=value ...]",
+        description="sliderl eval CHECKPOINT: greedy accuracy and KV use of CHECKPOINT (a Hugging Face directory, "
+                    "e.g. run_dir/checkpoints/step_000020) on eval.num_problems eval problems. The run's "
+                    "config.yaml (two folders up) is used when present; overrides apply on top.\n\n"
+                    "sliderl eval COMPARE.yaml: every entry of eval.compare.entries (a label, a checkpoint, a KV "
+                    "policy) samples eval.compare.k completions per problem (temperature 0.6, top-p 0.95 unless "
+                    "set) once per seed in eval.compare.seeds; an entry with budget_of/budgets runs at fractions of "
+                    "the named entry's measured mean live KV ({budget} or {budget-N} in its kv, e.g. "
+                    "streaming:4:{budget-4}). Prints a table of avg@k, pass@k, mean and peak live KV, tokens, "
+                    "aggregate tokens/s and decode seconds, and writes results.md, results.jsonl, config.yaml and "
+                    "three Pareto plots (accuracy against live KV, throughput, decode time) to "
+                    "eval.compare.output_dir. COMPARE.yaml has the train job's keys (task, data, model, engine, "
+                    "sampling, eval); configs/compare-tiny.yaml is an example.",
+        epilog=_compare_keys_help(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    evaluate.add_argument("args", nargs="*", metavar="CHECKPOINT | key=value",
-                          help="the checkpoint directory, then overrides such as engine.kv=sliding_window:32")
+    evaluate.add_argument("args", nargs="*", metavar="CHECKPOINT | COMPARE.yaml | key=value",
+                          help="the checkpoint directory or a comparison file, then overrides such as "
+                               "engine.kv=sliding_window:32 or eval.compare.k=4")
     evaluate.set_defaults(run=run_eval)
     return parser
 
@@ -87,6 +98,18 @@ def _keys_help(schema) -> str:
     except ConfigError as err:  # a broken recipe must not break --help of the other commands
         lines = [f"(the recipe does not load: {err})"]
     return "config keys, with the recipe's values (override with key=value):\n  " + "\n  ".join(lines)
+
+
+def _compare_keys_help() -> str:
+    """The ``eval.compare`` keys with their defaults and meanings."""
+    from cluster.comparison import CompareConfig, CompareEntry
+
+    entry = [f"  eval.compare.entries[].{name}: {' '.join((field.description or '').split())}"
+             for name, field in CompareEntry.model_fields.items()]
+    keys = [line for line in config_reference(CompareConfig(), "eval.compare.") if not line.startswith("eval.compare.output_dir")]
+    return ("comparison keys, with their defaults (override with key=value):\n  " + "\n  ".join(keys)
+            + "\n  eval.compare.output_dir = runs/eval-<timestamp>  Where results.md, results.jsonl, config.yaml "
+            "and the Pareto plots are written.\n" + "\n".join(entry))
 
 
 def split_args(args: list[str]) -> tuple[str | None, list[str]]:
@@ -235,29 +258,52 @@ def run_sft(config_path: str | None, overrides: list[str]) -> int:
 # ---------------------------------------------------------------------------------------- eval
 
 
-def run_eval(checkpoint: str | None, overrides: list[str]) -> int:
-    """``sliderl eval CHECKPOINT``: accuracy and KV numbers of a checkpoint on the eval split."""
-    import tempfile
+def run_eval(target: str | None, overrides: list[str]) -> int:
+    """``sliderl eval CHECKPOINT`` or ``sliderl eval COMPARE.yaml``."""
+    if target is not None and (Path(target).expanduser().is_file() or Path(target).suffix in (".yaml", ".yml")):
+        return run_compare(target, overrides)
+    return run_checkpoint_eval(target, overrides)
 
-    from cluster.data import data_sources, load_split
-    from cluster.evaluation import score
-    from rollout import LLM
 
-    if checkpoint is None:
-        raise ConfigError("sliderl eval needs a CHECKPOINT directory (e.g. runs/x/checkpoints/step_000020)")
+def checked_checkpoint(checkpoint: str, key: str = "checkpoint") -> Path:
+    """``checkpoint`` as a path, refused (ConfigError) unless it is an intact Hugging Face directory."""
+    from trainer.manifest import check_intact
+
     path = Path(checkpoint).expanduser()
     if not (path / "config.json").is_file():
-        raise ConfigError(f"checkpoint {checkpoint!r} is not a Hugging Face model directory (no config.json)")
-    from trainer.manifest import check_intact
+        raise ConfigError(f"{key} {checkpoint!r} is not a Hugging Face model directory (no config.json)")
     try:
         check_intact(path)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    run_config = path.resolve().parent.parent / "config.yaml"
-    cfg = load_config(TrainConfig, str(run_config) if run_config.is_file() else None, overrides)
+    return path
+
+
+def eval_problems(cfg: TrainConfig) -> list:
+    """The first eval.num_problems problems of the config's eval split."""
+    import tempfile
+
+    from cluster.data import data_sources, load_split
+
     with tempfile.TemporaryDirectory() as scratch:
         _, eval_source = data_sources(cfg, scratch)
-        problems = load_split(cfg, eval_source, cfg.eval.num_problems)
+        return load_split(cfg, eval_source, cfg.eval.num_problems)
+
+
+def run_checkpoint_eval(checkpoint: str | None, overrides: list[str]) -> int:
+    """``sliderl eval CHECKPOINT``: accuracy and KV numbers of a checkpoint on the eval split."""
+    from cluster.evaluation import score
+    from rollout import LLM
+
+    if checkpoint is None:
+        raise ConfigError("sliderl eval needs a CHECKPOINT directory (e.g. runs/x/checkpoints/step_000020) "
+                          "or a COMPARE.yaml file (e.g. configs/compare-tiny.yaml)")
+    if any(o.startswith("eval.compare.") or o.startswith("eval.compare=") for o in overrides):
+        raise ConfigError("eval.compare.* settings belong to a comparison: sliderl eval COMPARE.yaml [key=value ...]")
+    path = checked_checkpoint(checkpoint)
+    run_config = path.resolve().parent.parent / "config.yaml"
+    cfg = load_config(TrainConfig, str(run_config) if run_config.is_file() else None, overrides)
+    problems = eval_problems(cfg)
     check_device(cfg.engine.device, "engine.device")
     llm = LLM(str(path), args=cfg.engine)
     start = time.perf_counter()
@@ -265,6 +311,35 @@ def run_eval(checkpoint: str | None, overrides: list[str]) -> int:
     result = score(outputs, problems, cfg.verifier(), cfg.engine.kv)
     print(f"{path}: {result.line()} | {time.perf_counter() - start:.1f} s")
     print(json.dumps({"checkpoint": str(path), **result.__dict__}))
+    return 0
+
+
+def run_compare(config_path: str, overrides: list[str]) -> int:
+    """``sliderl eval COMPARE.yaml``: every entry of eval.compare sampled k times per problem; table and plots."""
+    from cluster.comparison import run_comparison
+    from cluster.comparison_report import text_table, write_report
+
+    cfg = load_config(TrainConfig, config_path, overrides)
+    compare = cfg.eval.compare
+    if not compare.entries:
+        raise ConfigError(f"{config_path} lists no eval.compare.entries; give each a label, a checkpoint and a kv "
+                          "policy (sliderl eval --help)")
+    check_device(cfg.engine.device, "engine.device")
+    check_outlives_job(compare.output_dir, "eval.compare.output_dir")
+    checkpoints = {e.label: str(checked_checkpoint(e.checkpoint, f"entry {e.label!r}: checkpoint")
+                                if e.checkpoint is not None else cfg.model.resolve()) for e in compare.entries}
+    problems = eval_problems(cfg)
+    print(to_yaml(cfg), end="", flush=True)
+    out_dir = Path(compare.output_dir)
+    save_config(cfg, out_dir / "config.yaml")
+    results = run_comparison(cfg, checkpoints, problems, cfg.verifier(), report=lambda r: print(
+        f"sliderl eval: {r.label} ({r.kv}): avg@k {r.mean('avg_at_k'):.3f}, mean live KV "
+        f"{r.mean('mean_live_kv'):.1f}", flush=True))
+    written = write_report(results, out_dir)
+    print(f"\n{len(problems)} problems x k={compare.k}, seeds {list(compare.seeds)}, temperature "
+          f"{compare.temperature}, top-p {compare.top_p}\n")
+    print(text_table(results), end="")
+    print(f"\nwrote {out_dir / 'config.yaml'}, " + ", ".join(str(p) for p in written))
     return 0
 
 

@@ -15,6 +15,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
+from cluster.comparison import CompareConfig
 from cluster.config import ModelSource, Section, TinyModel, base_record, run_folder
 from cluster.monitor import MonitorConfig
 from cluster.sft_config import WarmStartConfig
@@ -132,7 +133,8 @@ class RayConfig(Section):
 
 
 class EvalConfig(Section):
-    """Accuracy on the eval split: before and after training, and ``sliderl eval``."""
+    """Accuracy on the eval split: before and after training (greedy, one completion per problem),
+    ``sliderl eval CHECKPOINT`` (the same), and ``sliderl eval COMPARE.yaml`` (``compare``: k samples)."""
 
     num_problems: int = Field(256, ge=1)
     """Eval problems scored (the first ones of the eval split)."""
@@ -144,6 +146,9 @@ class EvalConfig(Section):
     """Sampling temperature of eval (0: greedy)."""
     max_tokens: int | None = Field(None, ge=1)
     """Longest eval completion; None uses sampling.max_tokens."""
+    compare: CompareConfig = Field(default_factory=CompareConfig)
+    """``sliderl eval COMPARE.yaml``: the entries (checkpoint, KV policy) to compare and how they are
+    sampled (k, temperature, top_p, seeds); not used by the train job."""
 
 
 # ----------------------------------------------------------------------------------- top level
