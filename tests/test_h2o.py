@@ -88,7 +88,7 @@ def test_generation_keeps_the_budget_and_records_every_eviction(tiny_model_facto
     """Catches: the budget counted in tokens instead of whole pages or off by a page, a recent page (the one
     being written) evicted, a partial page evicted, the block bound too small for the unscored first
     steps (admission's assert), a page evicted after a step that saw it was launched (the overlap lag
-    recorded as a later death). Planted: budget_pages + 1, recent pages 0, death = a + 1 — each fails."""
+    recorded as a later death). Planted: one page over the budget, one recent page fewer — each fails."""
     path = tiny_model_factory(arch="qwen3")
     llm, outs, _ = generate(path, overlap)
     assert llm.stats.preemptions == 0
@@ -113,9 +113,11 @@ def test_evicted_pages_are_the_lowest_mass_ones(tiny_model_factory):
 
     Recomputed by a float64 dense forward over the recorded deaths: every page evicted at a has no more
     mass than any older page kept at a, and exactly enough pages go to fit the budget. Catches: the
-    recent/heavy roles swapped (keeping the lightest pages or evicting the heaviest), mass not
-    accumulated over steps (one step's mass only), mass of one layer or head only, prefill mass dropped.
-    Planted: sort descending, mass replaced instead of added, recent pages evicted — each fails.
+    heavy pages' role inverted (keeping the lightest pages, evicting the heaviest), mass not accumulated
+    over steps (the last step's only), prefill mass dropped, a page over the budget. Planted: victims
+    sorted by descending mass, mass replaced instead of added, no mass from the prefill path, one page
+    over the budget — each fails. (Dropping one layer's mass does not: the tiny random model's two
+    layers rank pages alike; the kernel tests pin the per-layer sum over heads.)
     """
     path = tiny_model_factory(arch="qwen3")
     _, outs, _ = generate(path, overlap=False)
@@ -141,7 +143,8 @@ def test_trainer_rescoring_an_h2o_trace_matches_the_sampler(tiny_model_factory, 
     """The trainer's mask comes from the trace's recorded deaths (through Parquet), so its logprobs equal the
     sampler's within 1e-4; without them (the policy alone never evicts) they do not. Catches: the deaths
     not passed from RequestOutput to Trace or through the Parquet row, the trainer ignoring
-    ``kv_deaths``, a death off by one position (planted: death = a + 1 in the engine fails here)."""
+    ``kv_deaths``, a death off by one position. Planted: the engine recording death = a + 1, the Learner
+    ignoring ``trace.death_ranges``, ``Trace.from_row`` dropping ``kv_deaths`` — each fails."""
     path = tiny_model_factory(arch="qwen3")
     _, outs, params = generate(path, overlap, max_tokens=30)
     traces = [Trace(f"t{i}", "g", "p", 0, 0, f"h2o:{BUDGET}", out.prompt_token_ids, out.token_ids, out.logprobs,

@@ -545,8 +545,8 @@ def test_h2o_page_mass_matches_dense_softmax_per_page(block_size, group, splits,
     then sum to ~1 per head, so a sequence's mass exceeds H_q); mass written to the wrong block-table
     column (logical index instead of column, or a tile spanning blocks credited to one); dead or
     unseen keys counted; the output overwritten instead of added to (layers accumulate into it); the
-    mass summed over KV heads only (GQA group dropped). Planted: normaliser of the split, column =
-    logical block, no visibility mask, store instead of atomic add — each fails here.
+    mass of one query head per GQA group. Planted: each split storing its own normaliser, column =
+    logical block, no visibility mask, store instead of atomic add, one head per group — each fails.
     """
     gen = torch.Generator().manual_seed(500 + 10 * block_size + splits)
     seqs = [random_seq(gen, 45, 1, window=13, prefix=5, spans=3), random_seq(gen, 70, 1, window=29, prefix=9, spans=6),
