@@ -178,3 +178,24 @@ def test_h2o_specs_and_budget_errors(tiny_model_factory):
     with pytest.raises(ValueError, match="kv_deaths range"):
         Learner(str(path)).step([[Trace("t", "g", "p", 0, 0, "h2o:16", [1, 2], [3], [-1.0], "length",
                                         kv_deaths=[0, 2, 1])]])  # dies before its last key is written
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("overlap", [False, True])
+def test_cuda_h2o_traces_rescore_on_the_cpu_trainer(tiny_model_factory, overlap):
+    """On CUDA the decode kernel's mass output drives the evictions (prefill chunks: the torch reference),
+    without CUDA graphs; whatever it evicts, the recorded deaths let the CPU trainer rescore the trace.
+    Catches a GPU-only death or mass path that disagrees with what the kernels attended to."""
+    path = tiny_model_factory(arch="qwen3")
+    llm = LLM(str(path), kv="h2o:32", device="cuda", dtype="float32", block_size=8, num_blocks=256, overlap=overlap)
+    assert llm.runner.graphs is None
+    outs = llm.generate([list(range(10, 90)), [5, 6, 7]],
+                        SamplingParams(max_tokens=100, temperature=0.8, seed=1, ignore_eos=True))
+    model = load_model(path)
+    for out in outs:
+        assert out.kv_deaths and out.kv.peak_blocks <= max(4, -(-(len(out.prompt_token_ids) + 2) // 8))
+        trace = Trace("t", "g", "p", 0, 0, "h2o:32", out.prompt_token_ids, out.token_ids, out.logprobs, "length",
+                      temperature=0.8, kv_deaths=Trace.flat_deaths(out.kv_deaths))
+        with torch.no_grad():
+            err = (trace_logprobs(model, trace).double() - torch.tensor(out.logprobs).double()).abs().max()
+        assert err < 1e-3
