@@ -175,6 +175,9 @@ def test_h2o_specs_and_budget_errors(tiny_model_factory):
     path = tiny_model_factory(arch="qwen3")
     with pytest.raises(ValueError, match=r"h2o:7 needs a budget of at least 2 pages.*8"):
         LLM(str(path), kv="h2o:7", block_size=4)
+    row = Trace("t", "g", "p", 0, 0, "full", [1], [2], [-1.0], "length").to_row()
+    del row["kv_deaths"]  # a trace log written before h2o
+    assert Trace.from_row(row).kv_deaths == []
     with pytest.raises(ValueError, match="kv_deaths range"):
         Learner(str(path)).step([[Trace("t", "g", "p", 0, 0, "h2o:16", [1, 2], [3], [-1.0], "length",
                                         kv_deaths=[0, 2, 1])]])  # dies before its last key is written
