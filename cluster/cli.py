@@ -166,6 +166,7 @@ def completion_record(prompt_index: int, sample_index: int, prompt: str, out: An
         "peak_visible_kv_tokens": out.kv.peak_visible_tokens,
         "mean_visible_kv_tokens": out.kv.mean_visible_tokens,
         "peak_blocks": out.kv.peak_blocks,
+        "kv_deaths": [list(r) for r in out.kv_deaths],
     }
 
 

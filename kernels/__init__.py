@@ -22,16 +22,23 @@ from kernels.metadata import AttentionMetadata, PagedKVCache
 
 
 def paged_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: AttentionMetadata, scale: float,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None, mass: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of ``q [N, H_q, D]`` over each sequence's live blocks with the Triton kernels; ``[N, H_q, D]``.
 
     Decode batches (``meta.is_decode``) use the split-K decode kernel, all others the prefill kernel.
     Same function as ``kernels.reference.paged_attention`` except that a query with no visible key
-    gets 0 instead of NaN. ``out`` (like q) receives the result when given.
+    gets 0 instead of NaN. ``out`` (like q) receives the result when given. ``mass`` (Paged H2O: per
+    block-table column attention mass, ``kernels.reference``'s module docstring): decode batches get it
+    from the decode kernel; the prefill kernel has no such output, so a batch with a prefill chunk
+    then runs the pure-torch reference instead.
     """
+    if mass is not None and not meta.is_decode:
+        from kernels.reference import paged_attention as torch_attention
+        result = torch_attention(q, cache, layer, meta, scale, mass=mass)
+        return result if out is None else out.copy_(result)
     if meta.is_decode:
         from kernels.decode import decode_attention
-        return decode_attention(q, cache, layer, meta, scale, out=out)
+        return decode_attention(q, cache, layer, meta, scale, out=out, mass=mass)
     from kernels.prefill import prefill_attention
     return prefill_attention(q, cache, layer, meta, scale, out=out)
 

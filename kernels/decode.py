@@ -5,6 +5,14 @@ to 16 rows for ``tl.dot``) so each K/V tile is read once, walks split j's share 
 tiles with an online softmax in fp32 (base 2), and either writes the normalised output (one
 split) or its partial (max, sum, unnormalised acc); the last split of a (sequence, head) to finish
 merges the partials into the output in the same launch.
+
+Page mass (Paged H2O, ``mass`` given): the kernel is compiled with ``OUTPUT_MASS`` and also stores
+each query head's final softmax normaliser — its running max and sum, after the merge of every
+split's partial when split-K is on — and a second small kernel (``_page_mass_kernel``, same grid)
+walks the same tiles again: p = exp2(s - max) / sum is each key's probability under the global
+normaliser, summed over the GQA group and atomically added to the key's block-table column. Reading
+the keys twice costs h2o alone; without ``mass`` the flag is off and the decode kernel is the code
+every other policy runs.
 """
 
 from __future__ import annotations
@@ -25,11 +33,12 @@ from kernels.metadata import AttentionMetadata, PagedKVCache
 @triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, death_ptr, block_tables_ptr, block_index_ptr, num_live_ptr,
                    query_start_ptr, query_pos_ptr, out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, counter_ptr,
+                   norm_max_ptr, norm_sum_ptr,
                    stride_qn, stride_qh, stride_kb, stride_ks, stride_kh,
                    stride_bt, stride_bi, stride_on, stride_oh, num_q_heads, num_kv_heads, scale_log2,
                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                   PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                   PRECISION: tl.constexpr, UPCAST: tl.constexpr, OUTPUT_MASS: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -89,6 +98,9 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, death_ptr, block_tables_ptr, block_index
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         out_ptrs = out_ptr + row64 * stride_on + head[:, None] * stride_oh + d[None, :]
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+        if OUTPUT_MASS:  # the global normaliser of each head, for _page_mass_kernel
+            tl.store(norm_max_ptr + row64 * num_q_heads + head, m_i, mask=row_ok)
+            tl.store(norm_sum_ptr + row64 * num_q_heads + head, l_i, mask=row_ok)
     else:
         # Publish this split's partial; the last split of (seq, kv_head) to arrive merges them all
         # (no second launch). The barrier orders every thread's stores before the release atomic.
@@ -116,7 +128,62 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, death_ptr, block_tables_ptr, block_index
             out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
             out_ptrs = out_ptr + row64 * stride_on + head[:, None] * stride_oh + d[None, :]
             tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+            if OUTPUT_MASS:  # the merged (global) normaliser, not any one split's
+                tl.store(norm_max_ptr + row64 * num_q_heads + head, m_i, mask=row_ok)
+                tl.store(norm_sum_ptr + row64 * num_q_heads + head, l_i, mask=row_ok)
             tl.store(counter, 0)  # every launch leaves the counters zero for the next one
+
+
+@triton.jit
+def _page_mass_kernel(q_ptr, k_ptr, death_ptr, block_tables_ptr, block_index_ptr, num_live_ptr,
+                      query_start_ptr, query_pos_ptr, norm_max_ptr, norm_sum_ptr, mass_ptr,
+                      stride_qn, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_bi, stride_mass,
+                      num_q_heads, scale_log2,
+                      GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+                      BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                      PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """mass[seq, column] += sum over the group's heads of exp2(s - max) / sum over the column's visible keys."""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    row = tl.load(query_start_ptr + seq)
+    num_q = tl.minimum(tl.load(query_start_ptr + seq + 1) - row, 1)
+    q_pos = tl.load(query_pos_ptr + row, mask=num_q > 0, other=-1)
+    num_live = tl.load(num_live_ptr + seq) * num_q
+    num_tiles = tl.cdiv(num_live * BLOCK_SIZE, TILE_N)
+    per_split = tl.cdiv(num_tiles, NUM_SPLITS)
+    first = split * per_split
+    last = tl.minimum(first + per_split, num_tiles)
+
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, DIM_PAD)
+    head = kv_head * GROUP + g
+    row_ok = g < GROUP * num_q
+    d_ok = d < HEAD_DIM
+    row64 = row.to(tl.int64)
+    q = tl.load(q_ptr + row64 * stride_qn + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    m_i = tl.load(norm_max_ptr + row64 * num_q_heads + head, mask=row_ok, other=0.0)
+    l_i = tl.load(norm_sum_ptr + row64 * num_q_heads + head, mask=row_ok, other=0.0)
+    inv_l = tl.where(row_ok & (l_i > 0), 1.0 / tl.where(l_i > 0, l_i, 1.0), 0.0)  # [GROUP_PAD]
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    bi_row = block_index_ptr + seq.to(tl.int64) * stride_bi
+    mass_row = mass_ptr + seq.to(tl.int64) * stride_mass
+    for tile in range(first, last):
+        offset, pos, death, in_range = live_key_tile(bt_row, bi_row, death_ptr, num_live, tile,
+                                                     stride_kb, stride_ks, BLOCK_SIZE, TILE_N)
+        visible = in_range & (pos <= q_pos) & (q_pos < death)
+        k = tl.load(k_ptr + offset[:, None] + kv_head * stride_kh + d[None, :],
+                    mask=in_range[:, None] & d_ok[None, :], other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [GROUP_PAD, TILE_N]
+        p = tl.exp2(s - m_i[:, None]) * inv_l[:, None]
+        p = tl.where(visible[None, :] & row_ok[:, None], p, 0.0)
+        column = (tile * TILE_N + tl.arange(0, TILE_N)) // BLOCK_SIZE
+        tl.atomic_add(mass_row + column, tl.sum(p, 0), mask=visible)
 
 
 _COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
@@ -203,13 +270,16 @@ def decode_config(num_seqs: int, num_kv_heads: int, block_size: int, max_live_bl
 
 
 def decode_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: AttentionMetadata, scale: float,
-                     config: DecodeConfig | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                     config: DecodeConfig | None = None, out: torch.Tensor | None = None,
+                     mass: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of ``q [S, H_q, D]`` (one token per sequence) over live blocks; returns ``[S, H_q, D]``.
 
     ``config`` overrides the launch shape; pass a fixed ``num_splits`` when capturing a CUDA graph
     (the default split count depends on ``meta.max_live_blocks``). ``out`` receives the result when
     given. A query with no visible key gets 0; rows no sequence owns (past ``query_start[S]``, e.g.
-    padding of a captured batch) are left unwritten.
+    padding of a captured batch) are left unwritten. ``mass``: a float32 ``[S, >= M]`` buffer that
+    receives, added to what it holds, each block-table column's attention probability summed over
+    query heads (the module docstring; ``kernels.reference`` defines the same output).
     """
     k, v = check_attention(q, cache, layer, meta)
     if not meta.is_decode:
@@ -228,17 +298,38 @@ def decode_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: Att
     part_max = torch.empty((n, h_q, splits) if splits > 1 else (1,), dtype=torch.float32, device=q.device)
     part_sum = torch.empty_like(part_max)
     counters = split_counters(q.device, meta.num_seqs * h_kv) if splits > 1 else part_max
-    _decode_kernel[(meta.num_seqs, h_kv, splits)](
+    if mass is not None:
+        _check_mass(mass, meta, q.device)
+        norm_max = torch.empty((n, h_q), dtype=torch.float32, device=q.device)
+        norm_sum = torch.empty_like(norm_max)
+    else:
+        norm_max = norm_sum = part_max
+    grid = (meta.num_seqs, h_kv, splits)
+    shape = dict(GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=dim, DIM_PAD=dim_pad,
+                 BLOCK_SIZE=block_size, TILE_N=cfg.tile_n, NUM_SPLITS=splits,
+                 PRECISION="ieee" if q.dtype == torch.float32 else None, UPCAST=interpreting(),
+                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    _decode_kernel[grid](
         q, k, v, cache.death, meta.block_tables, meta.block_index, meta.num_live_blocks,
-        meta.query_start, meta.query_pos, out, part_acc, part_max, part_sum, counters,
+        meta.query_start, meta.query_pos, out, part_acc, part_max, part_sum, counters, norm_max, norm_sum,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
         meta.block_tables.stride(0), meta.block_index.stride(0), out.stride(0), out.stride(1), h_q, h_kv,
-        scale * LOG2E,
-        GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=dim, DIM_PAD=dim_pad,
-        BLOCK_SIZE=block_size, TILE_N=cfg.tile_n, NUM_SPLITS=splits,
-        PRECISION="ieee" if q.dtype == torch.float32 else None, UPCAST=interpreting(),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        scale * LOG2E, OUTPUT_MASS=mass is not None, **shape)
+    if mass is not None:
+        _page_mass_kernel[grid](
+            q, k, cache.death, meta.block_tables, meta.block_index, meta.num_live_blocks,
+            meta.query_start, meta.query_pos, norm_max, norm_sum, mass,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
+            meta.block_tables.stride(0), meta.block_index.stride(0), mass.stride(0), h_q, scale * LOG2E, **shape)
     return out
+
+
+def _check_mass(mass: torch.Tensor, meta: AttentionMetadata, device: torch.device) -> None:
+    width = meta.block_tables.shape[1]
+    if mass.dtype != torch.float32 or mass.dim() != 2 or mass.shape[0] < meta.num_seqs or mass.shape[1] < width \
+            or mass.stride(1) != 1 or mass.device != device:
+        raise ValueError(f"mass must be a float32 [S >= {meta.num_seqs}, M >= {width}] tensor with contiguous rows "
+                         f"on {device}, got {mass.dtype} {tuple(mass.shape)} strides {mass.stride()} on {mass.device}")
 
 
 def _check_config(cfg: DecodeConfig) -> None:

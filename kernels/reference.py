@@ -1,4 +1,10 @@
-"""Pure-torch paged attention: the CPU path of the engine and the reference the Triton kernels match."""
+"""Pure-torch paged attention: the CPU path of the engine and the reference the Triton kernels match.
+
+``mass`` (Paged H2O, optional): a float32 ``[S, M]`` buffer, one entry per block-table column; each
+call adds, for every query of sequence s, the attention probability its heads give each live block's
+keys (summed over query heads and queries). One block table serves every layer, so calling it for
+each layer accumulates the mass over layers too.
+"""
 
 from __future__ import annotations
 
@@ -30,14 +36,15 @@ def gather_live(cache: PagedKVCache, layer: int, meta: AttentionMetadata, s: int
 
 
 def paged_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: AttentionMetadata, scale: float,
-                    acc_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                    acc_dtype: torch.dtype = torch.float32, mass: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of ``q [N, H_q, D]`` over each sequence's live blocks; returns ``[N, H_q, D]`` in q's dtype.
 
     Query at position p reads slot key k (position pk) when ``pk <= p < death``. GQA: query head h
-    reads KV head ``h // (H_q // H_kv)``. Softmax and products run in ``acc_dtype``.
+    reads KV head ``h // (H_q // H_kv)``. Softmax and products run in ``acc_dtype``. ``mass [S, M]``:
+    see the module docstring.
     """
     if meta.is_decode:
-        return decode_attention(q, cache, layer, meta, scale, acc_dtype)
+        return decode_attention(q, cache, layer, meta, scale, acc_dtype, mass)
     out = torch.empty_like(q)
     starts = meta.query_start.tolist()
     h_q, h_kv = q.shape[1], cache.k[layer].shape[2]
@@ -54,11 +61,14 @@ def paged_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: Atte
         scores = scores.masked_fill(~mask[None], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[a:b] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
+        if mass is not None:  # [H_q, n_q, L] -> per live block (L = n · B)
+            n = int(meta.num_live_blocks[s])
+            mass[s, :n] += probs.sum((0, 1)).view(n, -1).sum(1).nan_to_num(0.0).to(mass.dtype)
     return out
 
 
 def decode_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: AttentionMetadata, scale: float,
-                     acc_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                     acc_dtype: torch.dtype = torch.float32, mass: torch.Tensor | None = None) -> torch.Tensor:
     """``paged_attention`` for one query per sequence, all sequences at once: ``q [S, H_q, D]`` -> ``[S, H_q, D]``.
 
     Every sequence's live blocks are gathered into ``[S, M·B]`` key slots (M = the most live blocks of
@@ -84,4 +94,6 @@ def decode_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: Att
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a row with no visible key: all -inf -> 0
     v = v.masked_fill(~visible[:, :, None, None], 0.0)
     out = torch.einsum("skgl,slkd->skgd", probs, v)  # [S, H_kv, G, D]
+    if mass is not None:  # [S, H_kv, G, M·B] -> [S, M]; padded columns get 0
+        mass[:, :tables.shape[1]] += probs.sum((1, 2)).view(s, -1, bs).sum(2).to(mass.dtype)
     return out.reshape(s, h_q, d).to(q.dtype)

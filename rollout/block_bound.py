@@ -8,6 +8,11 @@ sequence holds exactly the blocks ``j <= (b - 1) // B`` that hold a position tha
 (``j * B < keep``) or a key that query ``a`` still sees (``(j + 1) * B - 1 >= a - W + 1``, that is
 ``j >= (a - W + 1) // B``); the block being filled is one of the latter.
 
+Under h2o the budget bounds every decode step once the prompt has been scored: at most ``B // block_size``
+pages (``rollout.heavy_hitters``); before that the prefill holds the prompt's pages, and the first decode
+step (its eviction waits for the prefill's mass) holds them plus the page it writes; one more position
+of slack covers a decode step queued ahead.
+
 Which chunks: the prompt is prefilled in chunks of at most ``max_num_batched_tokens`` that may start
 anywhere (a first chunk takes what the step's budget leaves); after it every step writes one
 position. Bounded policies are never preempted, so nothing is prefilled again; ``full`` and
@@ -26,6 +31,10 @@ def block_bound(policy: KVPolicy, prompt_len: int, max_tokens: int, max_model_le
     """The most blocks a sequence holds at any step, for a prompt of ``prompt_len`` tokens and up to
     ``max_tokens`` generated ones: exact over its decode steps, the worst chunking over its prefill."""
     end = kv_positions(prompt_len, max_tokens, max_model_len)
+    if policy.kind == "h2o":
+        budget_pages, _ = policy.budget_pages(block_size)
+        unscored = -(-min(prompt_len + 2, end) // block_size)
+        return min(-(-end // block_size), max(budget_pages, unscored))
     live = partial(_live_blocks, policy.kept_prefix(prompt_len), policy.window, block_size)
     prefill = _phase_peak(live, 0, prompt_len, max_chunk, block_size)
     return max(prefill, _phase_peak(live, prompt_len, end, 1, block_size))

@@ -70,10 +70,11 @@ class LLM:
         self.max_model_len = args.max_model_len or self.model.config.max_position_embeddings
         self.block_size = args.block_size
         num_blocks = args.num_blocks or self._blocks_for_memory(args.kv_cache_gb, dtype)
+        h2o = self.policy.kind == "h2o"  # page mass is a per-step output: no CUDA graphs (static buffers) for it
         self.runner = ModelRunner(self.model, num_blocks, args.block_size, self.device, dtype, args.max_num_seqs,
-                                  self.max_model_len, args.cuda_graphs)
+                                  self.max_model_len, args.cuda_graphs and not h2o, track_mass=h2o)
         self.scheduler = Scheduler(BlockManager(num_blocks), args.max_num_seqs, args.max_num_batched_tokens,
-                                   self.max_model_len, admit_by_bound=self.policy.bounded,
+                                   self.max_model_len, admit_by_bound=self.policy.admits_by_bound,
                                    watermark_blocks=math.ceil(round(args.kv_watermark * num_blocks, 6)))
         overlap = args.overlap
         if overlap is None:  # registers' overlap (a redo after each kill) is not yet measured on the GPU
@@ -192,7 +193,8 @@ class LLM:
     def _check_pool(self, seq: Sequence) -> None:
         pool = self.scheduler.blocks.num_blocks
         if seq.block_bound > pool:
-            smaller = "max_tokens, the window or the prompt" if self.policy.bounded else "max_tokens or the prompt"
+            smaller = ("max_tokens, the window or the prompt" if self.policy.bounded else
+                       "the budget, max_tokens or the prompt" if self.policy.kind == "h2o" else "max_tokens or the prompt")
             raise ValueError(
                 f"a request of {seq.prompt_len} prompt tokens and max_tokens={seq.params.max_tokens} may hold "
                 f"{seq.block_bound} KV blocks of {self.block_size} tokens under {self.policy.spec} "
@@ -237,9 +239,11 @@ class LLM:
             flight = self.run_ahead.launch(self.scheduler.schedule())
         running = len(self.scheduler.running)
         tokens, logprobs = self.runner.sample(flight.sampling_seqs(), flight.logits)
-        read = self.run_ahead.read_back(tokens, logprobs)  # copied before the next step is queued: no wait for it
+        read = self.run_ahead.read_back(tokens, logprobs, *flight.mass_values())  # copied before the next step is queued
         self.run_ahead.queue_next(flight, tokens)
-        finished, killers = self.postprocess(flight.batch, flight.rows, *read(), flight.logits)
+        tokens, logprobs, *mass = read()
+        flight.add_mass(*mass)  # h2o: pages' attention mass, for the evictions of later steps
+        finished, killers = self.postprocess(flight.batch, flight.rows, tokens, logprobs, flight.logits)
         self.run_ahead.redo_killers(killers)
         self._count(flight.batch, running, time.perf_counter() - t0)
         return finished

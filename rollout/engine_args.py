@@ -25,7 +25,7 @@ class EngineArgs:
     __pydantic_config__: ClassVar[dict] = {"extra": "forbid", "use_attribute_docstrings": True}
 
     kv: str = "full"
-    """KV retention policy: full, prefix_sliding:W, sliding_window:W, streaming:S:W or registers:N (canonicalised)."""
+    """KV retention policy: full, prefix_sliding:W, sliding_window:W, streaming:S:W, registers:N or h2o:B (B >= 2 x block_size; canonicalised)."""
     device: str = "cpu"
     """Where the engine runs: cpu, cuda or cuda:N."""
     dtype: str = "float32"
@@ -61,6 +61,9 @@ class EngineArgs:
             _check_int(name, getattr(self, name), optional=False)
         for name in ("num_blocks", "max_model_len"):
             _check_int(name, getattr(self, name), optional=True)
+        policy = KVPolicy.parse(self.kv)
+        if policy.kind == "h2o":
+            policy.budget_pages(self.block_size)  # raises when B is under two pages
         gb = self.kv_cache_gb
         if gb is not None and (isinstance(gb, bool) or not isinstance(gb, (int, float))
                                or not 0 < gb < math.inf):

@@ -10,8 +10,15 @@ that can no longer see k. A query at position q sees key k exactly when ``k <= q
 | sliding_window:W   | k + W                                                       |
 | streaming:S:W      | never if k < S, else k + W                                  |
 | registers:N        | the position r of the register token that killed k's step   |
+| h2o:B              | never by itself; the position where the engine evicted k's page |
 
 ``q - k < W`` is the window convention: a query sees W keys including itself.
+
+Paged H2O (``h2o:B``, a TIP baseline): evictions follow accumulated attention mass, not token ids,
+so ``death_positions`` alone gives never; the engine records each evicted page as a range
+``(start, end, death)`` (``RequestOutput.kv_deaths``, ``Trace.kv_deaths``) and ``death_positions(...,
+recorded=...)`` applies those ranges on top, so the trainer rebuilds the sampler's mask from the
+trace. The budget B counts tokens in whole pages; ``rollout.heavy_hitters`` says which pages stay.
 
 Registers (TIP): a step starts at a generated ``<reg_i>`` token and runs until the next register
 token or the end-of-thinking token (exclusive). When ``<reg_i>`` is emitted at position r while an
@@ -21,14 +28,16 @@ prompt and tokens outside steps never die, so at most N steps are live.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
 
 NEVER = 2**31 - 1  # death of a key that stays visible forever (fits int32 kernels)
 
-POLICY_KINDS = ("full", "prefix_sliding", "sliding_window", "streaming", "registers")
-SPEC_HELP = "valid specs: full, prefix_sliding:W, sliding_window:W, streaming:S:W, registers:N (W, N >= 1; S >= 0)"
+POLICY_KINDS = ("full", "prefix_sliding", "sliding_window", "streaming", "registers", "h2o")
+SPEC_HELP = ("valid specs: full, prefix_sliding:W, sliding_window:W, streaming:S:W, registers:N, h2o:B "
+             "(W, N, B >= 1; S >= 0; the engine needs B >= 2 x block_size)")
 
 
 def register_tokens(num_registers: int) -> list[str]:
@@ -44,18 +53,19 @@ class KVPolicy:
     window: int = 0
     sinks: int = 0
     num_registers: int = 0
+    budget: int = 0  # h2o: live KV tokens per request, in whole pages
     register_ids: tuple[int, ...] = field(default=(), compare=False)
     end_think_id: int | None = field(default=None, compare=False)
 
     @classmethod
     def parse(cls, spec: str | KVPolicy) -> KVPolicy:
-        """Parse ``full``, ``prefix_sliding:W``, ``sliding_window:W``, ``streaming:S:W`` or ``registers:N``."""
+        """Parse ``full``, ``prefix_sliding:W``, ``sliding_window:W``, ``streaming:S:W``, ``registers:N`` or ``h2o:B``."""
         if isinstance(spec, KVPolicy):
             return spec
         if not isinstance(spec, str):
             raise ValueError(f"KV policy spec must be a string, got {spec!r}; {SPEC_HELP}")
         kind, *args = spec.strip().split(":")
-        arity = {"full": 0, "prefix_sliding": 1, "sliding_window": 1, "streaming": 2, "registers": 1}
+        arity = {"full": 0, "prefix_sliding": 1, "sliding_window": 1, "streaming": 2, "registers": 1, "h2o": 1}
         if kind not in arity:
             raise ValueError(f"unknown KV policy {kind!r} in spec {spec!r}; {SPEC_HELP}")
         if len(args) != arity[kind]:
@@ -71,6 +81,8 @@ class KVPolicy:
             return cls(kind, window=_positive(window, "window", spec), sinks=sinks)
         if kind == "registers":
             return cls(kind, num_registers=_positive(values[0], "number of registers", spec))
+        if kind == "h2o":
+            return cls(kind, budget=_positive(values[0], "budget", spec))
         if kind == "full":
             return cls(kind)
         return cls(kind, window=_positive(values[0], "window", spec))
@@ -84,6 +96,7 @@ class KVPolicy:
             "sliding_window": f"sliding_window:{self.window}",
             "streaming": f"streaming:{self.sinks}:{self.window}",
             "registers": f"registers:{self.num_registers}",
+            "h2o": f"h2o:{self.budget}",
         }[self.kind]
 
     def bind(self, register_ids: list[int] | tuple[int, ...] = (), end_think_id: int | None = None) -> KVPolicy:
@@ -98,9 +111,29 @@ class KVPolicy:
         live KV is bounded whatever its length (prefix_sliding, sliding_window, streaming)."""
         return self.kind in ("prefix_sliding", "sliding_window", "streaming")
 
+    @property
+    def admits_by_bound(self) -> bool:
+        """A sequence's live blocks have a bound known at admission, so the scheduler reserves it and never
+        preempts: the windowed policies, and h2o (its budget)."""
+        return self.bounded or self.kind == "h2o"
+
+    def budget_pages(self, block_size: int) -> tuple[int, int]:
+        """h2o: (pages a decode step may hold, most recent pages always kept) for ``block_size``-token pages.
+
+        B counts tokens in whole pages: ``B // block_size`` pages; the most recent ``(B // 2) // block_size``
+        (at least one, the page being written) are always kept, the rest of the budget holds heavy pages.
+        """
+        if self.kind != "h2o":
+            raise ValueError(f"budget_pages is for h2o, not {self.spec}")
+        if self.budget < 2 * block_size:
+            raise ValueError(f"KV policy {self.spec} needs a budget of at least 2 pages, B >= 2 x block_size = "
+                             f"{2 * block_size}; raise B or lower block_size; {SPEC_HELP}")
+        return self.budget // block_size, max(1, self.budget // 2 // block_size)
+
     def kept_prefix(self, prompt_len: int) -> int | None:
         """How many leading positions never die (the rest die at ``k + window``); None for the unbounded
-        policies, whose keys live until a token kills them (registers) or forever (full)."""
+        policies, whose keys live until a token kills them (registers), the engine evicts them (h2o) or
+        forever (full)."""
         if not self.bounded:
             return None
         return {"prefix_sliding": prompt_len, "streaming": self.sinks, "sliding_window": 0}[self.kind]
@@ -109,13 +142,24 @@ class KVPolicy:
         """A fresh incremental follower of one sequence with a prompt of ``prompt_len`` tokens."""
         return DeathTracker(self, prompt_len)
 
-    def death_positions(self, prompt_len: int, token_ids: list[int] | torch.Tensor) -> torch.Tensor:
-        """d(k) for every position of a whole sequence (prompt + completion): int64 ``[T]``."""
+    def death_positions(self, prompt_len: int, token_ids: list[int] | torch.Tensor,
+                        recorded: Sequence[tuple[int, int, int]] = ()) -> torch.Tensor:
+        """d(k) for every position of a whole sequence (prompt + completion): int64 ``[T]``.
+
+        ``recorded``: deaths the engine decided (h2o's evicted pages) as ``(start, end, death)`` ranges;
+        positions ``start .. end - 1`` die at ``death`` unless the policy kills them earlier.
+        """
         ids = token_ids.tolist() if isinstance(token_ids, torch.Tensor) else list(token_ids)
         tracker = self.tracker(prompt_len)
         for pos, tok in enumerate(ids):
             tracker.append(pos, tok)
-        return torch.tensor(tracker.death, dtype=torch.int64)
+        death = torch.tensor(tracker.death, dtype=torch.int64)
+        for start, end, at in recorded:
+            if not 0 <= start < end <= len(ids) or not end <= at:
+                raise ValueError(f"recorded death range ({start}, {end}, {at}) does not fit a sequence of {len(ids)} "
+                                 "positions (need 0 <= start < end <= length and death >= end)")
+            death[start:end] = death[start:end].clamp(max=at)
+        return death
 
 
 def _positive(value: int, what: str, spec: str) -> int:
@@ -134,7 +178,8 @@ class DeathTracker:
     """Follows one sequence token by token and keeps d(k) for every position seen so far.
 
     ``append`` returns the position ranges ``[start, end)`` that died at this token (registers only):
-    the engine frees or masks their KV, the trainer needs nothing more than ``death``.
+    the engine frees or masks their KV, the trainer needs nothing more than ``death``. ``evict`` sets
+    deaths the engine decided (h2o).
     ``visible`` is the number of keys the query at the last appended position sees.
     """
 
@@ -164,6 +209,20 @@ class DeathTracker:
         killed = self._follow_registers(pos, token_id)
         self.visible += 1 - self._dying.pop(pos, 0)
         return killed
+
+    def evict(self, start: int, end: int, death: int) -> None:
+        """Positions ``start .. end - 1`` die at ``death`` (h2o: their page was evicted before the query at ``death``).
+
+        ``death`` is the next query position: the last appended one (its query not yet counted as seen) or later.
+        """
+        assert end <= death and death >= len(self.death) - 1, (start, end, death, len(self.death))
+        for k in range(start, end):
+            assert self.death[k] == NEVER, (k, self.death[k])
+            self.death[k] = death
+        if death == len(self.death) - 1:
+            self.visible -= end - start
+        else:
+            self._dying[death] = self._dying.get(death, 0) + end - start
 
     def _follow_registers(self, pos: int, token_id: int) -> list[tuple[int, int]]:
         if self.policy.kind != "registers" or pos < self.prompt_len:

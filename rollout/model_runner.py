@@ -1,6 +1,8 @@
 """Turns a scheduled batch into tensors, runs the model over the paged cache, samples from the logits.
 
-On CUDA, decode steps replay CUDA graphs captured per batch-size bucket; prefill runs eagerly.
+On CUDA, decode steps replay CUDA graphs captured per batch-size bucket; prefill runs eagerly. Under
+h2o (``track_mass``) every forward also returns its attention mass per block-table column
+(``PageMass``), and runs eagerly.
 Host work per step is proportional to the batch and its live blocks, never to sequence length.
 Nothing here waits for the device: tensors cross to it from pinned memory, results stay on it.
 """
@@ -8,6 +10,7 @@ Nothing here waits for the device: tensors cross to it from pinned memory, resul
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -20,6 +23,19 @@ from rollout.scheduler import ScheduledBatch
 from rollout.sequence import Sequence
 
 
+@dataclass
+class PageMass:
+    """One forward's attention mass (h2o): row i is the batch's row i, column c its block-table column c."""
+
+    values: torch.Tensor  # [S, M] float32 on the device, summed over layers, query heads and the row's queries
+    pages: np.ndarray  # [S, M] int32, the logical page each column held at launch, -1 pad
+    ends: list[int]  # [S] one past each row's last query position
+
+    def take(self, rows: list[int], index: torch.Tensor) -> PageMass:
+        """The mass of ``rows`` only (``index``: the same rows on the device)."""
+        return PageMass(self.values[index], self.pages[rows], [self.ends[i] for i in rows])
+
+
 class ModelRunner:
     """Owns the model and the KV cache; one ``run`` per engine step.
 
@@ -28,8 +44,9 @@ class ModelRunner:
     """
 
     def __init__(self, model, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype,
-                 max_num_seqs: int, max_model_len: int, cuda_graphs: bool = True):
+                 max_num_seqs: int, max_model_len: int, cuda_graphs: bool = True, track_mass: bool = False):
         cfg = model.config
+        self.track_mass = track_mass
         self.model = model
         model.fused_kernels = device.type == "cuda"  # Triton norm / q-k-norm + RoPE (kernels.norm_rope)
         self.device = device
@@ -89,24 +106,31 @@ class ModelRunner:
         return t.pin_memory() if self.device.type == "cuda" else t
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch, sample_rows: list[int], input_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Forward the batch; logits ``[len(sample_rows), V]`` (fp32) at the last token of those sequences.
+    def run(self, batch: ScheduledBatch, sample_rows: list[int],
+            input_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, PageMass | None]:
+        """Forward the batch; logits ``[len(sample_rows), V]`` (fp32) at the last token of those sequences,
+        and under ``track_mass`` the forward's ``PageMass`` (else None).
 
         ``input_ids``: the batch's input tokens already on the device (a decode step queued before
         they were read back); by default they are read from the sequences.
         """
         pos, meta = self.prepare(batch)
         ids = input_ids if input_ids is not None else self.host_tensor(batch.input_ids(), torch.long)
+        mass = None
         if self.graphs is not None and meta.is_decode and self.graphs.fits(meta):
             hidden = self.graphs.run(ids, pos, meta)
         else:
             dev = self.device
+            if self.track_mass:
+                ends = [s.num_computed + n for s, n in zip(batch.seqs, batch.num_tokens)]
+                mass = PageMass(torch.zeros(meta.block_index.shape, dtype=torch.float32, device=dev),
+                                meta.block_index.numpy(), ends)
             meta = meta.to(dev)
-            attn = PagedAttention(self.cache, meta, self.scale, self.impl)
+            attn = PagedAttention(self.cache, meta, self.scale, self.impl, mass=mass.values if mass is not None else None)
             hidden = self.model(ids.to(dev, non_blocking=True), pos.to(dev, non_blocking=True), attn)
             hidden = hidden[meta.query_start[1:].long() - 1]
         rows = self.host_tensor(sample_rows, torch.long).to(hidden.device, non_blocking=True)
-        return self.model.compute_logits(hidden[rows])
+        return self.model.compute_logits(hidden[rows]), mass
 
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens and logprobs of ``seqs`` (rows of ``logits``), left on the device."""

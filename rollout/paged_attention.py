@@ -13,16 +13,24 @@ from kernels.metadata import AttentionMetadata, PagedKVCache
 
 
 class PagedAttention:
-    """Attention over the paged KV cache for one forward; ``decode_config`` pins the decode kernel's launch."""
+    """Attention over the paged KV cache for one forward; ``decode_config`` pins the decode kernel's launch.
 
-    def __init__(self, cache: PagedKVCache, meta: AttentionMetadata, scale: float, impl, decode_config=None):
+    ``mass`` (h2o): a zeroed float32 ``[S, M]`` buffer that every layer adds its attention mass per
+    block-table column to (``kernels.reference``'s module docstring).
+    """
+
+    def __init__(self, cache: PagedKVCache, meta: AttentionMetadata, scale: float, impl, decode_config=None,
+                 mass: torch.Tensor | None = None):
         self.cache, self.meta, self.scale, self.impl, self.decode_config = cache, meta, scale, impl, decode_config
+        self.mass = mass
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.impl.write_kv(self.cache, layer, k, v, self.meta)
         if self.decode_config is not None:
             from kernels.decode import decode_attention
             return decode_attention(q, self.cache, layer, self.meta, self.scale, config=self.decode_config)
+        if self.mass is not None:
+            return self.impl.paged_attention(q, self.cache, layer, self.meta, self.scale, mass=self.mass)
         return self.impl.paged_attention(q, self.cache, layer, self.meta, self.scale)
 
 

@@ -118,4 +118,5 @@ class Postprocessor:
             cut = self._stop_string(seq, text)
             text = text if cut is None else text[:cut]
         return RequestOutput(seq.request_id, seq.prompt_token_ids, out, seq.logprobs, text, seq.finish_reason,
-                             seq.kv, seq.forced, seq.num_preemptions, seq.finished_at - seq.arrival)
+                             seq.kv, seq.forced, seq.num_preemptions, seq.finished_at - seq.arrival,
+                             list(seq.kv_deaths))

@@ -9,7 +9,10 @@ certain to be needed as launched. Everything that follows from running ahead liv
 - under ``registers``, a row whose sampled register killed a step saw that step's keys in the
   queued forward: that row alone is computed again (same slot, so its K/V is overwritten);
 - a queued step whose inputs would be wrong (new weights) is dropped before it is used, and its
-  K/V writes are redone by the step that replaces it.
+  K/V writes are redone by the step that replaces it;
+- under h2o, a step's attention mass reaches its sequences only after the next step was allocated,
+  so evictions use mass one step older than without overlap (``rollout.heavy_hitters``); a dropped
+  step adds no mass (the step that replaces it does).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rollout.model_runner import ModelRunner
+from rollout.model_runner import ModelRunner, PageMass
 from rollout.scheduler import ScheduledBatch, Scheduler
 from rollout.sequence import Sequence, Status
 
@@ -32,9 +35,22 @@ class Flight:
     rows: list[int]
     logits: torch.Tensor
     redo: set[int] = field(default_factory=set)  # request ids whose rows must be computed again
+    mass: PageMass | None = None  # h2o: the forward's attention mass per block-table column
 
     def sampling_seqs(self) -> list[Sequence]:
         return [self.batch.seqs[i] for i in self.rows]
+
+    def mass_values(self) -> list[torch.Tensor]:
+        """The mass tensor to read back with the sampled tokens (none without h2o)."""
+        return [] if self.mass is None else [self.mass.values]
+
+    def add_mass(self, values: list[list[float]] | None = None) -> None:
+        """h2o: add the read-back mass (``[S][M]``) to each running sequence's pages."""
+        if values is None:
+            return
+        for i, seq in enumerate(self.batch.seqs):
+            if seq.status is Status.RUNNING:
+                seq.heavy.add(self.mass.pages[i], values[i], seq.blocks, self.mass.ends[i])
 
     def without_finished(self, host_tensor) -> Flight | None:
         """This queued decode step minus the sequences that finished meanwhile; None if none is left."""
@@ -45,7 +61,8 @@ class Flight:
             return None
         batch = ScheduledBatch([self.batch.seqs[i] for i in keep], [self.batch.num_tokens[i] for i in keep])
         index = host_tensor(keep, torch.long).to(self.logits.device, non_blocking=True)
-        return Flight(batch, list(range(len(keep))), self.logits[index], redo=self.redo)
+        mass = self.mass.take(keep, index) if self.mass is not None else None
+        return Flight(batch, list(range(len(keep))), self.logits[index], redo=self.redo, mass=mass)
 
 
 class RunAhead:
@@ -62,7 +79,8 @@ class RunAhead:
     def launch(self, batch: ScheduledBatch) -> Flight:
         """Run a freshly scheduled batch; its sampling rows' logits."""
         rows = batch.sampling_rows()
-        return Flight(batch, rows, self.runner.run(batch, rows))
+        logits, mass = self.runner.run(batch, rows)
+        return Flight(batch, rows, logits, mass=mass)
 
     def take(self) -> Flight | None:
         """The step queued by the previous one, ready to sample: rows that finished meanwhile dropped,
@@ -84,7 +102,8 @@ class RunAhead:
             return
         self.num_queued += 1
         rows = list(range(len(nxt)))
-        self.queued = Flight(nxt, rows, self.runner.run(nxt, rows, input_ids=tokens))
+        logits, mass = self.runner.run(nxt, rows, input_ids=tokens)
+        self.queued = Flight(nxt, rows, logits, mass=mass)
 
     def redo_killers(self, request_ids: set[int]) -> None:
         """Those requests' tokens killed a register step: their rows of the queued step are computed again."""
@@ -123,7 +142,7 @@ class RunAhead:
         if not rows:
             return
         batch = ScheduledBatch([flight.batch.seqs[flight.rows[k]] for k in rows], [1] * len(rows))
-        logits = self.runner.run(batch, list(range(len(rows))))
+        logits, _ = self.runner.run(batch, list(range(len(rows))))  # registers only: no mass
         index = self.runner.host_tensor(rows, torch.long).to(logits.device, non_blocking=True)
         with torch.inference_mode():  # the logits are inference tensors
             flight.logits.index_copy_(0, index, logits)

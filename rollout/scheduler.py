@@ -52,7 +52,8 @@ class Scheduler:
     ``registers`` a request is admitted while its first chunk leaves free a block per running
     sequence plus ``watermark_blocks``; when a running sequence then needs a block and none is free,
     the most recently admitted sequence is preempted: its blocks go back to the pool and it is
-    recomputed from its tokens later.
+    recomputed from its tokens later. Under h2o a decode step's pages over the budget are evicted
+    just before the step is allocated (``evict``), so its block table is the first to lack them.
     """
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
@@ -113,6 +114,7 @@ class Scheduler:
         nxt = ScheduledBatch()
         for seq in batch.seqs:
             self.free_dead_blocks(seq)  # the device reads them in ``batch``, before the next step writes
+            self.evict(seq)
             self.allocate(seq, 1)
             nxt.add(seq, 1)
         return nxt
@@ -121,6 +123,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            self.evict(seq)
             n = self._fit(seq, min(seq.num_uncomputed, budget))
             while n == 0 and self.running[-1] is not seq:
                 self._preempt(self.running[-1])
@@ -183,6 +186,13 @@ class Scheduler:
             self.blocks.free(block)
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+
+    def evict(self, seq: Sequence) -> None:
+        """h2o: before allocating the decode step at ``seq.num_computed`` (never one already launched), drop
+        the pages its budget cannot keep (``Sequence.evict_heavy_hitters``)."""
+        if seq.heavy is not None and seq.num_computed >= seq.prompt_len:
+            for block in seq.evict_heavy_hitters():
+                self.blocks.free(block)
 
     def free_dead_blocks(self, seq: Sequence) -> None:
         for block in seq.pop_dead_blocks():

@@ -9,6 +9,7 @@ from enum import Enum, auto
 import numpy as np
 
 from rollout.block_bound import block_bound
+from rollout.heavy_hitters import HeavyHitters
 from rollout.kv_policy import DeathTracker
 from rollout.sampling import SamplingParams
 
@@ -42,6 +43,7 @@ class RequestOutput:
     forced: list[bool] = field(default_factory=list)  # True where budget forcing inserted the token
     num_preemptions: int = 0
     seconds: float = 0.0
+    kv_deaths: list[tuple[int, int, int]] = field(default_factory=list)  # h2o: evicted (start, end, death) ranges
 
 
 class Sequence:
@@ -55,6 +57,9 @@ class Sequence:
     ``block_bound`` is the most blocks it can ever hold (``rollout.block_bound``), from its policy,
     prompt length and ``max_tokens``, capped by ``max_model_len``; ``max_chunk`` is the longest
     prefill chunk (``max_num_batched_tokens``). Admission reserves it under a bounded policy.
+
+    Under h2o, ``heavy`` holds the pages' attention mass (``rollout.heavy_hitters``) and ``kv_deaths``
+    the evicted pages as ``(start, end, death)`` ranges, in eviction order.
     """
 
     def __init__(self, request_id: int, prompt_token_ids: list[int], params: SamplingParams, seed: int,
@@ -83,6 +88,9 @@ class Sequence:
         self.num_preemptions = 0
         self.visible_sum = 0
         self.kv = KVUsage()
+        policy = tracker.policy
+        self.heavy = HeavyHitters(*policy.budget_pages(block_size), self.prompt_len) if policy.kind == "h2o" else None
+        self.kv_deaths: list[tuple[int, int, int]] = []
         self.block_bound = block_bound(tracker.policy, self.prompt_len, params.max_tokens, max_model_len, block_size,
                                        max_chunk)
         for pos, tok in enumerate(self.prompt_token_ids):
@@ -174,6 +182,17 @@ class Sequence:
             if j in self.blocks and max(self.tracker.death[j * bs:(j + 1) * bs]) <= self.num_computed:
                 dead.append(self.remove_block(j))
         return dead
+
+    def evict_heavy_hitters(self) -> list[int]:
+        """h2o, before the decode step that writes position ``num_computed``: drop the pages the budget
+        cannot keep (their keys die at that position); returns their physical ids."""
+        a, bs = self.num_computed, self.block_size
+        freed = []
+        for j in self.heavy.victims(list(self.blocks), a // bs):
+            freed.append(self.remove_block(j))
+            self.tracker.evict(j * bs, (j + 1) * bs, a)
+            self.kv_deaths.append((j * bs, (j + 1) * bs, a))
+        return freed
 
     def release_blocks(self) -> list[int]:
         """Drop every block (finish or preemption); returns the physical ids to free."""

@@ -1,8 +1,9 @@
 """The Trace record: one sampled completion, everything the learner needs to rebuild its context.
 
 A trace crosses process boundaries (rollout worker -> queue -> learner) and is one row of the
-Parquet trace log. Visibility is a pure function of (kv_policy, prompt length, token ids), so the
-record carries the policy spec string rather than any mask.
+Parquet trace log. Visibility is a function of (kv_policy, prompt length, token ids) — plus, for a
+score-based policy (h2o), the death positions the engine recorded (``kv_deaths``) — so the record
+carries the policy spec string and those deaths rather than any mask.
 """
 
 from __future__ import annotations
@@ -48,6 +49,21 @@ class Trace:
     peak_visible_kv: Int32 = 0
     mean_visible_kv: Float64 = 0.0
     decode_seconds: Float64 = 0.0
+    kv_deaths: Int32List = field(default_factory=list)  # h2o: evicted ranges, flat (start, end, death) triples
+
+    @property
+    def death_ranges(self) -> list[tuple[int, int, int]]:
+        """``kv_deaths`` as ``(start, end, death)`` ranges: positions start .. end - 1 die at death."""
+        if len(self.kv_deaths) % 3:
+            raise ValueError(f"trace {self.trace_id!r} has {len(self.kv_deaths)} kv_deaths entries; "
+                             "they must be (start, end, death) triples")
+        d = self.kv_deaths
+        return [(d[i], d[i + 1], d[i + 2]) for i in range(0, len(d), 3)]
+
+    @staticmethod
+    def flat_deaths(ranges: list[tuple[int, int, int]]) -> list[int]:
+        """``RequestOutput.kv_deaths`` ranges as the flat list ``kv_deaths`` stores."""
+        return [x for r in ranges for x in r]
 
     def to_row(self) -> dict:
         row = asdict(self)
@@ -58,6 +74,7 @@ class Trace:
     def from_row(cls, row: dict) -> Trace:
         row = dict(row)
         row["reward_components"] = dict(row.get("reward_components") or [])
+        row["kv_deaths"] = list(row.get("kv_deaths") or [])  # absent from logs written before h2o
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in row.items() if k in names})
 

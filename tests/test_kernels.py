@@ -505,3 +505,77 @@ def test_torch_reference_decode_batch_matches_dense_reference(block_size, group)
     ref = dense_reference(case, 0.3)
     assert torch.equal(out[4], torch.zeros_like(out[4]))
     torch.testing.assert_close(out[:4], ref[:4], rtol=1e-10, atol=1e-10)
+
+
+# ---------------------------------------------------------------------------------------------
+# Paged H2O: per-page attention mass
+
+
+def dense_page_mass(case: Case, scale: float) -> torch.Tensor:
+    """Float64 ``[S, M]``: for each block-table column, the softmax probability (over the keys each query
+    sees, ``k <= q < d(k)``) of that block's keys, summed over query heads and the sequence's queries."""
+    q = case.q.double().cpu()
+    tables, index = case.meta.block_index.cpu(), case.meta.num_live_blocks.cpu()
+    bs = case.cache.block_size
+    mass = torch.zeros(tables.shape, dtype=torch.float64)
+    group = q.shape[1] // case.keys[0].shape[1]
+    row = 0
+    for s, (seq, k) in enumerate(zip(case.seqs, case.keys)):
+        n = len(seq.death)
+        keys, queries = torch.arange(n), torch.arange(n - seq.num_queries, n)
+        seen = (keys[None, :] <= queries[:, None]) & (queries[:, None] < torch.tensor(seq.death)[None, :])
+        scores = torch.einsum("qhd,khd->qhk", q[row:row + seq.num_queries], k.double().repeat_interleave(group, 1))
+        probs = (scores * scale).masked_fill(~seen[:, None, :], float("-inf")).softmax(-1)  # [nq, H_q, T]
+        per_key = probs.sum((0, 1))  # [T]
+        for c in range(int(index[s])):
+            page = int(tables[s, c])
+            mass[s, c] = per_key[page * bs:(page + 1) * bs].sum()
+        row += seq.num_queries
+    return mass
+
+
+H2O_MASS_CASES = [(4, 1, 1, 16), (4, 2, 3, 16), (8, 4, 5, 32), (32, 2, 4, 16)]  # block, group, splits, tile_n
+
+
+@pytest.mark.parametrize("block_size,group,splits,tile_n", H2O_MASS_CASES)
+def test_h2o_page_mass_matches_dense_softmax_per_page(block_size, group, splits, tile_n):
+    """The decode kernel's optional mass output (and the torch reference's) against a float64 dense softmax.
+
+    Catches: a split's own max/sum used instead of the merged global normaliser (each split's keys
+    then sum to ~1 per head, so a sequence's mass exceeds H_q); mass written to the wrong block-table
+    column (logical index instead of column, or a tile spanning blocks credited to one); dead or
+    unseen keys counted; the output overwritten instead of added to (layers accumulate into it); the
+    mass of one query head per GQA group. Planted: each split storing its own normaliser, column =
+    logical block, no visibility mask, store instead of atomic add, one head per group — each fails.
+    """
+    gen = torch.Generator().manual_seed(500 + 10 * block_size + splits)
+    seqs = [random_seq(gen, 45, 1, window=13, prefix=5, spans=3), random_seq(gen, 70, 1, window=29, prefix=9, spans=6),
+            random_seq(gen, 22, 1, window=1000, prefix=0, spans=0), random_seq(gen, 9, 1, window=5, prefix=1, spans=0)]
+    case = build_case(seqs, block_size, num_kv_heads=2, group=group, head_dim=16, dtype=torch.float32, gen=gen)
+    scale = 0.3
+    ref = dense_page_mass(case, scale)
+    h_q = case.q.shape[1]
+    assert torch.allclose(ref.sum(1), torch.full((len(seqs),), float(h_q), dtype=torch.float64))  # probabilities
+    start = torch.full(ref.shape, 0.5)  # the output adds to what the buffer holds
+    mass = start.clone().to(DEVICE)
+    out = decode_attention(case.q, case.cache, 0, case.meta, scale, out=poisoned_like(case.q), mass=mass,
+                           config=DecodeConfig(tile_n=tile_n, num_splits=splits, num_warps=4, num_stages=2))
+    assert_close(out, dense_reference(case, scale), torch.float32)  # the attention output is unchanged
+    torch.testing.assert_close(mass.cpu().double() - 0.5, ref, rtol=1e-4, atol=1e-5)
+    cpu = PagedKVCache([case.cache.k[0].cpu().double()], [case.cache.v[0].cpu().double()], case.cache.death.cpu())
+    mass64 = start.double()
+    reference.paged_attention(case.q.cpu().double(), cpu, 0, case.meta.to("cpu"), scale, torch.float64, mass=mass64)
+    torch.testing.assert_close(mass64 - 0.5, ref, rtol=1e-10, atol=1e-10)
+
+
+def test_h2o_page_mass_of_prefill_chunks_in_the_torch_reference():
+    """Prefill rows (several queries per sequence) add every query's mass: what the CPU engine (and, for
+    chunks, the CUDA engine under h2o) accumulates. Catches summing one query only or the wrong block."""
+    gen = torch.Generator().manual_seed(21)
+    seqs = [random_seq(gen, 30, 7, window=10, prefix=2, spans=2), random_seq(gen, 20, 1, window=6, prefix=0, spans=0),
+            random_seq(gen, 41, 12, window=1000, prefix=0, spans=3)]
+    case = build_case(seqs, 8, num_kv_heads=2, group=2, head_dim=16, dtype=torch.float32, gen=gen, device="cpu")
+    cpu = PagedKVCache([case.cache.k[0].double()], [case.cache.v[0].double()], case.cache.death)
+    mass = torch.zeros(case.meta.block_tables.shape, dtype=torch.float64)
+    reference.paged_attention(case.q.double(), cpu, 0, case.meta, 0.3, torch.float64, mass=mass)
+    torch.testing.assert_close(mass, dense_page_mass(case, 0.3), rtol=1e-10, atol=1e-10)

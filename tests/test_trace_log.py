@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from cluster.trace_log import TraceLog
-from rollout.trace import TRACE_SCHEMA, Int32, Trace, arrow_schema
+from rollout.trace import TRACE_SCHEMA, Int32, Trace, arrow_schema, traces_from_table
 
 ROOT = Path(__file__).resolve().parents[1]
 FLOAT32_FIELDS = {"logprobs", "temperature"}  # float32 in TRACE_SCHEMA
@@ -180,6 +180,7 @@ PARQUET_COLUMNS = [
     ("reward_components", pa.map_(pa.string(), pa.float64())), ("answer", pa.string()),
     ("completion_text", pa.string()), ("num_tokens", pa.int32()), ("peak_visible_kv", pa.int32()),
     ("mean_visible_kv", pa.float64()), ("decode_seconds", pa.float64()),
+    ("kv_deaths", pa.list_(pa.int32())),  # added for h2o; parts written before it lack it
 ]
 
 
@@ -214,3 +215,14 @@ def test_keep_groups_rolls_the_log_back_part_by_part(tmp_path):
     assert [(r["trace_id"], r["group_id"]) for r in log.read(["trace_id", "group_id"]).to_pylist()] == \
         [("t0", "g1"), ("t2", "g1"), ("t3", "g3")]
     assert log.count() == 3 and visible_files(tmp_path / "traces") == [mixed.name, only_g3.name]
+
+
+def test_a_part_written_before_kv_deaths_still_reads(tmp_path):
+    # catches: the h2o column made mandatory, so a log written before it (no kv_deaths column) fails to
+    # read or gives None where the learner expects a list
+    old = pa.schema([f for f in TRACE_SCHEMA if f.name != "kv_deaths"])
+    rows = [{k: v for k, v in make_trace(0).to_row().items() if k != "kv_deaths"}]
+    log = TraceLog(tmp_path)
+    pq.write_table(pa.Table.from_pylist(rows, schema=old), log.dir / "part-000000.parquet")
+    (trace,) = traces_from_table(log.read())
+    assert trace.kv_deaths == [] and trace.trace_id == make_trace(0).trace_id

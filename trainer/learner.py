@@ -205,7 +205,7 @@ class Learner:
         window = self.args.window or (policy.window if policy.kind in WINDOWED_KINDS else None)
         windows = training_windows(self.args.window_mode, prompt_len, num_generated, window, self.args.multiplier)
         ids = torch.tensor([*trace.prompt_token_ids, *trace.completion_token_ids], dtype=torch.int64)
-        death = policy.death_positions(prompt_len, ids)
+        death = policy.death_positions(prompt_len, ids, trace.death_ranges)  # h2o: the engine's evictions too
         sampler = torch.tensor(trace.logprobs, dtype=torch.float32) if trace.logprobs else None
         out = []
         for w in windows:
@@ -232,6 +232,11 @@ class Learner:
                                                           "trains on traces without them)"))
         if trace.forced and len(trace.forced) != n:
             raise ValueError(f"{name} has {len(trace.forced)} forced flags for {n} completion tokens")
+        length = len(trace.prompt_token_ids) + n
+        for start, end, death in trace.death_ranges:  # raises unless (start, end, death) triples
+            if not 0 <= start < end <= length or death < end:
+                raise ValueError(f"{name} has the kv_deaths range ({start}, {end}, {death}), which does not fit its "
+                                 f"{length} positions (need 0 <= start < end <= {length} and death >= end)")
         if not all(math.isfinite(x) for x in trace.logprobs):
             raise ValueError(f"{name} has non-finite sampler logprobs")
         vocab = self.model.config.vocab_size

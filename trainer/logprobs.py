@@ -132,14 +132,14 @@ def _chunk_logprobs(model: DecoderLM, hidden: Tensor, target_ids: Tensor, temper
 
 def recompute_logprobs(model: DecoderLM, prompt_ids: Sequence[int], completion_ids: Sequence[int],
                        policy: KVPolicy, *, temperature: float = 1.0, window: TrainingWindow | None = None,
-                       backend: str = "auto") -> Tensor:
+                       backend: str = "auto", kv_deaths: Sequence[tuple[int, int, int]] = ()) -> Tensor:
     """Logprobs of ``window``'s targets (default: every completion token) under ``policy``: float32 ``[num_targets]``.
 
     policy: parsed and, for ``registers``, bound to the token ids (``rollout.vocab.bind_policy_vocab``).
-    temperature: the sampler's (0 = greedy, scored at T = 1). Runs without grad only if the caller
-    disables it.
+    temperature: the sampler's (0 = greedy, scored at T = 1). kv_deaths: the engine's recorded
+    ``(start, end, death)`` ranges (h2o). Runs without grad only if the caller disables it.
     """
-    item = window_input(prompt_ids, completion_ids, policy, temperature, window)
+    item = window_input(prompt_ids, completion_ids, policy, temperature, window, kv_deaths)
     return packed_logprobs(model, pack_windows([item]), backend)
 
 
@@ -148,18 +148,21 @@ def trace_logprobs(model: DecoderLM, trace: Trace, policy: KVPolicy | None = Non
     """``recompute_logprobs`` for a Trace, at its temperature; policy defaults to ``trace.kv_policy``."""
     policy = KVPolicy.parse(trace.kv_policy) if policy is None else policy
     return recompute_logprobs(model, trace.prompt_token_ids, trace.completion_token_ids, policy,
-                              temperature=trace.temperature, window=window, backend=backend)
+                              temperature=trace.temperature, window=window, backend=backend,
+                              kv_deaths=trace.death_ranges)
 
 
 def window_input(prompt_ids: Sequence[int], completion_ids: Sequence[int], policy: KVPolicy, temperature: float,
-                 window: TrainingWindow | None = None) -> WindowInput:
-    """A ``WindowInput`` with deaths computed over the whole trace; checks the window fits the trace."""
+                 window: TrainingWindow | None = None,
+                 kv_deaths: Sequence[tuple[int, int, int]] = ()) -> WindowInput:
+    """A ``WindowInput`` with deaths computed over the whole trace (the policy's, then the recorded
+    ``kv_deaths`` ranges on top); checks the window fits the trace."""
     ids = torch.tensor([*prompt_ids, *completion_ids], dtype=torch.int64)
     window = window or full_window(len(prompt_ids), len(completion_ids))
     if (window.prompt_len, window.num_generated) != (len(prompt_ids), len(completion_ids)):
         raise ValueError(f"window is for a trace of {window.prompt_len} prompt + {window.num_generated} generated "
                          f"tokens, got {len(prompt_ids)} + {len(completion_ids)}")
-    death = policy.death_positions(len(prompt_ids), ids)
+    death = policy.death_positions(len(prompt_ids), ids, kv_deaths)
     return WindowInput(ids, death, window, temperature)
 
 
