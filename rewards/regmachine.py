@@ -1,21 +1,26 @@
 """TIP's task in miniature: a register machine whose reasoning steps really die.
 
-A problem sets a few two-digit variables, changes one of them once (the *prologue*), runs a loop
-body over the others a number of times (``3x``), and asks for the prologue variable at the end (the
-answer is always the variable the prologue changed; the prompt is kept short so that the trace's KV,
-not the prompt's, dominates, as in long reasoning)::
+A problem sets a few two-digit variables, changes the first one once (the *prologue*), runs a loop
+body over the others, in order, a number of times (``3x``), and asks for the prologue variable at
+the end (the answer is always ``a``; the prompt is kept short so that the trace's KV, not the
+prompt's, dominates, as in long reasoning)::
 
-    prompt:   a=47 b=23 c=61; c-4; 3x a+3 b-2
+    prompt:   a=61 b=47 c=23; a-4; 3x b+3 c-2
     solution: <think>
-              c=61-4=57
-              1 a=47+3=50
-              1 b=23-2=21
-              2 a=50+3=53
-              2 b=21-2=19
-              3 a=53+3=56
-              3 b=19-2=17
+              a=61-4=57
+              1 b=47+3=50
+              1 c=23-2=21
+              2 b=50+3=53
+              2 c=21-2=19
+              3 b=53+3=56
+              3 c=19-2=17
               </think>
               Answer: \\boxed{57}
+
+Every value has two digits and the variables always come in the same order, so every line has the
+same width and a value is read at a fixed distance back (the loop variable's line one iteration
+earlier, or its place in the prompt): a 2-layer model learns the task by position, as it learns
+``rewards.arith``; with shuffled variables (a lookup by name) it did not learn it in 600 SFT steps.
 
 Each line is a *step*: it restates the value it reads (its variable's latest value: the prompt's
 or the last step that wrote it), applies the operation and writes the new value. A loop step
@@ -169,7 +174,7 @@ class RegisterMachineTask:
 
     num_variables: int = 4
     """Variables a, b, c, ...: one is the prologue's (and printed), the others run in the loop (>= 2)."""
-    repeats: tuple[int, int] = (6, 9)
+    repeats: tuple[int, int] = (7, 9)
     """(fewest, most) loop iterations, inclusive, in 1..9 (a single-digit iteration label)."""
     max_operand: int = 5
     """Operands are drawn from 1..max_operand."""
@@ -203,7 +208,7 @@ class RegisterMachineTask:
     def program(self, rng: random.Random) -> Program:
         """One random program."""
         names = VARIABLES[:self.num_variables]
-        kept = rng.choice(names)
+        kept = names[0]
         lo, hi = self.min_value, self.max_value
         repeats = rng.randint(*self.repeats)
         body, start = [], {}
@@ -214,7 +219,6 @@ class RegisterMachineTask:
             span = k * repeats
             start[v] = rng.randint(lo, hi - span) if sign == "+" else rng.randint(lo + span, hi)
             body.append((v, sign, k))
-        rng.shuffle(body)
         start[kept] = rng.randint(lo, hi)
         k = rng.randint(1, self.max_operand)
         signs = [s for s, x in (("+", start[kept] + k), ("-", start[kept] - k)) if lo <= x <= hi]
