@@ -184,8 +184,13 @@ class RegisterMachineTask:
     """See min_value; the range must fit max_operand times the most repeats."""
     num_registers: int = 16
     """Thought registers of the policy (registers:N) the annotations are written for."""
-    lazy_registers: int = 14
-    """Registers the lazy (SFT) schedule cycles through before it kills anything (<= num_registers)."""
+    lazy_registers: int = 16
+    """Registers the lazy (SFT) schedule fills before it kills anything (<= num_registers); with
+    ``lazy_spread``, the most of a range."""
+    lazy_spread: int = 6
+    """Each problem's lazy schedule fills a number of registers drawn from
+    ``lazy_registers - lazy_spread .. lazy_registers`` (>= 0): annotations that are lazy by varying
+    amounts, so the SFT model samples earlier kills now and then and RL can reinforce them."""
     seed: int = 0
     """Problems are a pure function of (settings, seed, split, index)."""
 
@@ -203,6 +208,9 @@ class RegisterMachineTask:
         if not self.num_variables + 1 <= self.lazy_registers <= self.num_registers:
             raise ValueError(f"lazy_registers must be in {self.num_variables + 1}..num_registers "
                              f"({self.num_registers}) to hold the live steps, got {self.lazy_registers}")
+        if not 0 <= self.lazy_spread <= self.lazy_registers - self.num_variables - 1:
+            raise ValueError(f"lazy_spread must be in 0..lazy_registers - num_variables - 1 "
+                             f"({self.lazy_registers - self.num_variables - 1}), got {self.lazy_spread}")
         object.__setattr__(self, "repeats", (int(lo), int(hi)))
 
     def program(self, rng: random.Random) -> Program:
@@ -236,12 +244,13 @@ class RegisterMachineTask:
         records: list[dict] = []
         while len(records) < n:
             program = self.program(rng)
+            lazy = self.lazy_registers - rng.randint(0, self.lazy_spread)
             prompt = program.prompt()
             if is_eval_prompt(prompt) != (split == "eval"):
                 continue
             records.append({
                 "prompt_id": f"regmachine-{split}-{len(records):06d}", "prompt": prompt, "answer": str(program.answer()),
-                "solution": format_solution(program, register_schedule(program, "lazy", self.lazy_registers)),
+                "solution": format_solution(program, register_schedule(program, "lazy", lazy)),
                 "solution_dense": format_solution(program),
                 "solution_optimal": format_solution(program, register_schedule(program, "optimal", self.lazy_registers)),
             })

@@ -142,6 +142,14 @@ def test_a_window_at_the_register_budget_cannot_see_the_answer(task_rows):
         assert all(tracker.death[k] > reg_answer for k in range(first_step, first_step + step_len))
 
 
+# Catches: lazy_spread ignored (every lazy annotation filling the same number of registers, so the SFT
+# model never samples an earlier kill for RL to reinforce) or a draw outside the range: the defaults
+# (16 registers, spread 6) fill 10..16 registers, varying over problems.
+def test_lazy_annotations_fill_a_varying_number_of_registers(task_rows):
+    filled = {len(set(re.findall(r"<reg_(\d+)>", row["solution"]))) for row in task_rows}
+    assert min(filled) >= 10 and max(filled) <= 16 and len(filled) >= 4, filled
+
+
 # Catches: splits that overlap (eval problems trained on) or problems that change with n.
 def test_splits_are_disjoint_and_stable():
     task = RegisterMachineTask()
