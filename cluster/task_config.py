@@ -19,6 +19,13 @@ from rewards.regmachine import RegisterMachineTask
 # ------------------------------------------------------------------------------------- the task
 
 
+def _check_sizes(task) -> None:
+    """A generated task writes at least one problem per split."""
+    for name in ("train_size", "eval_size"):
+        if getattr(task, name) < 1:
+            raise ValueError(f"{name} must be >= 1, got {getattr(task, name)}")
+
+
 @dataclasses.dataclass(frozen=True)
 class ArithTaskConfig(ArithTask):
     """The project's multi-step arithmetic (``rewards.arith``), scored by exact integer match."""
@@ -32,9 +39,7 @@ class ArithTaskConfig(ArithTask):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name in ("train_size", "eval_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        _check_sizes(self)
 
     def generator(self) -> ArithTask:
         """The generator these settings describe."""
@@ -57,9 +62,7 @@ class RegisterMachineTaskConfig(RegisterMachineTask):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name in ("train_size", "eval_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        _check_sizes(self)
 
     def generator(self) -> RegisterMachineTask:
         """The generator these settings describe."""
