@@ -18,8 +18,8 @@ from rewards.regmachine import RegisterMachineTask, RegisterMachineVerifier, reg
 from rollout.kv_policy import KVPolicy, register_tokens
 from rollout.tiny import build_tokenizer
 
-N = 16
-LINE = re.compile(r"^(?:<reg_(\d+)>)?(?:(\d) )?([a-z])=(\d+)([+-])(\d)=(\d+)$")
+N = 32
+LINE = re.compile(r"^(?:<reg_(\d+)>)?(?:(\d+) )?([a-z])=(\d+)([+-])(\d)=(\d+)$")
 
 
 def simulate(prompt: str, solution: str) -> dict:
@@ -92,9 +92,10 @@ def _live_kv(tokenizer, reg_ids, end_think, prompt, completion, spec):
 
 
 # Catches: a generator whose schedules do not save what the issue asks (optimal ~40% of Dense's live
-# KV at the end, lazy ~70%: the RL stage's room), e.g. an optimal schedule that never kills, or a lazy
-# one as tight as the optimum. Numbers over 120 problems with the defaults (measured: lazy 0.64,
-# optimal 0.35 at the end; optimal 0.48 of Dense's mean over decode steps).
+# KV, lazy ~70%: the RL stage's room), e.g. an optimal schedule that never kills, or a lazy one as
+# tight as the optimum. Numbers over 120 problems with the defaults (measured: of Dense's mean live KV
+# over decode steps lazy 0.72, optimal 0.31; at the end lazy 0.53, optimal 0.21). TIP's target, half
+# of Dense's mean, must lie strictly between them.
 def test_live_kv_fractions_of_the_schedules(task_rows):
     tokenizer = build_tokenizer(tuple(register_tokens(N)))
     reg_ids = tokenizer.convert_tokens_to_ids(register_tokens(N))
@@ -107,9 +108,9 @@ def test_live_kv_fractions_of_the_schedules(task_rows):
     end = {k: statistics.mean(v[0] for v in vs) for k, vs in stats.items()}
     mean = {k: statistics.mean(v[1] for v in vs) for k, vs in stats.items()}
     lazy, optimal = end["solution"] / end["solution_dense"], end["solution_optimal"] / end["solution_dense"]
-    assert 0.55 <= lazy <= 0.8, lazy
-    assert 0.3 <= optimal <= 0.45, optimal
-    assert mean["solution_optimal"] / mean["solution_dense"] <= 0.5
+    assert 0.45 <= lazy <= 0.65 and 0.15 <= optimal <= 0.3, (lazy, optimal)
+    lazy, optimal = mean["solution"] / mean["solution_dense"], mean["solution_optimal"] / mean["solution_dense"]
+    assert 0.65 <= lazy <= 0.8 and 0.25 <= optimal <= 0.4, (lazy, optimal)
 
 
 # Catches: a task a recency window can solve (the answer's step written late, or the prompt holding
@@ -144,10 +145,17 @@ def test_a_window_at_the_register_budget_cannot_see_the_answer(task_rows):
 
 # Catches: lazy_spread ignored (every lazy annotation filling the same number of registers, so the SFT
 # model never samples an earlier kill for RL to reinforce) or a draw outside the range: the defaults
-# (16 registers, spread 6) fill 10..16 registers, varying over problems.
+# (32 registers, spread 26) fill 6..32 registers, varying over problems.
 def test_lazy_annotations_fill_a_varying_number_of_registers(task_rows):
     filled = {len(set(re.findall(r"<reg_(\d+)>", row["solution"]))) for row in task_rows}
-    assert min(filled) >= 10 and max(filled) <= 16 and len(filled) >= 4, filled
+    assert min(filled) >= 6 and max(filled) <= 32 and len(filled) >= 15, filled
+
+
+# Catches: iteration labels without zero padding ("9 b=..." beside "10 b=..."): loop lines of varying
+# width break the fixed read distance a small model learns the task by (see the module docstring).
+def test_every_loop_line_has_one_width(task_rows):
+    widths = {len(line) for row in task_rows for line in row["solution_dense"].splitlines()[2:-2]}
+    assert widths == {len("07 b=47+3=50")}, widths
 
 
 # Catches: splits that overlap (eval problems trained on) or problems that change with n.
@@ -172,7 +180,7 @@ def test_bad_settings_name_the_value():
     with pytest.raises(ValueError, match="lazy_registers"):
         RegisterMachineTask(lazy_registers=3)
     with pytest.raises(ValueError, match="repeats"):
-        RegisterMachineTask(repeats=(5, 12))
+        RegisterMachineTask(repeats=(5, 100))
     program = RegisterMachineTask().program(__import__("random").Random(0))
     assert register_schedule(program, "optimal", 16)  # the optimal one never needs the lazy budget
     with pytest.raises(ValueError, match="unknown register schedule"):

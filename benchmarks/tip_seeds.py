@@ -1,0 +1,146 @@
+"""TIP in miniature, end to end, once per seed: the recipes of README "Train a TIP model", run as a user runs them.
+
+For every seed S (all seeds at once, one process chain each)::
+
+    sliderl sft configs/tip-sft.yaml output_dir=OUT/sS/sft model.seed=S learner.seed=S            # stage 1
+    sliderl sft configs/tip-sft.yaml kv=full data.task_solution=solution_dense output_dir=OUT/sS/dense ...  # Dense
+    sliderl train configs/tip-grpo.yaml run_dir=OUT/sS/grpo model.type=hf model.path=OUT/sS/sft/model \\
+        warmstart.enabled=false train.seed=S learner.seed=S                                         # stage 2
+    sliderl eval OUT/sS/eval.yaml        # configs/tip-eval.yaml with this seed's checkpoints
+
+(the two SFT stages run side by side; stage 2 starts from the stage-1 checkpoint rather than re-running
+it as its warm start). Then one table over seeds (mean ± sd) of every entry of the comparison — avg@k,
+pass@k, mean live KV, throughput, decode seconds — and each entry's ratios to Dense, in OUT/summary.md
+and OUT/summary.jsonl. ``--device cuda`` puts every learner and engine on the GPU (one GPU is shared by
+all chains); ``--sft/--train/--eval KEY=VALUE ...`` add settings to those commands.
+
+    python benchmarks/tip_seeds.py --seeds 0 1 2 --device cuda --out runs/tip-seeds
+    python benchmarks/tip_seeds.py --seeds 0 --out /tmp/tip-smoke --grpo-steps 2 --sft sft.steps=20 \\
+        --train train.groups_per_step=2 --eval eval.num_problems=4 eval.compare.k=2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+SFT, GRPO, EVAL = (ROOT / "configs" / f"tip-{name}.yaml" for name in ("sft", "grpo", "eval"))
+METRICS = ("avg_at_k", "pass_at_k", "mean_live_kv", "peak_live_kv", "tokens_per_second", "decode_seconds")
+
+
+def run(cmd: list[str], log: Path) -> float:
+    """Run one sliderl command (its output to ``log``); its wall seconds. A failure stops the chain."""
+    start = time.perf_counter()
+    with open(log, "w") as out:
+        out.write(" ".join(cmd) + "\n")
+        out.flush()
+        code = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT).returncode
+    if code != 0:
+        raise RuntimeError(f"exit {code}: {' '.join(cmd)} (log: {log})")
+    return time.perf_counter() - start
+
+
+def device_args(device: str, train: bool) -> list[str]:
+    if device == "cpu":
+        return ["learner.device=cpu"] + (["engine.device=cpu"] if train else [])
+    args = ["learner.device=cuda"]
+    if train:  # every chain's Ray instance sees the one GPU; each actor takes a slice of it
+        args += ["engine.device=cuda", "learner.num_gpus=0.2", "rollout.num_gpus=0.2"]
+    return args
+
+
+def eval_config(seed_dir: Path, seed: int, grpo_steps: int, device: str) -> Path:
+    """configs/tip-eval.yaml with this seed's checkpoints, output directory and sampling seed."""
+    cfg = yaml.safe_load(EVAL.read_text())
+    where = {"runs/tip-dense/model": seed_dir / "dense" / "model", "runs/tip-sft/model": seed_dir / "sft" / "model",
+             "runs/tip-grpo/checkpoints/step_000060": seed_dir / "grpo" / "checkpoints" / f"step_{grpo_steps:06d}"}
+    for entry in cfg["eval"]["compare"]["entries"]:
+        entry["checkpoint"] = str(where[entry["checkpoint"]])
+    cfg["eval"]["compare"].update(seeds=[seed], output_dir=str(seed_dir / "eval"))
+    cfg.setdefault("engine", {})["device"] = device
+    path = seed_dir / "eval.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+def chain(seed: int, args: argparse.Namespace) -> dict:
+    """Stage 1 and the Dense baseline side by side, then stage 2, then the comparison; seconds per stage."""
+    d = args.out / f"s{seed}"
+    d.mkdir(parents=True, exist_ok=True)
+    sliderl = [sys.executable, "-m", "cluster.cli"]
+    common = [f"model.seed={seed}", f"learner.seed={seed}", *device_args(args.device, False), *args.sft_overrides]
+    sft = sliderl + ["sft", str(SFT), f"output_dir={d / 'sft'}", *common]
+    dense = sliderl + ["sft", str(SFT), "kv=full", "data.task_solution=solution_dense", f"output_dir={d / 'dense'}", *common]
+    with ThreadPoolExecutor(2) as pool:
+        stage1, baseline = pool.submit(run, sft, d / "sft.log"), pool.submit(run, dense, d / "dense.log")
+        seconds = {"sft": stage1.result(), "dense": baseline.result()}
+    train = sliderl + ["train", str(GRPO), f"run_dir={d / 'grpo'}", "model.type=hf", f"model.path={d / 'sft' / 'model'}",
+                       "warmstart.enabled=false", f"train.seed={seed}", f"learner.seed={seed}",
+                       f"train.steps={args.grpo_steps}", *device_args(args.device, True), *args.train_overrides]
+    seconds["grpo"] = run(train, d / "grpo.log")
+    compare = sliderl + ["eval", str(eval_config(d, seed, args.grpo_steps, args.device)), *args.eval_overrides]
+    seconds["eval"] = run(compare, d / "eval.log")
+    return seconds
+
+
+def summarize(out: Path, seeds: list[int], seconds: dict[int, dict]) -> str:
+    """Mean ± sd over seeds of every comparison entry, with ratios to Dense; writes summary.md/jsonl."""
+    rows: dict[str, list[dict]] = {}
+    for seed in seeds:
+        for line in (out / f"s{seed}" / "eval" / "results.jsonl").read_text().splitlines():
+            row = json.loads(line)
+            rows.setdefault(row["label"], []).append(row)
+    dense = rows["Dense"]
+    lines = [f"# TIP in miniature over seeds {seeds} — `python benchmarks/tip_seeds.py {' '.join(sys.argv[1:])}`", "",
+             "| entry | avg@k | pass@k | mean live KV | KV / Dense | tok/s | tok/s / Dense | decode s |",
+             "|---|---|---|---|---|---|---|---|"]
+    summary = []
+    for label, runs in rows.items():
+        stat = {m: (statistics.mean(r[m] for r in runs), statistics.pstdev(r[m] for r in runs)) for m in METRICS}
+        kv_ratio = statistics.mean(r["mean_live_kv"] / d["mean_live_kv"] for r, d in zip(runs, dense))
+        tps_ratio = statistics.mean(r["tokens_per_second"] / d["tokens_per_second"] for r, d in zip(runs, dense))
+        summary.append({"label": label, "seeds": seeds, **{m: v[0] for m, v in stat.items()},
+                        **{f"{m}_sd": v[1] for m, v in stat.items()}, "kv_over_dense": kv_ratio,
+                        "tps_over_dense": tps_ratio, "per_seed": [r["avg_at_k"] for r in runs]})
+        f = lambda m, p: f"{stat[m][0]:.{p}f} ± {stat[m][1]:.{p}f}"  # noqa: E731
+        lines.append(f"| {label} | {f('avg_at_k', 3)} | {f('pass_at_k', 3)} | {f('mean_live_kv', 1)} | {kv_ratio:.2f} "
+                     f"| {f('tokens_per_second', 0)} | {tps_ratio:.2f} | {f('decode_seconds', 1)} |")
+    lines += ["", "seconds per stage: " + "; ".join(f"seed {s}: " + ", ".join(f"{k} {v:.0f}" for k, v in seconds[s].items())
+                                                    for s in seeds)]
+    (out / "summary.jsonl").write_text("".join(json.dumps(r) + "\n" for r in summary))
+    text = "\n".join(lines) + "\n"
+    (out / "summary.md").write_text(text)
+    return text
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--out", type=Path, default=Path("runs/tip-seeds"))
+    parser.add_argument("--grpo-steps", type=int, default=60, help="stage 2's steps (its last checkpoint is evaluated)")
+    for stage in ("sft", "train", "eval"):
+        parser.add_argument(f"--{stage}", dest=f"{stage}_overrides", nargs="+", default=[], metavar="KEY=VALUE",
+                            help=f"settings for every {stage} command (e.g. --sft sft.steps=900)")
+    args = parser.parse_args()
+    args.out = args.out.resolve()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    start = time.perf_counter()
+    with ThreadPoolExecutor(len(args.seeds)) as pool:
+        seconds = dict(zip(args.seeds, pool.map(lambda s: chain(s, args), args.seeds)))
+    print(summarize(args.out, args.seeds, seconds))
+    print(f"all seeds: {time.perf_counter() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
