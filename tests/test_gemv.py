@@ -52,9 +52,9 @@ def assert_close_to_reference(y, x, w, b):
     # N and K off every block size: catches a missing tail mask on either (reads past W's rows or K)
     (1, 37, 50, True, None),
     (8, 37, 50, False, None),
-    # three splits over four 16-wide K chunks (the last split gets one, an even 2 + 2 would hide a
+    # three splits over five 16-wide K chunks (2 + 2 + 1, the last one partial; an even split would hide a
     # wrong k_per_split): catches a dropped or doubled partial, or a merge before all splits arrived
-    (3, 40, 61, True, GemvConfig(block_n=16, block_k=16, num_splits=3)),
+    (3, 40, 70, True, GemvConfig(block_n=16, block_k=16, num_splits=3)),
     # more splits than K chunks: an empty split must still count in and contribute zero
     (5, 20, 30, False, GemvConfig(block_n=16, block_k=16, num_splits=4)),
     # two N tiles x two splits: catches partials of one tile landing in another's columns
@@ -80,7 +80,7 @@ def test_gemv_half_precision_accumulates_in_fp32(dtype):
 def test_split_k_is_deterministic_and_leaves_counters_zero():
     # catches: the arrival counter not reset (the next launch never finds its last split and leaves y
     # unwritten) and a merge whose order depends on which split came last (bits would vary)
-    x, w, b = operands(3, 40, 61, torch.float32, True, seed=2)
+    x, w, b = operands(3, 40, 70, torch.float32, True, seed=2)
     cfg = GemvConfig(block_n=16, block_k=16, num_splits=3)
     first, second = gemv(x, w, b, cfg), gemv(x, w, b, cfg)
     assert torch.equal(first, second)
