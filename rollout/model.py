@@ -202,8 +202,8 @@ class FusedLinears:
     parameters: ``fuse`` re-points each ``linear.weight.data`` at its rows. In-place writes to the
     parameters (``load_weights``, optimizer steps) therefore reach the fused GEMM, and the parameters
     keep their Hugging Face names. Whatever gives a parameter new storage (``module.to``,
-    ``to_empty``) must be followed by ``fuse`` again: the owning module's ``_apply`` does it, and
-    ``__call__`` refuses to run on a stale fusion.
+    ``to_empty``) must be followed by ``fuse`` again: the owning module's ``_apply`` does it
+    (``refresh``), and ``__call__`` refuses to run on a stale fusion.
     """
 
     def __init__(self, *linears: nn.Linear):
@@ -236,6 +236,11 @@ class FusedLinears:
                 return False
         return True
 
+    def refresh(self) -> None:
+        """``fuse`` again if any parameter has left its rows (in-place conversions keep the fusion)."""
+        if not self.is_current():
+            self.fuse()
+
     def __call__(self, x: Tensor, gemv: bool = False) -> tuple[Tensor, ...]:
         """x: [N, K] -> one [N, N_i] view per linear, in order."""
         assert self.is_current(), "a fused parameter was given new storage: call fuse() (see FusedLinears)"
@@ -261,7 +266,7 @@ class Attention(nn.Module):
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
-        self.qkv.fuse()  # .to() / .to_empty() gave the projections new storage
+        self.qkv.refresh()  # .to() / .to_empty() give the projections new storage
         return self
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend, fused: bool = False,
@@ -304,7 +309,7 @@ class MLP(nn.Module):
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
-        self.gate_up.fuse()
+        self.gate_up.refresh()
         return self
 
     def forward(self, x: Tensor, fused: bool = False, gemv: bool = False) -> Tensor:
