@@ -232,10 +232,11 @@ def test_gpu_cuda_graph_of_the_gemv_decoder_matches_eager(tmp_path):
         graph = torch.cuda.CUDAGraph()
         with torch.inference_mode(), torch.cuda.graph(graph):
             captured = logits(ids)
-        for _ in range(2):
+        for _ in range(2):  # zeroed first: a replay that leaves y unwritten shows as zeros
             captured.zero_()
             graph.replay()
-            assert torch.equal(captured, eager)
+            # not torch.equal: DenseAttention's einsum is cuBLAS, whose algorithm may differ under capture
+            assert (captured - eager).abs().max() <= 1e-3 * eager.abs().max()
         model.gemv_kernels = False
         with torch.inference_mode():
             cublas = logits(ids)
