@@ -1,6 +1,8 @@
 """Steady-state decode throughput of the engine on a Qwen3-1.7B-config model (random bf16 weights).
 
     python benchmarks/engine_gpu.py [--positions 8192 32768 131072] [--window 4096] [--steps 48] [--out F]
+    python benchmarks/engine_gpu.py --positions 8192 --policies prefix_sliding:4096 --max-seqs 1 --hf-batch 0 \
+        --steps 64 --profile 32 --gemv on off        # batch-1 latency, Triton GEMV vs cuBLAS in one run
 
 How the cache reaches a position X: each sequence has a 100-token prompt; its history up to X is
 synthesised instead of generated — the token ids are a filler token (registers: a register token every
@@ -193,11 +195,12 @@ def live_tokens(spec: str, position: int) -> int:
 
 
 def bench_engine(path: Path, spec: str, position: int, steps: int, kv_gb: float, max_seqs: int,
-                 profile_steps: int = 0) -> dict:
+                 profile_steps: int = 0, gemv: bool = True) -> dict:
     per_token = 2 * 28 * 8 * 128 * 2
     n = max(1, min(max_seqs, int(kv_gb * 2**30 / (per_token * (live_tokens(spec, position) + 64 + steps)))))
     llm = LLM(str(path), kv=spec, device="cuda", dtype="bfloat16", block_size=16, max_num_seqs=n,
-              kv_cache_gb=kv_gb, max_model_len=position + 4096, overlap=True)  # registers' too (see rollout.run_ahead)
+              kv_cache_gb=kv_gb, max_model_len=position + 4096, overlap=True,  # registers' too (rollout.run_ahead)
+              gemv=gemv)
     for k, v in zip(llm.runner.cache.k, llm.runner.cache.v):  # random K/V, never zeros
         k.normal_()
         v.normal_()
@@ -206,7 +209,7 @@ def bench_engine(path: Path, spec: str, position: int, steps: int, kv_gb: float,
         inject_registers(llm, position)
     rate = decode_rate(llm, steps, warmup=8)
     seqs = llm.scheduler.running
-    row = {"policy": spec, "position": position, "batch": n, "tokens_per_s": rate,
+    row = {"policy": spec, "position": position, "batch": n, "gemv": gemv, "tokens_per_s": rate,
            "live_kv_tokens_per_seq": sum(s.tracker.visible for s in seqs) / len(seqs),
            "redone_rows_per_step": llm.stats.redone_rows / llm.stats.steps, **step_breakdown(llm, 8)}
     if profile_steps:
@@ -248,6 +251,9 @@ def main() -> None:
     parser.add_argument("--hf-batch", type=int, default=16)
     parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
                         help="also report GPU ms per step by kernel over this many steps (torch.profiler)")
+    parser.add_argument("--gemv", nargs="+", choices=["on", "off"], default=["on"],
+                        help="linears over <= 8 tokens on the Triton GEMV (on) or cuBLAS (off); "
+                             "'--gemv on off': a row for each")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     w = args.window
@@ -257,16 +263,20 @@ def main() -> None:
         path = build_model(Path(tmp) / "qwen3-1.7b-random")
         for position in args.positions:
             for spec in policies:
-                rows.append(bench_engine(path, spec, position, args.steps, args.kv_gb, args.max_seqs, args.profile))
-                print(json.dumps(rows[-1]), flush=True)
+                for gemv in args.gemv:
+                    rows.append(bench_engine(path, spec, position, args.steps, args.kv_gb, args.max_seqs,
+                                             args.profile, gemv == "on"))
+                    print(json.dumps(rows[-1]), flush=True)
         if args.hf_batch:
             rows.append(bench_transformers(path, min(args.positions), args.hf_batch, 64))
             print(json.dumps(rows[-1]), flush=True)
-    full = {r["position"]: r["tokens_per_s"] for r in rows if r["policy"] == "full"}
-    print(f"\n{'policy':<30}{'position':>9}{'batch':>7}{'tok/s':>10}{'vs full':>9}{'live KV/seq':>12}")
+    full = {(r["position"], r.get("gemv")): r["tokens_per_s"] for r in rows if r["policy"] == "full"}
+    print(f"\n{'policy':<30}{'position':>9}{'batch':>7}{'gemv':>6}{'tok/s':>10}{'vs full':>9}{'live KV/seq':>12}")
     for r in rows:
-        ratio = r["tokens_per_s"] / full[r["position"]] if r["position"] in full else math.nan
-        print(f"{r['policy']:<30}{r['position']:>9}{r['batch']:>7}{r['tokens_per_s']:>10.0f}{ratio:>8.2f}x"
+        base = full.get((r["position"], r.get("gemv", args.gemv[0] == "on")))  # transformers: vs the first
+        ratio = r["tokens_per_s"] / base if base else math.nan
+        gemv = {True: "on", False: "off", None: "-"}[r.get("gemv")]
+        print(f"{r['policy']:<30}{r['position']:>9}{r['batch']:>7}{gemv:>6}{r['tokens_per_s']:>10.0f}{ratio:>8.2f}x"
               f"{r['live_kv_tokens_per_seq']:>12.0f}")
     if args.out:
         args.out.write_text(json.dumps(rows, indent=1))

@@ -7,7 +7,9 @@ The package owns
   sequence, split-K), ``prefill`` (varlen / chunked prefill), sharing ``key_tile`` and checked by
   ``launch_checks``;
 - ``norm_rope``: fused RMSNorm (with the residual add) and q/k-norm + RoPE, the decoder's small ops
-  on its inference path (``DecoderLM.fused_kernels``).
+  on its inference path (``DecoderLM.fused_kernels``);
+- ``gemv``: a split-K skinny GEMM for at most 16 rows (W read once), the decoder's linear layers
+  and lm_head at small decode batches (``DecoderLM.gemv_kernels``).
 
 ``paged_attention`` and ``write_kv`` below dispatch to the kernels. Triton is imported only when they
 are first called, so ``kernels.metadata`` and ``kernels.reference`` import without it, and

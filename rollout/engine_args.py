@@ -50,6 +50,8 @@ class EngineArgs:
     """On CUDA, replay decode steps as captured CUDA graphs (outputs are the same without)."""
     overlap: bool | None = None
     """Queue each decode step before the previous one's tokens are read back; None: on for CUDA but not registers."""
+    gemv: bool = True
+    """On CUDA, run linear layers and the lm_head over at most 8 tokens (decode at small batch) with the Triton split-K GEMV instead of cuBLAS."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kv", KVPolicy.parse(self.kv).spec)
@@ -75,6 +77,8 @@ class EngineArgs:
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if not isinstance(self.cuda_graphs, bool):
             raise ValueError(f"cuda_graphs must be true or false, got {self.cuda_graphs!r}")
+        if not isinstance(self.gemv, bool):
+            raise ValueError(f"gemv must be true or false, got {self.gemv!r}")
         if self.overlap is not None and not isinstance(self.overlap, bool):
             raise ValueError(f"overlap must be None, true or false, got {self.overlap!r}")
 

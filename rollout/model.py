@@ -8,6 +8,8 @@ sampler and trainer compute the same function.
 
 Module and parameter names equal Hugging Face's (``model.embed_tokens``,
 ``model.layers.{i}.self_attn.q_proj``, ``model.norm``, ``lm_head`` …), so a HF state dict maps 1:1.
+On the inference path q/k/v and gate/up each run as one GEMM over a fused weight whose row blocks
+*are* those parameters (``FusedLinears``): one copy of the weights, still loaded and synced by HF name.
 """
 
 from __future__ import annotations
@@ -22,11 +24,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from kernels.launch_checks import interpreting
+
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")
 # RoPE variants whose frequencies are fixed; "dynamic" and "longrope" change with sequence length.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # Tensors that old checkpoints carry but that the model recomputes from its config.
 _IGNORED_WEIGHT_SUFFIXES = (".rotary_emb.inv_freq",)
+GEMV_MAX_TOKENS = 8  # with ``DecoderLM.gemv_kernels``, linears over at most this many tokens run kernels.gemv
 
 
 class AttentionBackend(Protocol):
@@ -181,6 +186,67 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None, gemv: bool = False) -> Tensor:
+    """``F.linear``; with ``gemv``, a batch of 1..``GEMV_MAX_TOKENS`` rows on CUDA (or under
+    ``TRITON_INTERPRET=1``) runs the split-K GEMV kernel instead (``kernels.gemv``: W read once)."""
+    if gemv and 0 < x.shape[0] <= GEMV_MAX_TOKENS and (x.is_cuda or interpreting()):
+        from kernels.gemv import gemv as gemv_kernel
+        return gemv_kernel(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+class FusedLinears:
+    """Several ``nn.Linear`` over one input as one GEMM, without a second copy of their weights.
+
+    ``weight [sum N_i, K]`` (and ``bias``) is one tensor whose row blocks *are* the linears'
+    parameters: ``fuse`` re-points each ``linear.weight.data`` at its rows. In-place writes to the
+    parameters (``load_weights``, optimizer steps) therefore reach the fused GEMM, and the parameters
+    keep their Hugging Face names. Whatever gives a parameter new storage (``module.to``,
+    ``to_empty``) must be followed by ``fuse`` again: the owning module's ``_apply`` does it
+    (``refresh``), and ``__call__`` refuses to run on a stale fusion.
+    """
+
+    def __init__(self, *linears: nn.Linear):
+        self.linears = linears
+        self.sizes = [lin.out_features for lin in linears]
+        self.starts = [sum(self.sizes[:i]) for i in range(len(linears))]  # first row of each in the fused weight
+        self.fuse()
+
+    @torch.no_grad()
+    def fuse(self) -> None:
+        self.weight = self._fused([lin.weight for lin in self.linears])
+        has_bias = [lin.bias is not None for lin in self.linears]
+        assert all(has_bias) or not any(has_bias), "fused linears must all have a bias or none"
+        self.bias = self._fused([lin.bias for lin in self.linears]) if all(has_bias) else None
+
+    def _fused(self, params: list[nn.Parameter]) -> Tensor:
+        fused = torch.cat([p.detach() for p in params])  # [sum N_i, ...]
+        for p, rows in zip(params, fused.split(self.sizes)):
+            p.data = rows
+        return fused
+
+    def is_current(self) -> bool:
+        """Every parameter still lives at its rows of the fused tensors."""
+        for fused, name in ((self.weight, "weight"), (self.bias, "bias")):
+            if fused is None:
+                continue
+            row_bytes = fused.stride(0) * fused.element_size()
+            if any(getattr(lin, name).data_ptr() != fused.data_ptr() + start * row_bytes
+                   for lin, start in zip(self.linears, self.starts)):
+                return False
+        return True
+
+    def refresh(self) -> None:
+        """``fuse`` again if any parameter has left its rows (in-place conversions keep the fusion)."""
+        if not self.is_current():
+            self.fuse()
+
+    def __call__(self, x: Tensor, gemv: bool = False) -> tuple[Tensor, ...]:
+        """x: [N, K] -> one [N, N_i] view per linear, in order."""
+        assert self.is_current(), "a fused parameter was given new storage: call fuse() (see FusedLinears)"
+        return linear(x, self.weight, self.bias, gemv).split(self.sizes, dim=-1)
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer: int):
         super().__init__()
@@ -191,25 +257,36 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, kv_dim, bias=config.qkv_bias)
         self.v_proj = nn.Linear(config.hidden_size, kv_dim, bias=config.qkv_bias)
         self.o_proj = nn.Linear(q_dim, config.hidden_size, bias=config.o_bias)
+        self.qkv = FusedLinears(self.q_proj, self.k_proj, self.v_proj)
         if config.qk_norm:
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend, fused: bool = False) -> Tensor:
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        self.qkv.refresh()  # .to() / .to_empty() give the projections new storage
+        return self
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend, fused: bool = False,
+                gemv: bool = False) -> Tensor:
         n = x.shape[0]
-        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)  # [N, H_q, D]
-        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)  # [N, H_kv, D]
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        if fused:
+            q, k, v = self.qkv(x, gemv)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(n, self.num_heads, self.head_dim)  # [N, H_q, D]
+        k = k.view(n, self.num_kv_heads, self.head_dim)  # [N, H_kv, D]
+        v = v.view(n, self.num_kv_heads, self.head_dim)
         if fused:
             q, k = self.fused_norm_rope(q, k, cos, sin)
         else:
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        o = attn(self.layer, q, k, v)  # [N, H_q, D]
-        return self.o_proj(o.reshape(n, self.num_heads * self.head_dim))
+        o = attn(self.layer, q, k, v).reshape(n, self.num_heads * self.head_dim)  # [N, H_q * D]
+        return linear(o, self.o_proj.weight, self.o_proj.bias, gemv) if fused else self.o_proj(o)
 
     def fused_norm_rope(self, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
         """q/k-norm (when the model has it) and RoPE in one Triton launch; same values as the PyTorch ops."""
@@ -227,10 +304,20 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.gate_up = FusedLinears(self.gate_proj, self.up_proj)
         self.act_fn = ACT2FN[config.hidden_act]
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        self.gate_up.refresh()
+        return self
+
+    def forward(self, x: Tensor, fused: bool = False, gemv: bool = False) -> Tensor:
+        if not fused:
+            return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up(x, gemv)
+        down = self.down_proj
+        return linear(self.act_fn(gate) * up, down.weight, down.bias, gemv)
 
 
 class DecoderLayer(nn.Module):
@@ -241,10 +328,11 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, h: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend, fused: bool = False) -> Tensor:
-        a = self.self_attn(self.input_layernorm(h, fused=fused), cos, sin, attn, fused)
+    def forward(self, h: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend, fused: bool = False,
+                gemv: bool = False) -> Tensor:
+        a = self.self_attn(self.input_layernorm(h, fused=fused), cos, sin, attn, fused, gemv)
         x, h = self.post_attention_layernorm(a, h, fused=fused)  # x = norm(h + a), h = h + a
-        return h + self.mlp(x)
+        return h + self.mlp(x, fused, gemv)
 
 
 class Backbone(nn.Module):
@@ -264,8 +352,10 @@ class DecoderLM(nn.Module):
     ``forward(input_ids [N], positions [N], attn) -> hidden [N, hidden_size]`` (after the final
     norm); ``compute_logits(hidden) -> [N, vocab] float32``. Set ``gradient_checkpointing = True``
     to recompute each layer in backward while training. Set ``fused_kernels = True`` (CUDA, or
-    ``TRITON_INTERPRET=1``) to run the norms and q/k-norm + RoPE as Triton kernels whenever autograd
-    is off; with autograd on (training) the PyTorch ops run, which stay the reference.
+    ``TRITON_INTERPRET=1``) to run, whenever autograd is off, the norms and q/k-norm + RoPE as Triton
+    kernels and q/k/v and gate/up as one GEMM each (``FusedLinears``); with autograd on (training) the
+    PyTorch ops run, which stay the reference. Set ``gemv_kernels = True`` as well to run the linear
+    layers and ``compute_logits`` over at most ``GEMV_MAX_TOKENS`` tokens with ``kernels.gemv``.
     """
 
     def __init__(self, config: ModelConfig):
@@ -275,6 +365,7 @@ class DecoderLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.gradient_checkpointing = False
         self.fused_kernels = False
+        self.gemv_kernels = False
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -291,16 +382,18 @@ class DecoderLM(nn.Module):
         h = self.model.embed_tokens(input_ids)  # [N, hidden]
         cos, sin = self.model.rotary_emb(positions, h.dtype)  # [N, D]
         fused = self.fused_kernels and not torch.is_grad_enabled()
+        gemv = fused and self.gemv_kernels
         for layer in self.model.layers:
             if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
                 h = checkpoint(layer, h, cos, sin, attn, use_reentrant=False)
             else:
-                h = layer(h, cos, sin, attn, fused)
+                h = layer(h, cos, sin, attn, fused, gemv)
         return self.model.norm(h, fused=fused)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """hidden: [N, hidden_size] -> logits [N, vocab] float32."""
-        return self.lm_head(hidden).float()
+        gemv = self.fused_kernels and self.gemv_kernels and not torch.is_grad_enabled()
+        return linear(hidden, self.lm_head.weight, None, gemv).float()
 
     @torch.no_grad()
     def load_weights(self, weights: Mapping[str, Tensor] | Iterable[tuple[str, Tensor]]) -> None:

@@ -44,11 +44,13 @@ class ModelRunner:
     """
 
     def __init__(self, model, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype,
-                 max_num_seqs: int, max_model_len: int, cuda_graphs: bool = True, track_mass: bool = False):
+                 max_num_seqs: int, max_model_len: int, cuda_graphs: bool = True, track_mass: bool = False,
+                 gemv: bool = True):
         cfg = model.config
         self.track_mass = track_mass
         self.model = model
-        model.fused_kernels = device.type == "cuda"  # Triton norm / q-k-norm + RoPE (kernels.norm_rope)
+        model.fused_kernels = device.type == "cuda"  # Triton norms, q-k-norm + RoPE; fused q/k/v and gate/up
+        model.gemv_kernels = device.type == "cuda" and gemv  # small-batch linears on kernels.gemv
         self.device = device
         self.block_size = block_size
         self.cache = PagedKVCache.allocate(cfg.num_layers, num_blocks + 1, block_size, cfg.num_kv_heads,

@@ -11,7 +11,7 @@ from rollout import LLM, EngineArgs
 # LLM's library defaults as the README's "Python API" section spells them out
 README_DEFAULTS = dict(kv="full", device="cpu", dtype="float32", block_size=16, num_blocks=None, kv_cache_gb=None,
                        max_num_seqs=64, max_num_batched_tokens=1024, kv_watermark=0.01, max_model_len=None, seed=0,
-                       cuda_graphs=True, overlap=None)
+                       cuda_graphs=True, overlap=None, gemv=True)
 
 
 def test_defaults_are_the_documented_ones():
@@ -38,6 +38,7 @@ def test_defaults_are_the_documented_ones():
     ("kv_watermark", -0.1, "kv_watermark must be a fraction of the KV pool, 0 <= x < 1, got -0.1"),
     ("seed", 1.5, "seed must be an integer, got 1.5"),
     ("cuda_graphs", "no", "cuda_graphs must be true or false, got 'no'"),
+    ("gemv", "yes", "gemv must be true or false, got 'yes'"),
     ("overlap", 1, "overlap must be None, true or false, got 1"),
 ])
 def test_bad_values_name_the_value_and_what_is_valid(field, value, message):
