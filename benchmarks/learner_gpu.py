@@ -17,7 +17,8 @@ tokens, random ids, rewards 0..7 so every advantage is non-zero). Rows:
            labels = the ids with the prompt masked (-100), as many whole traces per forward as fit in
            ``micro_batch_tokens``, backward, clip, AdamW — with and without ``gradient_checkpointing_enable()``.
 
-Each row runs in a fresh subprocess (peaks and OOMs stay in their row): model load, one warm-up step
+Each row runs in a fresh process (peaks and OOMs stay in their row; forked from a server that has only
+imported the libraries, ``run_row``): model load, one warm-up step
 (compiles), then ``--steps`` timed steps; ``step_s`` is their median. Definitions (per step):
 
   trained tokens    loss tokens: W per trace when truncated cuts the trace, else T (= the Learner's
@@ -51,11 +52,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import re
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -313,7 +314,7 @@ def print_profile(row: dict) -> None:
           "time by kind (self time; the LM head's GEMMs found by a vocabulary-sized operand)")
     for kind, ms in prof["kinds_ms"].items():
         print(f"  {kind:<20} {ms:>10.1f} ms {100 * ms / total:>6.1f}%")
-    print("  top kernels:")
+    print("  top kernels (ops on CPU):")
     for name, ms in prof["top_ms"]:
         print(f"  {ms:>10.1f} ms {100 * ms / total:>6.1f}%  {name[:100]}")
 
@@ -345,24 +346,39 @@ def row_specs(lengths: list[int], window: int, multiplier: int, peer: bool) -> l
 
 
 def run_row(args: argparse.Namespace, spec: RowSpec, timeout: float, profile: bool = False) -> dict:
-    cmd = [sys.executable, __file__, "--child", "--model", args.model, "--stack", spec.stack, "--mode", spec.mode,
-           "--length", str(spec.length), "--name", spec.name, "--window", str(args.window),
-           "--multiplier", str(args.multiplier), "--prompt", str(args.prompt), "--steps", str(args.steps),
-           "--micro-batch-tokens", str(args.micro_batch_tokens), "--device", args.device, "--dtype", args.dtype,
-           "--attention", args.attention] + (["--ckpt"] if spec.ckpt else []) + (["--profile", "x"] if profile else [])
+    """``child`` for ``spec`` in a fresh process, forked from a server that has only imported the libraries
+    (no CUDA state, no model; saves their import time per row); killed after ``timeout`` seconds."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch._dynamo", "transformers", "trainer.learner"])
+    row_args = argparse.Namespace(**{**vars(args), "stack": spec.stack, "mode": spec.mode, "ckpt": spec.ckpt,
+                                     "length": spec.length, "name": spec.name, "profile": profile})
+    receive, send = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_child_main, args=(row_args, send))
     base = {"name": spec.name, "stack": spec.stack, "mode": spec.mode, "ckpt": spec.ckpt, "T": spec.length,
             "device": args.device}
     start = time.perf_counter()
+    proc.start()
+    send.close()
     try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                             env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)})
-    except subprocess.TimeoutExpired:
-        return {**base, "status": "TIMEOUT", "error": f"over {timeout:.0f} s"}
-    lines = out.stdout.strip().splitlines()
-    if out.returncode != 0 or not lines:
-        tail = out.stderr.strip().splitlines()[-1:] or ["(no output)"]
-        return {**base, "status": "FAILED", "error": tail[0][:300]}
-    return {**base, **json.loads(lines[-1]), "row_wall_s": time.perf_counter() - start}
+        result = receive.recv() if receive.poll(timeout) else {"status": "TIMEOUT", "error": f"over {timeout:.0f} s"}
+    except EOFError:  # the child died without an answer (killed, crashed)
+        result = None
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        proc.join()
+    if result is None:
+        result = {"status": "FAILED", "error": f"the row's process exited with code {proc.exitcode}"}
+    return {**base, **result, "row_wall_s": time.perf_counter() - start}
+
+
+def _child_main(args: argparse.Namespace, conn) -> None:
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    sys.path.insert(0, str(ROOT))
+    try:
+        conn.send(child(args))
+    except Exception as err:  # noqa: BLE001  any failure becomes the row's status, the table goes on
+        conn.send({"status": "FAILED", "error": f"{type(err).__name__}: {err}"[:300]})
 
 
 def format_row(r: dict) -> str:
@@ -403,11 +419,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--tiny", action="store_true",
                         help="tiny Qwen3 on CPU in float32, T 256/512, W 64, P 16, SDPA, 1 timed step")
     parser.add_argument("--out", type=Path, help="write rows.jsonl (and profile.json) into this directory")
-    for hidden in ("--child", "--ckpt"):
-        parser.add_argument(hidden, action="store_true", help=argparse.SUPPRESS)
-    for hidden in ("--model", "--stack", "--mode", "--name"):
-        parser.add_argument(hidden, help=argparse.SUPPRESS)
-    parser.add_argument("--length", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.tiny:
         args.lengths, args.window, args.prompt, args.device, args.dtype = [256, 512], 64, 16, "cpu", "float32"
@@ -418,9 +429,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     sys.path.insert(0, str(ROOT))
-    if args.child:
-        print(json.dumps(child(args)))
-        return
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # the server's
     start = time.perf_counter()
     specs = [s for s in row_specs(args.lengths, args.window, args.multiplier, args.peer)
              if not args.rows or s.name in args.rows]
