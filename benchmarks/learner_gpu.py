@@ -19,7 +19,10 @@ tokens, random ids, rewards 0..7 so every advantage is non-zero). Rows:
 
 Each row runs in a fresh process (peaks and OOMs stay in their row; forked from a server that has only
 imported the libraries, ``run_row``): model load, one warm-up step
-(compiles), then ``--steps`` timed steps; ``step_s`` is their median. Definitions (per step):
+(compiles), then ``--steps`` timed steps; ``step_s`` is their median. The warm-up step trains only the
+first traces of the group, as many as fill one micro-batch (at least two, so GRPO has an advantage): its
+micro-batches have the timed steps' shapes, so it compiles what they run at a fraction of their cost.
+Definitions (per step):
 
   trained tokens    loss tokens: W per trace when truncated cuts the trace, else T (= the Learner's
                     ``num_loss_tokens``); the peer trains the T generated tokens of each trace.
@@ -52,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import multiprocessing
 import os
 import re
@@ -157,16 +161,16 @@ def peer_counts(traces: list) -> dict:
 # ---------------------------------------------------------------- one row (child process)
 
 
-def learner_stepper(args: argparse.Namespace, traces: list):
+def learner_stepper(args: argparse.Namespace):
     from trainer.learner import Learner
 
     learner = Learner(args.model, window_mode=args.mode, multiplier=args.multiplier,
                       micro_batch_tokens=args.micro_batch_tokens, device=args.device, dtype=args.dtype,
                       attention=args.attention, gradient_checkpointing=args.ckpt, lr=1e-6)
-    return lambda: learner.step([traces]).as_dict()
+    return lambda traces: learner.step([traces]).as_dict()
 
 
-def peer_stepper(args: argparse.Namespace, traces: list):
+def peer_stepper(args: argparse.Namespace):
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -177,12 +181,12 @@ def peer_stepper(args: argparse.Namespace, traces: list):
     if args.ckpt:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
-    ids = torch.tensor([t.prompt_token_ids + t.completion_token_ids for t in traces], device=args.device)  # [8, L]
-    labels = ids.clone()
-    labels[:, :args.prompt] = -100
-    per_batch = max(1, args.micro_batch_tokens // ids.shape[1])
 
-    def step() -> dict:
+    def step(traces: list) -> dict:
+        ids = torch.tensor([t.prompt_token_ids + t.completion_token_ids for t in traces], device=args.device)  # [n, L]
+        labels = ids.clone()
+        labels[:, :args.prompt] = -100
+        per_batch = max(1, args.micro_batch_tokens // ids.shape[1])
         optimizer.zero_grad(set_to_none=True)
         total = 0.0
         for x, y in zip(ids.split(per_batch), labels.split(per_batch)):
@@ -207,17 +211,17 @@ def child(args: argparse.Namespace) -> dict:
            "W": args.window, "k": args.multiplier, "P": args.prompt, "group": GROUP, **counts}
     cuda = args.device.startswith("cuda")
     try:
-        step = (learner_stepper if args.stack == "sliderl" else peer_stepper)(args, traces)
+        step = (learner_stepper if args.stack == "sliderl" else peer_stepper)(args)
         if cuda:
             torch.cuda.reset_peak_memory_stats()
-        metrics = step()  # warm-up: compiles
+        step(traces[:max(2, args.micro_batch_tokens // counts["largest_window"])])  # warm-up (module docstring)
         if args.profile:
-            return {**row, "status": "ok", "profile": profile_step(step, shape.vocab, cuda)}
+            return {**row, "status": "ok", "profile": profile_step(lambda: step(traces), shape.vocab, cuda)}
         seconds = []
         for _ in range(args.steps):
             _sync(cuda)
             start = time.perf_counter()
-            metrics = step()
+            metrics = step(traces)
             _sync(cuda)
             seconds.append(time.perf_counter() - start)
     except (torch.OutOfMemoryError, RuntimeError) as err:  # the compiler's kernels raise plain RuntimeErrors
@@ -381,6 +385,15 @@ def _child_main(args: argparse.Namespace, conn) -> None:
         conn.send({"status": "FAILED", "error": f"{type(err).__name__}: {err}"[:300]})
 
 
+def run_within_budget(args: argparse.Namespace, spec: RowSpec, start: float, profile: bool = False) -> dict:
+    """``run_row`` with a timeout of ``--row-timeout-s`` capped by what is left of ``--budget-s`` since
+    ``start``; SKIPPED when under 20 s are left."""
+    left = math.inf if args.budget_s is None else args.budget_s - (time.perf_counter() - start)
+    if left < 20:
+        return {"name": spec.name, "status": "SKIPPED", "error": f"time budget of {args.budget_s:.0f} s spent"}
+    return run_row(args, spec, min(args.row_timeout_s, left), profile)
+
+
 def format_row(r: dict) -> str:
     head = f"{r['name']:<30}"
     if r["status"] != "ok":
@@ -412,7 +425,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--attention", default="flex", help="the Learner's attention backend")
     parser.add_argument("--no-peer", dest="peer", action="store_false", help="leave out the transformers rows")
     parser.add_argument("--rows", nargs="+", help="run only these row names (e.g. sliderl:truncated:ckpt:32768)")
-    parser.add_argument("--row-timeout-s", type=float, default=300.0)
+    parser.add_argument("--row-timeout-s", type=float, default=240.0)
     parser.add_argument("--budget-s", type=float, default=None,
                         help="skip the rows that would start after this many seconds; cap each row's timeout by it")
     parser.add_argument("--profile", metavar="NAME", help="also profile one step of this row")
@@ -420,6 +433,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="tiny Qwen3 on CPU in float32, T 256/512, W 64, P 16, SDPA, 1 timed step")
     parser.add_argument("--out", type=Path, help="write rows.jsonl (and profile.json) into this directory")
     args = parser.parse_args(argv)
+    if args.steps < 1:
+        parser.error(f"--steps must be >= 1, got {args.steps}")
     if args.tiny:
         args.lengths, args.window, args.prompt, args.device, args.dtype = [256, 512], 64, 16, "cpu", "float32"
         args.attention, args.micro_batch_tokens, args.steps = "sdpa", 1024, 1
@@ -433,6 +448,12 @@ def main(argv: list[str] | None = None) -> None:
     start = time.perf_counter()
     specs = [s for s in row_specs(args.lengths, args.window, args.multiplier, args.peer)
              if not args.rows or s.name in args.rows]
+    profile_spec = None
+    if args.profile:
+        every = row_specs(args.lengths, args.window, args.multiplier, True)
+        profile_spec = next((s for s in every if s.name == args.profile), None)
+        if profile_spec is None:
+            raise SystemExit(f"--profile {args.profile!r} names no row; rows: {[s.name for s in every]}")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         args.model = build_model(args, Path(tmp))
@@ -440,18 +461,9 @@ def main(argv: list[str] | None = None) -> None:
               f"P={args.prompt}, k={args.multiplier}, micro_batch_tokens={args.micro_batch_tokens}, {args.device} "
               f"{args.dtype}, attention {args.attention}, median of {args.steps} steps after 1 warm-up", flush=True)
         for spec in specs:
-            left = args.row_timeout_s if args.budget_s is None else args.budget_s - (time.perf_counter() - start)
-            if left < 20:
-                rows.append({"name": spec.name, "status": "SKIPPED", "error": "time budget spent"})
-            else:
-                rows.append(run_row(args, spec, min(args.row_timeout_s, left)))
+            rows.append(run_within_budget(args, spec, start))
             print(json.dumps(rows[-1]), flush=True)
-        profiled = None
-        if args.profile:
-            match = [s for s in row_specs(args.lengths, args.window, args.multiplier, True) if s.name == args.profile]
-            if not match:
-                raise SystemExit(f"--profile {args.profile!r} names no row; rows: {[s.name for s in specs]}")
-            profiled = run_row(args, match[0], args.row_timeout_s, profile=True)
+        profiled = run_within_budget(args, profile_spec, start, profile=True) if profile_spec else None
     print(f"\n{'row':<30} {'step s':>8} {'tok/s':>9} {'proc/s':>9} {'MFU':>7} {'MFU 6N':>7} {'peak GiB':>8}")
     for r in rows:
         print(format_row(r))
