@@ -1,0 +1,83 @@
+"""benchmarks/learner_gpu.py: its FLOP and token accounting against hand-computed values, and its --tiny run."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from benchmarks.learner_gpu import (PEAK_FLOPS, Shape, learner_counts, layer_params, make_traces, model_flops,
+                                    rates, row_specs, visible_pairs)
+from rollout.kv_policy import KVPolicy
+from trainer.attention import PackedVisibility
+
+TINY = Shape(layers=2, hidden=128, heads=4, kv_heads=2, head_dim=32, intermediate=256, vocab=261)  # --tiny's model
+
+
+def test_model_flops_by_hand():
+    s = Shape(layers=2, hidden=4, heads=2, kv_heads=1, head_dim=3, intermediate=5, vocab=8)
+    # N = 2·(2·4·2·3 [q, o] + 2·4·1·3 [k, v] + 3·4·5 [MLP]) = 2·(48 + 24 + 60) = 264
+    assert layer_params(s) == 264
+    # 6·264·10 = 15840;  LM head 6·4·8·5 = 960;  attention 12·2·2·3·30 = 4320;  sum 21120
+    assert model_flops(s, processed=10, scored=5, visible=30) == 21120
+
+
+def test_layer_params_qwen3_1p7b():
+    s = Shape(layers=28, hidden=2048, heads=16, kv_heads=8, head_dim=128, intermediate=6144, vocab=151936)
+    # per layer: q, o 2·2048·2048 = 8,388,608; k, v 2·2048·1024 = 4,194,304; MLP 3·2048·6144 = 37,748,736
+    # = 50,331,648; × 28 = 1,409,286,144 (the 1.41B that gives the issue's 11.6% at 10,857 tok/s, 12.1 s)
+    assert layer_params(s) == 1_409_286_144
+
+
+def test_visible_pairs_by_hand_and_against_the_dense_mask():
+    # P=2, T=4, prefix_sliding:2: positions 0..5; keys 2..5 die at position + 2.
+    # queries 0..5 see {0}, {0,1}, {0,1,2}, {0,1,2,3}, {0,1,3,4}, {0,1,4,5}: 1+2+3+4+4+4 = 18 (causal: 21)
+    death = KVPolicy.parse("prefix_sliding:2").death_positions(2, torch.zeros(6, dtype=torch.long))
+    assert visible_pairs(torch.arange(6), death) == 18
+    # a cut window (positions skip), against the dense mask of trainer.attention
+    pos = torch.cat([torch.arange(5), torch.arange(40, 90)])
+    death = KVPolicy.parse("prefix_sliding:7").death_positions(5, torch.zeros(90, dtype=torch.long))[pos]
+    assert visible_pairs(pos, death) == int(PackedVisibility.pack([(pos, death)]).dense_mask().sum())
+
+
+def test_learner_counts_of_the_tiny_truncated_row_by_hand():
+    # P=16, T=512, W=64, k=4: targets the last 256, loss on the last 64; inputs = 16 prompt + 256.
+    # visible per window: prompt queries 1+..+16 = 136; generated query j (0..255) sees 16 prompt keys
+    # and min(j+1, 64) window keys: 16·256 + (1+..+64) + 192·64 = 4096 + 2080 + 12288 = 18464; 18600 in all
+    counts = learner_counts(make_traces(16, 512, 64, 261), "truncated", 4)
+    assert counts == dict(trained=8 * 64, processed=8 * 272, scored=8 * 256, visible=8 * 18600, largest_window=272)
+
+
+def test_rates_by_hand():
+    counts = dict(trained=512, processed=2176, scored=2048, visible=148800)
+    # 6·294,912·2176 = 3,850,371,072;  6·128·261·2048 = 410,517,504;  12·2·4·32·148,800 = 457,113,600
+    flops = 3_850_371_072 + 410_517_504 + 457_113_600  # = 4,718,002,176
+    r = rates(TINY, counts, step_s=2.0)
+    assert r["model_flops"] == flops
+    assert r["mfu"] == pytest.approx(flops / (2.0 * 790e12))
+    assert r["mfu_6n"] == pytest.approx(3_850_371_072 / (2.0 * 790e12))
+    assert (r["tokens_per_s"], r["processed_per_s"]) == (256, 1088)
+
+
+@pytest.mark.slow
+def test_tiny_run_has_every_row_and_the_documented_numbers(tmp_path):
+    name = "sliderl:truncated:ckpt:512"
+    out = subprocess.run([sys.executable, "benchmarks/learner_gpu.py", "--tiny", "--out", str(tmp_path),
+                          "--profile", name], capture_output=True, text=True, check=True, timeout=300)
+    table = out.stdout.split("\nrow ")[1]
+    expected = [s.name for s in row_specs([256, 512], 64, 4, peer=True)]
+    assert len(expected) == 10  # T=256 <= k·W: no truncated row there
+    for row_name in expected:
+        assert any(line.startswith(row_name + " ") for line in table.splitlines()), (row_name, table)
+    rows = {r["name"]: r for r in map(json.loads, (tmp_path / "rows.jsonl").read_text().splitlines())}
+    assert sorted(rows) == sorted(expected) and all(r["status"] == "ok" for r in rows.values())
+    r = rows[name]
+    assert (r["trained"], r["processed"], r["scored"], r["visible"]) == (512, 2176, 2048, 148800)
+    assert r["mfu"] == pytest.approx(4_718_002_176 / (r["step_s"] * PEAK_FLOPS))  # test_rates_by_hand's FLOPs
+    assert r["tokens_per_s"] == pytest.approx(512 / r["step_s"])
+    # the peer: 8 whole traces of 16 + 256 tokens, causal: 8·272·273/2 visible pairs; trains the 256 generated
+    peer = rows["hf:full:ckpt:256"]
+    assert (peer["trained"], peer["processed"], peer["scored"], peer["visible"]) == (2048, 2176, 2176, 8 * 37128)
+    assert "profile of " + name in out.stdout and "gemm" in out.stdout
+    assert json.loads((tmp_path / "profile.json").read_text())["profile"]["total_ms"] > 0
