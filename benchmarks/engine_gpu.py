@@ -195,7 +195,7 @@ def live_tokens(spec: str, position: int) -> int:
 
 
 def bench_engine(path: Path, spec: str, position: int, steps: int, kv_gb: float, max_seqs: int,
-                 profile_steps: int = 0, gemv: bool = True) -> dict:
+                 profile_steps: int = 0, gemv: bool = False) -> dict:
     per_token = 2 * 28 * 8 * 128 * 2
     n = max(1, min(max_seqs, int(kv_gb * 2**30 / (per_token * (live_tokens(spec, position) + 64 + steps)))))
     llm = LLM(str(path), kv=spec, device="cuda", dtype="bfloat16", block_size=16, max_num_seqs=n,
@@ -251,7 +251,7 @@ def main() -> None:
     parser.add_argument("--hf-batch", type=int, default=16)
     parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
                         help="also report GPU ms per step by kernel over this many steps (torch.profiler)")
-    parser.add_argument("--gemv", nargs="+", choices=["on", "off"], default=["on"],
+    parser.add_argument("--gemv", nargs="+", choices=["on", "off"], default=["off"],
                         help="linears over <= 8 tokens on the Triton GEMV (on) or cuBLAS (off); "
                              "'--gemv on off': a row for each")
     parser.add_argument("--out", type=Path, default=None)

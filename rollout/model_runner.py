@@ -45,7 +45,7 @@ class ModelRunner:
 
     def __init__(self, model, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype,
                  max_num_seqs: int, max_model_len: int, cuda_graphs: bool = True, track_mass: bool = False,
-                 gemv: bool = True):
+                 gemv: bool = False):
         cfg = model.config
         self.track_mass = track_mass
         self.model = model

@@ -109,13 +109,16 @@ class PackedVisibility:
         return self.num_docs > 1 and 2 * self.num_docs * int(counts.max()) ** 2 < len(self) ** 2
 
     def padded(self, n: int) -> PackedVisibility:
-        """Append ``n - N`` pad tokens (document -1, position 0, death 1): they see only each other."""
+        """Append ``n - N`` pad tokens (document -1, pad i at position i with death i + 1): each sees only
+        itself, so a block mask over the padded stream holds just the diagonal of the pad x pad square
+        (pads seeing each other made FlexAttention compute that square densely: 4x a 32K trace's real
+        attention when it is padded to 64K)."""
         extra = n - len(self)
         if extra <= 0:
             return self
-        fill = lambda value: torch.full((extra,), value, dtype=torch.int64, device=self.positions.device)  # noqa: E731
-        return PackedVisibility(torch.cat([self.positions, fill(0)]), torch.cat([self.death, fill(1)]),
-                                torch.cat([self.doc, fill(-1)]))
+        pad = torch.arange(extra, dtype=torch.int64, device=self.positions.device)
+        return PackedVisibility(torch.cat([self.positions, pad]), torch.cat([self.death, pad + 1]),
+                                torch.cat([self.doc, torch.full_like(pad, -1)]))
 
 
 @dataclass(frozen=True)
