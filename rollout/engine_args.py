@@ -51,9 +51,7 @@ class EngineArgs:
     overlap: bool | None = None
     """Queue each decode step before the previous one's tokens are read back; None: on for CUDA but not registers."""
     gemv: bool = False
-    """On CUDA, run linear layers and the lm_head over at most 8 tokens (decode at small batch) with the Triton
-    split-K GEMV instead of cuBLAS. Off by default: on the H200 at batch 1 (Qwen3-1.7B config) it is 446 vs
-    450 tok/s — faster on gate_up and the lm_head, slower on qkv/o/down (docs/benchmarks.md)."""
+    """On CUDA, run linear layers and the lm_head over at most 8 tokens with the Triton split-K GEMV instead of cuBLAS (off: no faster at batch 1 on the H200, docs/benchmarks.md)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kv", KVPolicy.parse(self.kv).spec)
