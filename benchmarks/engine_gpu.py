@@ -195,7 +195,7 @@ def live_tokens(spec: str, position: int) -> int:
 
 
 def bench_engine(path: Path, spec: str, position: int, steps: int, kv_gb: float, max_seqs: int,
-                 profile_steps: int = 0, gemv: bool = False) -> dict:
+                 profile_steps: int = 0, gemv: bool = False, warmup: int = 8) -> dict:
     per_token = 2 * 28 * 8 * 128 * 2
     n = max(1, min(max_seqs, int(kv_gb * 2**30 / (per_token * (live_tokens(spec, position) + 64 + steps)))))
     llm = LLM(str(path), kv=spec, device="cuda", dtype="bfloat16", block_size=16, max_num_seqs=n,
@@ -207,7 +207,7 @@ def bench_engine(path: Path, spec: str, position: int, steps: int, kv_gb: float,
     place(llm, n, position, steps + 18 + profile_steps)
     if llm.policy.kind == "registers":
         inject_registers(llm, position)
-    rate = decode_rate(llm, steps, warmup=8)
+    rate = decode_rate(llm, steps, warmup)
     seqs = llm.scheduler.running
     row = {"policy": spec, "position": position, "batch": n, "gemv": gemv, "tokens_per_s": rate,
            "live_kv_tokens_per_seq": sum(s.tracker.visible for s in seqs) / len(seqs),
@@ -245,7 +245,10 @@ def main() -> None:
     parser.add_argument("--positions", type=int, nargs="+", default=[8192, 32768, 131072])
     parser.add_argument("--window", type=int, default=4096)
     parser.add_argument("--policies", nargs="+", default=None)
-    parser.add_argument("--steps", type=int, default=48)
+    parser.add_argument("--steps", type=int, default=48, help="decode steps, the warm-up included")
+    parser.add_argument("--warmup", type=int, default=8,
+                        help="untimed first steps (registers: the first redo of a killed row captures a batch-1 "
+                             "CUDA graph, ~1 s, so time registers after enough steps to have seen one)")
     parser.add_argument("--kv-gb", type=float, default=100.0)
     parser.add_argument("--max-seqs", type=int, default=256)
     parser.add_argument("--hf-batch", type=int, default=16)
@@ -265,7 +268,7 @@ def main() -> None:
             for spec in policies:
                 for gemv in args.gemv:
                     rows.append(bench_engine(path, spec, position, args.steps, args.kv_gb, args.max_seqs,
-                                             args.profile, gemv == "on"))
+                                             args.profile, gemv == "on", args.warmup))
                     print(json.dumps(rows[-1]), flush=True)
         if args.hf_batch:
             rows.append(bench_transformers(path, min(args.positions), args.hf_batch, 64))

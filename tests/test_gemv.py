@@ -220,11 +220,13 @@ def test_gpu_cuda_graph_of_the_gemv_decoder_matches_eager(tmp_path):
     # replays: the second replay would leave y unwritten); and GEMV logits drifting from cuBLAS's
     from rollout.tiny import make_qwen3_1p7b
 
-    model = load_model(make_qwen3_1p7b(tmp_path / "qwen3-1.7b"), dtype=torch.bfloat16, device="cuda")
+    path = make_qwen3_1p7b(tmp_path / "qwen3-1.7b")
+    model = load_model(path, dtype=torch.bfloat16, device="cuda")
+    exact = load_model(path, dtype=torch.float32, device="cuda")  # the reference both bf16 paths round away from
 
-    def logits(ids):
+    def logits(ids, net=model):
         n = ids.numel()
-        return model.compute_logits(model(ids, torch.arange(n, device="cuda"), DenseAttention(causal_mask(n, "cuda"))))
+        return net.compute_logits(net(ids, torch.arange(n, device="cuda"), DenseAttention(causal_mask(n, "cuda"))))
 
     for m in (1, 4):
         ids = torch.arange(100, 100 + m, device="cuda")
@@ -240,5 +242,8 @@ def test_gpu_cuda_graph_of_the_gemv_decoder_matches_eager(tmp_path):
             assert (captured - eager).abs().max() <= 1e-3 * eager.abs().max()
         model.gemv_kernels = False
         with torch.inference_mode():
-            cublas = logits(ids)
-        assert (eager - cublas).abs().max() <= 0.02 * cublas.abs().max()
+            cublas, ref = logits(ids), logits(ids, exact)
+        # 28 bf16 layers drift ~2% from each other (measured: 0.086 on logits of max 3.7), so bound the
+        # GEMV path's error against float32 by cuBLAS's own, as the per-layer test does
+        ours, theirs = ((x.float() - ref).abs().max().item() for x in (eager, cublas))
+        assert ours <= 2 * theirs + 1e-3 * ref.abs().max().item(), (ours, theirs)
