@@ -126,6 +126,32 @@ def decode_rate(llm: LLM, steps: int, warmup: int) -> float:
     return tokens / (time.perf_counter() - t0)
 
 
+def sync_sites(llm: LLM, steps: int) -> dict[str, int]:
+    """Run ``steps`` engine steps under ``torch.cuda.set_sync_debug_mode("warn")``; for each call that made
+    the host wait for the device, the engine's innermost frame (file:line function) and how often."""
+    import collections
+    import traceback
+    import warnings
+
+    sites: collections.Counter = collections.Counter()
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        frames = [f for f in traceback.extract_stack()[:-1] if "/rollout/" in f.filename or "/kernels/" in f.filename]
+        where = frames[-1] if frames else traceback.extract_stack()[-2]
+        sites[f"{Path(where.filename).name}:{where.lineno} {where.name}"] += 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(steps):
+                llm.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return dict(sites.most_common())
+
+
 @contextlib.contextmanager
 def serial_steps(llm: LLM):
     """Steps with ``overlap`` off, after running the step already queued ahead (outside any timer)."""
@@ -195,7 +221,7 @@ def live_tokens(spec: str, position: int) -> int:
 
 
 def bench_engine(path: Path, spec: str, position: int, steps: int, kv_gb: float, max_seqs: int,
-                 profile_steps: int = 0, gemv: bool = False, warmup: int = 8) -> dict:
+                 profile_steps: int = 0, gemv: bool = False, warmup: int = 8, sync_steps: int = 0) -> dict:
     per_token = 2 * 28 * 8 * 128 * 2
     n = max(1, min(max_seqs, int(kv_gb * 2**30 / (per_token * (live_tokens(spec, position) + 64 + steps)))))
     llm = LLM(str(path), kv=spec, device="cuda", dtype="bfloat16", block_size=16, max_num_seqs=n,
@@ -204,7 +230,7 @@ def bench_engine(path: Path, spec: str, position: int, steps: int, kv_gb: float,
     for k, v in zip(llm.runner.cache.k, llm.runner.cache.v):  # random K/V, never zeros
         k.normal_()
         v.normal_()
-    place(llm, n, position, steps + 18 + profile_steps)
+    place(llm, n, position, steps + 18 + profile_steps + sync_steps)
     if llm.policy.kind == "registers":
         inject_registers(llm, position)
     rate = decode_rate(llm, steps, warmup)
@@ -212,6 +238,8 @@ def bench_engine(path: Path, spec: str, position: int, steps: int, kv_gb: float,
     row = {"policy": spec, "position": position, "batch": n, "gemv": gemv, "tokens_per_s": rate,
            "live_kv_tokens_per_seq": sum(s.tracker.visible for s in seqs) / len(seqs),
            "redone_rows_per_step": llm.stats.redone_rows / llm.stats.steps, **step_breakdown(llm, 8)}
+    if sync_steps:
+        row["sync_sites"] = sync_sites(llm, sync_steps)
     if profile_steps:
         row["profile"] = kernel_profile(llm, profile_steps)
     llm.close()  # the pool, weights and CUDA graphs go before the next row's engine is built
@@ -257,6 +285,9 @@ def main() -> None:
     parser.add_argument("--gemv", nargs="+", choices=["on", "off"], default=["off"],
                         help="linears over <= 8 tokens on the Triton GEMV (on) or cuBLAS (off); "
                              "'--gemv on off': a row for each")
+    parser.add_argument("--sync-debug", type=int, default=0, metavar="STEPS",
+                        help="also run this many steps under torch.cuda.set_sync_debug_mode and report where the "
+                             "host waited for the device (file:line, count)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     w = args.window
@@ -268,7 +299,7 @@ def main() -> None:
             for spec in policies:
                 for gemv in args.gemv:
                     rows.append(bench_engine(path, spec, position, args.steps, args.kv_gb, args.max_seqs,
-                                             args.profile, gemv == "on", args.warmup))
+                                             args.profile, gemv == "on", args.warmup, args.sync_debug))
                     print(json.dumps(rows[-1]), flush=True)
         if args.hf_batch:
             rows.append(bench_transformers(path, min(args.positions), args.hf_batch, 64))
