@@ -79,11 +79,7 @@ class ArithTask:
         ``answer`` is the final value as a string; ``solution`` the reference completion (without
         the end-of-sequence token). The first n problems of a split never change with n.
         """
-        if split not in SPLITS:
-            raise ValueError(f"unknown split {split!r}; valid: {', '.join(SPLITS)}")
-        if n < 0:
-            raise ValueError(f"number of problems must be >= 0, got {n}")
-        rng = random.Random(f"arith:{self.seed}:{split}")
+        rng = split_rng("arith", self.seed, split, n)
         records: list[dict] = []
         while len(records) < n:
             start, ops = self._draw(rng)
@@ -141,6 +137,16 @@ def run_chain(start: int, ops: list[tuple[str, int]]) -> list[int]:
     for sign, operand in ops:
         values.append(values[-1] + operand if sign == "+" else values[-1] - operand)
     return values
+
+
+def split_rng(task: str, seed: int, split: str, n: int) -> random.Random:
+    """The random stream of ``task``'s ``split`` (a pure function of the arguments), after checking the
+    request for ``n`` problems of it."""
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; valid: {', '.join(SPLITS)}")
+    if n < 0:
+        raise ValueError(f"number of problems must be >= 0, got {n}")
+    return random.Random(f"{task}:{seed}:{split}")
 
 
 def is_eval_prompt(prompt: str) -> bool:

@@ -61,10 +61,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from rewards.arith import ArithVerifier, is_eval_prompt
+from rewards.arith import ArithVerifier, is_eval_prompt, split_rng
 from rewards.math import END_THINK
 
-SPLITS = ("train", "eval")
 VARIABLES = string.ascii_lowercase
 SCHEDULES = ("dense", "lazy", "optimal")
 
@@ -244,11 +243,7 @@ class RegisterMachineTask:
         """The first ``n`` problems of ``split``: ``{prompt_id, prompt, answer, solution, solution_dense,
         solution_optimal}``; ``solution`` is the lazy register-annotated trace (the SFT target of a TIP
         model), ``solution_dense`` the same lines without registers (the Dense baseline's)."""
-        if split not in SPLITS:
-            raise ValueError(f"unknown split {split!r}; valid: {', '.join(SPLITS)}")
-        if n < 0:
-            raise ValueError(f"number of problems must be >= 0, got {n}")
-        rng = random.Random(f"regmachine:{self.seed}:{split}")
+        rng = split_rng("regmachine", self.seed, split, n)
         records: list[dict] = []
         while len(records) < n:
             program = self.program(rng)

@@ -162,4 +162,6 @@ class ModelRunner:
     def set_death(self, slots: list[int], death: int) -> None:
         """Registers: keys at ``slots`` die at position ``death`` (their step was killed)."""
         index = self.host_tensor(slots, torch.long).to(self.device, non_blocking=True)
-        self.cache.death.view(-1).index_fill_(0, index, death)  # a Python scalar: `[index] = death` copied a 0-d CPU tensor, which waited for the queued step
+        # index_fill_ takes the scalar as such; `death[index] = death` copied a 0-d CPU tensor to the
+        # device, which made the host wait for the queued step at every kill (engine_gpu --sync-debug)
+        self.cache.death.view(-1).index_fill_(0, index, death)

@@ -181,6 +181,10 @@ def test_bad_settings_name_the_value():
         RegisterMachineTask(lazy_registers=3)
     with pytest.raises(ValueError, match="repeats"):
         RegisterMachineTask(repeats=(5, 100))
+    with pytest.raises(ValueError, match="unknown split 'test'; valid: train, eval"):  # (shared with arith)
+        RegisterMachineTask().problems(4, "test")
+    with pytest.raises(ValueError, match="number of problems must be >= 0, got -1"):
+        RegisterMachineTask().problems(-1)
     program = RegisterMachineTask().program(__import__("random").Random(0))
     assert register_schedule(program, "optimal", 16)  # the optimal one never needs the lazy budget
     with pytest.raises(ValueError, match="unknown register schedule"):
