@@ -3,7 +3,7 @@
     python benchmarks/engine_e2e.py --tokens 8192 --seqs 256 --runs prefix_sliding:4096@118 full@118 \
         [--budget-s 280] [--reference] [--out F]
 
-Each run ``POLICY@KV_GB`` builds an engine (Qwen3-1.7B config, random bf16 weights, CUDA graphs) with
+Each run ``POLICY@KV_GB[@BUDGET_S]`` (its own time budget, else ``--budget-s``) builds an engine (Qwen3-1.7B config, random bf16 weights, CUDA graphs) with
 a KV pool of KV_GB GiB, adds ``--seqs`` requests of 100 random prompt tokens each asking for
 ``--tokens`` tokens (temperature 1, ``ignore_eos``) through ``LLM.add_request`` and steps it until
 every request is done or ``--budget-s`` has passed. Reported: average generated tok/s over the run,
@@ -113,8 +113,9 @@ def main() -> None:
             from engine_gpu import build_model
             path, device, dtype = build_model(Path(tmp) / "qwen3-1.7b-random"), "cuda", "bfloat16"
         for spec_at in args.runs:
-            spec, kv_gb = spec_at.rsplit("@", 1)
-            rows.append(run(path, spec, float(kv_gb), args.seqs, args.tokens, args.budget_s, device, dtype))
+            spec, kv_gb, *budget = spec_at.split("@")
+            budget_s = float(budget[0]) if budget else args.budget_s
+            rows.append(run(path, spec, float(kv_gb), args.seqs, args.tokens, budget_s, device, dtype))
             print(json.dumps(rows[-1]), flush=True)
             if args.reference and not args.cpu_smoke and spec != "full":
                 from engine_gpu import bench_engine

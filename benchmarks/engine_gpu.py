@@ -91,15 +91,17 @@ def place(llm: LLM, n: int, position: int, max_new: int) -> None:
 def inject_registers(llm: LLM, position: int) -> None:
     """Registers: every STEP_TOKENS tokens a sequence's sampled token becomes its next register in the
     cycle (the one whose step is oldest), killing that step; the replacement happens on the device,
-    so the overlapped engine's queued step reads it. Sequence i is offset by i tokens, spreading
-    the kills over the steps."""
+    so the overlapped engine's queued step reads it. The n sequences' turns are offset by
+    i·256/n tokens, so that every engine step has n/256 kills (give or take one)."""
     regs, sample = llm.policy.register_ids, llm.runner.sample
     turn: dict[int, int] = {}  # request id -> registers emitted so far (history's included)
     emitted = len(range(PROMPT, position, STEP_TOKENS))  # the registers history() wrote
+    running = sorted(s.request_id for s in llm.scheduler.running)
+    offset = {rid: i * STEP_TOKENS // len(running) for i, rid in enumerate(running)}  # even over the cycle
 
     def sample_with_registers(seqs, logits):
         tokens, logprobs = sample(seqs, logits)
-        due = [i for i, s in enumerate(seqs) if (len(s.token_ids) + s.request_id) % STEP_TOKENS == 0]
+        due = [i for i, s in enumerate(seqs) if (len(s.token_ids) + offset[s.request_id]) % STEP_TOKENS == 0]
         if due:
             ids = []
             for i in due:
@@ -113,17 +115,38 @@ def inject_registers(llm: LLM, position: int) -> None:
     llm.runner.sample = sample_with_registers
 
 
-def decode_rate(llm: LLM, steps: int, warmup: int) -> float:
+def decode_rate(llm: LLM, steps: int, warmup: int) -> tuple[float, dict]:
+    """Tokens per second over the timed steps, and the wall ms per step split by whether the step redid
+    a row (a register kill's redo) and Python's garbage-collector ms in the window: a slow step class
+    or collector pauses show in the split even when the mean hides them."""
+    import gc
     for _ in range(warmup):
         llm.step()
     torch.cuda.synchronize()
+    collecting, gc_s = [0.0], [0.0]
+
+    def on_gc(phase, info):
+        if phase == "start":
+            collecting[0] = time.perf_counter()
+        else:
+            gc_s[0] += time.perf_counter() - collecting[0]
+    gc.callbacks.append(on_gc)
+    by_kind: dict[str, list[float]] = {"redo": [], "plain": []}
     t0 = time.perf_counter()
     tokens = 0
     for _ in range(steps - warmup):
         tokens += len(llm.scheduler.running)
+        redone, t = llm.run_ahead.num_redone, time.perf_counter()
         llm.step()
+        by_kind["redo" if llm.run_ahead.num_redone > redone else "plain"].append(1e3 * (time.perf_counter() - t))
     torch.cuda.synchronize()
-    return tokens / (time.perf_counter() - t0)
+    seconds = time.perf_counter() - t0
+    gc.callbacks.remove(on_gc)
+    split = {f"{k}_steps": len(v) for k, v in by_kind.items()}
+    split.update({f"{k}_ms_mean": sum(v) / len(v) for k, v in by_kind.items() if v})
+    split.update({f"{k}_ms_max": max(v) for k, v in by_kind.items() if v})
+    split["gc_ms_per_step"] = 1e3 * gc_s[0] / max(steps - warmup, 1)
+    return tokens / seconds, split
 
 
 def sync_sites(llm: LLM, steps: int) -> dict[str, int]:
@@ -210,6 +233,73 @@ def kernel_profile(llm: LLM, steps: int, top: int = 12) -> dict:
     return {"gpu_ms": sum(per_kernel.values()), "kernels": dict(ranked[:top])}
 
 
+def overlap_phases(llm: LLM, steps: int) -> dict:
+    """Where an *overlapped* step's wall time goes: host ms per step in each phase of ``LLM.step`` (take,
+    incl. a register redo; sampling; queueing the next step; waiting for this step's tokens; postprocess),
+    the GPU's busy ms per step (union of kernel intervals, torch.profiler) and how many steps were queued
+    ahead, redone or preempted in the window. A wait that grows while GPU ms stays at the serial forward's
+    means the device idles on the host; GPU ms above the serial forward means extra device work."""
+    from torch.profiler import ProfilerActivity, profile
+    ra, runner, spent = llm.run_ahead, llm.runner, {}
+
+    def timed(name, fn):
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            out = fn(*a, **k)
+            spent[name] = spent.get(name, 0.0) + time.perf_counter() - t
+            return out
+        return wrapper
+
+    originals = {"take": ra.take, "queue_next": ra.queue_next, "read_back": ra.read_back, "sample": runner.sample,
+                 "postprocess": llm.postprocess}
+    ra.take, ra.queue_next = timed("take", ra.take), timed("queue_next", ra.queue_next)
+    runner.sample, llm.postprocess = timed("sample", runner.sample), timed("postprocess", llm.postprocess)
+    read_back = timed("read_back", ra.read_back)
+    ra.read_back = lambda *t: timed("wait", read_back(*t))
+    before = (llm.stats.steps, llm.stats.queued_ahead, llm.stats.redone_rows, llm.stats.preemptions)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            llm.step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    for name, fn in originals.items():
+        if name == "postprocess":
+            llm.postprocess = fn
+        elif name == "sample":
+            runner.sample = fn
+        else:
+            setattr(ra, name, fn)
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    busy, end = 0.0, -math.inf
+    for a, b in spans:
+        busy += max(0.0, b - max(a, end))
+        end = max(end, b)
+    after = (llm.stats.steps, llm.stats.queued_ahead, llm.stats.redone_rows, llm.stats.preemptions)
+    d = [x - y for x, y in zip(after, before)]
+    return {"wall_ms": 1e3 * wall / steps, "gpu_busy_ms": busy / 1e3 / steps,
+            **{f"{k}_ms": 1e3 * v / steps for k, v in spent.items()},
+            "queued_frac": d[1] / max(d[0], 1), "redone_per_step": d[2] / max(d[0], 1), "preemptions": d[3]}
+
+
+def host_profile(llm: LLM, steps: int, top: int = 15) -> list[str]:
+    """cProfile over ``steps`` overlapped steps: the functions with the most own (tottime) host time."""
+    import cProfile
+    import pstats
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        llm.step()
+    torch.cuda.synchronize()
+    prof.disable()
+    stats = pstats.Stats(prof)
+    rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return [f"{1e3 * tt / steps:7.3f} ms/step own {1e3 * ct / steps:7.3f} cum  {Path(f).name}:{line} {name} x{nc / steps:.1f}"
+            for (f, line, name), (cc, nc, tt, ct, _) in rows]
+
+
 def live_tokens(spec: str, position: int) -> int:
     kind, *a = spec.split(":")
     if kind == "full":
@@ -221,7 +311,8 @@ def live_tokens(spec: str, position: int) -> int:
 
 
 def bench_engine(path: Path, spec: str, position: int, steps: int, kv_gb: float, max_seqs: int,
-                 profile_steps: int = 0, gemv: bool = False, warmup: int = 8, sync_steps: int = 0) -> dict:
+                 profile_steps: int = 0, gemv: bool = False, warmup: int = 8, sync_steps: int = 0,
+                 phase_steps: int = 0, host_steps: int = 0) -> dict:
     per_token = 2 * 28 * 8 * 128 * 2
     n = max(1, min(max_seqs, int(kv_gb * 2**30 / (per_token * (live_tokens(spec, position) + 64 + steps)))))
     llm = LLM(str(path), kv=spec, device="cuda", dtype="bfloat16", block_size=16, max_num_seqs=n,
@@ -230,14 +321,20 @@ def bench_engine(path: Path, spec: str, position: int, steps: int, kv_gb: float,
     for k, v in zip(llm.runner.cache.k, llm.runner.cache.v):  # random K/V, never zeros
         k.normal_()
         v.normal_()
-    place(llm, n, position, steps + 18 + profile_steps + sync_steps)
+    place(llm, n, position, steps + 18 + profile_steps + sync_steps + phase_steps + host_steps)
     if llm.policy.kind == "registers":
         inject_registers(llm, position)
-    rate = decode_rate(llm, steps, warmup)
+    rate, split = decode_rate(llm, steps, warmup)
     seqs = llm.scheduler.running
     row = {"policy": spec, "position": position, "batch": n, "gemv": gemv, "tokens_per_s": rate,
            "live_kv_tokens_per_seq": sum(s.tracker.visible for s in seqs) / len(seqs),
-           "redone_rows_per_step": llm.stats.redone_rows / llm.stats.steps, **step_breakdown(llm, 8)}
+           "redone_rows_per_step": llm.stats.redone_rows / llm.stats.steps,
+           "queued_ahead_frac": llm.stats.queued_ahead / llm.stats.steps, "preemptions": llm.stats.preemptions, "timed_steps": split}
+    if phase_steps:  # overlapped steps first: step_breakdown below turns overlap off for a few steps
+        row["overlap_phases"] = overlap_phases(llm, phase_steps)
+    if host_steps:
+        row["host_profile"] = host_profile(llm, host_steps)
+    row.update(step_breakdown(llm, 8))
     if sync_steps:
         row["sync_sites"] = sync_sites(llm, sync_steps)
     if profile_steps:
@@ -288,6 +385,11 @@ def main() -> None:
     parser.add_argument("--sync-debug", type=int, default=0, metavar="STEPS",
                         help="also run this many steps under torch.cuda.set_sync_debug_mode and report where the "
                              "host waited for the device (file:line, count)")
+    parser.add_argument("--phases", type=int, default=0, metavar="STEPS",
+                        help="also time this many overlapped steps by phase (host ms per phase, GPU busy ms, "
+                             "queued/redone/preempted counts)")
+    parser.add_argument("--host-profile", type=int, default=0, metavar="STEPS",
+                        help="also cProfile this many overlapped steps: host functions by own time")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     w = args.window
@@ -299,7 +401,8 @@ def main() -> None:
             for spec in policies:
                 for gemv in args.gemv:
                     rows.append(bench_engine(path, spec, position, args.steps, args.kv_gb, args.max_seqs,
-                                             args.profile, gemv == "on", args.warmup, args.sync_debug))
+                                             args.profile, gemv == "on", args.warmup, args.sync_debug,
+                                             args.phases, args.host_profile))
                     print(json.dumps(rows[-1]), flush=True)
         if args.hf_batch:
             rows.append(bench_transformers(path, min(args.positions), args.hf_batch, 64))

@@ -1,10 +1,14 @@
 """CUDA graphs for decode steps: one captured forward per (batch-size bucket, split count).
 
-Static input buffers are padded to the bucket: padded rows have no query (``query_start`` stays
-flat), no live blocks, and write their K/V into the runner's scratch slot, so replaying a bucket
-larger than the batch is harmless. Block tables are padded to the longest possible sequence, so a
-graph never needs re-capturing as sequences grow; the kernel bounds every loop by
-``num_live_blocks``.
+The split count of the attention kernel is a compile-time constant chosen from the batch and its
+longest sequence (rounded up to a power of two), so a new (bucket, split) pair met mid-run costs a
+Triton compile and a capture: ~5 s on the H200, measured inside a timed window of
+``benchmarks/engine_gpu.py`` when a register kill's batch-1 redo met a new width. Buckets of at most
+``SMALL`` rows (redo batches, the tail of a generation, batch-1 latency) run at many split counts,
+so every pair they can meet is captured when the graphs are built; larger buckets use one split at
+most widths and are captured on first use. (One split count per small bucket, the longest
+sequence's, was tried: the splits cover the static width, so a short row's tiles fall in a few
+splits and its redo ran ~2 ms slower.)
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import torch
 from kernels.metadata import AttentionMetadata
 from rollout.paged_attention import PagedAttention
 
+SMALL = 4  # buckets up to this many rows are captured at every split count up front
 BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
 
@@ -38,6 +43,11 @@ class DecodeGraphs:
             "block_index": torch.full((n, max_blocks), -1, dtype=torch.int32, device=dev),
             "num_live_blocks": torch.zeros(n, dtype=torch.int32, device=dev),
         }
+        for bucket in (b for b in self.buckets if b <= SMALL):
+            for e in range(max(0, max_blocks - 1).bit_length() + 1):  # every rounded width up to max_blocks
+                key = (bucket, self._splits(bucket, 1 << e))
+                if key not in self.graphs:
+                    self.graphs[key] = self._capture(*key)
 
     def fits(self, meta: AttentionMetadata) -> bool:
         return meta.num_seqs <= self.buckets[-1] and meta.max_live_blocks <= self.max_blocks

@@ -77,8 +77,8 @@ class LLM:
                                    self.max_model_len, admit_by_bound=self.policy.admits_by_bound,
                                    watermark_blocks=math.ceil(round(args.kv_watermark * num_blocks, 6)))
         overlap = args.overlap
-        if overlap is None:  # registers' overlap (a redo after each kill) is not yet measured on the GPU
-            overlap = self.device.type == "cuda" and self.policy.kind != "registers"
+        if overlap is None:  # registers too: a kill's redo costs ~4% at 0.8 kills per step (docs/benchmarks.md)
+            overlap = self.device.type == "cuda"
         self.run_ahead = RunAhead(self.runner, self.scheduler, overlap)
         self.eos_ids = self._eos_ids(model)
         self.postprocess = Postprocessor(self.tokenizer, self.eos_ids, self.max_model_len, self.scheduler,

@@ -24,8 +24,8 @@ def test_gpu_matches_cpu_fp32(tiny_model_factory, spec, graphs):
     llm = LLM(path, kv=spec, block_size=16, num_blocks=256, max_num_batched_tokens=48, device="cuda",
               cuda_graphs=graphs)
     gpu = llm.generate(prompts, sp)
-    # decode steps overlap the host's work; under registers only when asked (next test)
-    assert (llm.stats.queued_ahead > 0) == (spec != "registers:4")
+    # decode steps overlap the host's work by default on CUDA, registers included (their kills redo rows)
+    assert llm.stats.queued_ahead > 0
     for a, b in zip(cpu, gpu):
         assert a.token_ids == b.token_ids
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-3
