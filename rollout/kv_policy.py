@@ -11,6 +11,7 @@ that can no longer see k. A query at position q sees key k exactly when ``k <= q
 | streaming:S:W      | never if k < S, else k + W                                  |
 | registers:N        | the position r of the register token that killed k's step   |
 | h2o:B              | never by itself; the position where the engine evicted k's page |
+| pasta              | never (``full``); Pasta threads add the thread rule (``rollout.pasta``) |
 
 ``q - k < W`` is the window convention: a query sees W keys including itself.
 
@@ -35,8 +36,8 @@ import torch
 
 NEVER = 2**31 - 1  # death of a key that stays visible forever (fits int32 kernels)
 
-POLICY_KINDS = ("full", "prefix_sliding", "sliding_window", "streaming", "registers", "h2o")
-SPEC_HELP = ("valid specs: full, prefix_sliding:W, sliding_window:W, streaming:S:W, registers:N, h2o:B "
+POLICY_KINDS = ("full", "prefix_sliding", "sliding_window", "streaming", "registers", "h2o", "pasta")
+SPEC_HELP = ("valid specs: full, prefix_sliding:W, sliding_window:W, streaming:S:W, registers:N, h2o:B, pasta "
              "(W, N, B >= 1; S >= 0; the engine needs B >= 2 x block_size)")
 
 
@@ -59,13 +60,15 @@ class KVPolicy:
 
     @classmethod
     def parse(cls, spec: str | KVPolicy) -> KVPolicy:
-        """Parse ``full``, ``prefix_sliding:W``, ``sliding_window:W``, ``streaming:S:W``, ``registers:N`` or ``h2o:B``."""
+        """Parse ``full``, ``prefix_sliding:W``, ``sliding_window:W``, ``streaming:S:W``, ``registers:N``, ``h2o:B``
+        or ``pasta`` (``full`` plus Pasta-Lang threads: ``rollout.pasta``)."""
         if isinstance(spec, KVPolicy):
             return spec
         if not isinstance(spec, str):
             raise ValueError(f"KV policy spec must be a string, got {spec!r}; {SPEC_HELP}")
         kind, *args = spec.strip().split(":")
-        arity = {"full": 0, "prefix_sliding": 1, "sliding_window": 1, "streaming": 2, "registers": 1, "h2o": 1}
+        arity = {"full": 0, "prefix_sliding": 1, "sliding_window": 1, "streaming": 2, "registers": 1, "h2o": 1,
+                 "pasta": 0}
         if kind not in arity:
             raise ValueError(f"unknown KV policy {kind!r} in spec {spec!r}; {SPEC_HELP}")
         if len(args) != arity[kind]:
@@ -83,7 +86,7 @@ class KVPolicy:
             return cls(kind, num_registers=_positive(values[0], "number of registers", spec))
         if kind == "h2o":
             return cls(kind, budget=_positive(values[0], "budget", spec))
-        if kind == "full":
+        if kind in ("full", "pasta"):
             return cls(kind)
         return cls(kind, window=_positive(values[0], "window", spec))
 
@@ -97,6 +100,7 @@ class KVPolicy:
             "streaming": f"streaming:{self.sinks}:{self.window}",
             "registers": f"registers:{self.num_registers}",
             "h2o": f"h2o:{self.budget}",
+            "pasta": "pasta",
         }[self.kind]
 
     def bind(self, register_ids: list[int] | tuple[int, ...] = (), end_think_id: int | None = None) -> KVPolicy:
