@@ -13,6 +13,8 @@ positions. Dead blocks are never allocated (they would never be read). Then the 
 ``steps - warmup`` of them. Under ``registers`` the traffic goes on while decoding: each sequence's
 sampled token is replaced by its next register every 256 tokens, the sequences staggered so that
 about batch/256 of them kill a step at every engine step (each kill redoes that row's queued step).
+Under ``h2o:B`` the history keeps the budget's pages (the recent half and older pages spread evenly)
+and the engine evicts by the attention mass its decode kernel outputs (no CUDA graphs for h2o).
 The batch is sized to the KV memory budget (at most 256 sequences).
 transformers' ``generate`` (static cache, greedy) on the same model is the peer row.
 """
@@ -59,7 +61,23 @@ def history(llm: LLM, position: int) -> tuple[list[int], object]:
     tracker = llm.policy.tracker(PROMPT)
     for p in range(position):
         tracker.append(p, ids[p])
+    if llm.policy.kind == "h2o":  # evict every page but the budget's: the recent ones and evenly spread heavy ones
+        keep = h2o_pages(llm, position)
+        for j in range(position // llm.block_size + 1):
+            if j not in keep:
+                tracker.evict(j * llm.block_size, (j + 1) * llm.block_size, position)
     return ids, tracker
+
+
+def h2o_pages(llm: LLM, position: int) -> set[int]:
+    """h2o: the logical pages a sequence at ``position`` holds in the synthesised state — the budget's
+    ``recent`` pages up to the one being written, and ``budget - recent`` older heavy pages spread
+    evenly over the history (which pages is immaterial to the speed: the kernel reads the same count)."""
+    budget, recent = llm.policy.budget_pages(llm.block_size)
+    last = position // llm.block_size
+    older = last - recent + 1
+    heavy = budget - recent
+    return set(range(older, last + 1)) | {round(i * (older - 1) / max(heavy - 1, 1)) for i in range(heavy)}
 
 
 def place(llm: LLM, n: int, position: int, max_new: int) -> None:
@@ -84,6 +102,9 @@ def place(llm: LLM, n: int, position: int, max_new: int) -> None:
         seq.num_computed = position
         for j in live[:-1]:
             seq.block_completed(j)
+        if seq.heavy is not None:  # h2o: the history's mass is scored; heavy pages carry some mass
+            seq.heavy.scored_through = position
+            seq.heavy.mass = {j: 1.0 for j in live}
         seq.status = Status.RUNNING
         llm.scheduler.running.append(seq)
 
@@ -306,6 +327,8 @@ def live_tokens(spec: str, position: int) -> int:
         return position
     if kind == "registers":
         return PROMPT + int(a[0]) * STEP_TOKENS
+    if kind == "h2o":
+        return int(a[0])
     w = int(a[-1])
     return {"prefix_sliding": PROMPT, "streaming": int(a[0]), "sliding_window": 0}[kind] + w
 
