@@ -9,6 +9,7 @@ code 2 before anything starts; a training run that cannot continue prints why an
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -27,7 +28,8 @@ DISPLAY_CHARS = 120
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``sliderl`` console script; returns the exit code."""
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(_help_request(argv))
     try:
         args = parser.parse_args(argv)
     except SystemExit as exit_:  # argparse: --help (0) or a usage error (2), message already printed
@@ -40,18 +42,33 @@ def main(argv: list[str] | None = None) -> int:
         return USER_ERROR
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _help_request(argv: list[str]) -> tuple[str, str | None, list[str]] | None:
+    """``(command, config, overrides)`` when ``argv`` asks a job's ``--help`` with a config file or overrides
+    (``sliderl train configs/x.yaml --help``): that help then lists those values, not the default recipe's."""
+    if not argv or not {"-h", "--help"} & set(argv[1:]):
+        return None
+    rest = [a for a in argv[1:] if a not in ("-h", "--help")]
+    try:
+        path, overrides = split_args(rest)
+    except ConfigError:
+        return None
+    return (argv[0], path, overrides) if path or overrides else None
+
+
+def build_parser(help_request: tuple[str, str | None, list[str]] | None = None) -> argparse.ArgumentParser:
+    """The ``sliderl`` parser; ``help_request`` (``_help_request``) makes that job's help list its config's values."""
     parser = argparse.ArgumentParser(prog="sliderl", description="Bounded-KV rollouts and RL for reasoning models.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    _job(commands, "generate", run_generate, GenerateConfig,
+    job = functools.partial(_job, help_request=help_request)
+    job(commands, "generate", run_generate, GenerateConfig,
          "sample completions with the paged-KV engine and report KV usage",
          "Sample n completions per prompt; write config.yaml and completions.jsonl to output_dir.",
          "engine.kv=full sampling.max_tokens=16")
-    _job(commands, "train", run_train, TrainConfig, "RL on Ray with bounded-KV rollouts (no arguments: the tiny-arith job)",
+    job(commands, "train", run_train, TrainConfig, "RL on Ray with bounded-KV rollouts (no arguments: the tiny-arith job)",
          "Train a policy with GRPO/BoNBoN on a local Ray instance or, under `ray job submit` (RAY_ADDRESS set), on "
          "the cluster. Writes config.yaml, traces/, checkpoints/, metrics.jsonl, plots and summary.txt to run_dir. "
          "resume=true continues a run.", "train.steps=5 rollout.num_workers=2")
-    _job(commands, "sft", run_sft, SFTJobConfig,
+    job(commands, "sft", run_sft, SFTJobConfig,
          "supervised fine-tuning on prompt/completion pairs (no arguments: the tiny-arith SFT job)",
          "Fine-tune model on (prompt, completion) pairs — the arith task's solutions or a .jsonl/.parquet file "
          "(data.source) — with the learner's SFT algorithm under one KV policy (kv). Writes config.yaml and the "
@@ -81,23 +98,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _job(commands, name: str, run, schema, summary: str, description: str, example: str) -> None:
-    """A ``[CONFIG] [key=value ...]`` subcommand whose help lists the recipe's keys and values."""
+def _job(commands, name: str, run, schema, summary: str, description: str, example: str,
+         help_request: tuple[str, str | None, list[str]] | None = None) -> None:
+    """A ``[CONFIG] [key=value ...]`` subcommand whose help lists the keys with the values the job would run:
+    the default recipe's, or those of the config file and overrides given beside ``--help``."""
+    path, overrides = help_request[1:] if help_request and help_request[0] == name else (None, [])
     job = commands.add_parser(name, help=summary, usage="%(prog)s [-h] [CONFIG] [key=value ...]",
-                              description=description, epilog=_keys_help(schema),
+                              description=description, epilog=_keys_help(schema, path, overrides),
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     job.add_argument("args", nargs="*", metavar="CONFIG | key=value",
                      help=f"an optional YAML file (default: configs/{schema.RECIPE}), then overrides such as {example}")
     job.set_defaults(run=run)
 
 
-def _keys_help(schema) -> str:
-    """Every key of the job's recipe with the value the job will use and its meaning."""
+def _keys_help(schema, path: str | None = None, overrides: list[str] = ()) -> str:
+    """Every key of the job's config (the default recipe, or ``path`` with ``overrides``) with the value the
+    job will use and its meaning."""
+    source = " ".join([path or f"configs/{schema.RECIPE}", *overrides])
     try:
-        lines = config_reference(load_config(schema, None))
-    except ConfigError as err:  # a broken recipe must not break --help of the other commands
-        lines = [f"(the recipe does not load: {err})"]
-    return "config keys, with the recipe's values (override with key=value):\n  " + "\n  ".join(lines)
+        lines = config_reference(load_config(schema, path, list(overrides)))
+    except (ConfigError, FileNotFoundError) as err:  # a broken recipe must not break --help of the other commands
+        lines = [f"(the config does not load: {' '.join(str(err).split())})"]
+    return f"config keys, with the values of {source} (override with key=value):\n  " + "\n  ".join(lines)
 
 
 def _compare_keys_help() -> str:

@@ -117,3 +117,16 @@ def test_usage_errors_exit_2(capsys):
     assert main([]) == 2
     assert main(["frobnicate"]) == 2
     assert "usage: sliderl" in capsys.readouterr().err
+
+
+def test_help_with_a_config_lists_that_configs_values(capsys):
+    """``sliderl train CONFIG --help`` lists CONFIG's values (and overrides given beside it), not the default
+    recipe's. Catches: the help built from the default recipe whatever the command line names (the TIP recipe's
+    engine.kv would then read prefix_sliding:24, tiny-arith's)."""
+    repo = Path(__file__).resolve().parents[1]
+    assert main(["train", str(repo / "configs/tip-grpo.yaml"), "--help"]) == 0
+    assert "engine.kv = 'registers:32'" in capsys.readouterr().out
+    assert main(["train", str(repo / "configs/tip-grpo.yaml"), "engine.kv=registers:16", "--help"]) == 0
+    assert "engine.kv = 'registers:16'" in capsys.readouterr().out
+    assert main(["train", "--help"]) == 0
+    assert "engine.kv = 'prefix_sliding:24'" in capsys.readouterr().out  # the default recipe, configs/tiny-arith.yaml
