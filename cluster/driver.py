@@ -157,7 +157,7 @@ class Session:
         self.pool.start(self.cfg.ray.placement_timeout_s + 600)
         self.state.version = self._learner_call(self.learner.version.remote())
         self.monitor = Monitor(self.plan.run_dir, self.cfg.monitor, self.cfg.train.steps,
-                               config_dict=self.cfg.model_dump(mode="json"))
+                               config_dict=self.cfg.model_dump(mode="json"), kv_policy=self.cfg.engine.kv)
         if self.plan.resume is not None:
             self._publish()  # workers start from the initial model: give them the checkpoint's weights
         if self.cfg.eval.before and self.state.step == 0:
@@ -367,6 +367,7 @@ class Session:
             visible_kv=_mean(t.mean_visible_kv for t in traces),
             peak_visible_kv=_mean(t.peak_visible_kv for t in traces),
             completion_tokens=_mean(t.num_tokens for t in traces),
+            prompt_tokens=_mean(len(t.prompt_token_ids) for t in traces),
             rollout_tokens_per_s=counters.tokens / max(time.monotonic() - counters.since, 1e-9),
             stale_groups_dropped=counters.stale,
             staleness_mean=_mean(ages),

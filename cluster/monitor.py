@@ -91,13 +91,14 @@ class Monitor:
     """
 
     def __init__(self, run_dir: str | os.PathLike, cfg: MonitorConfig, total_steps: int,
-                 config_dict: dict | None = None):
+                 config_dict: dict | None = None, kv_policy: str | None = None):
         if total_steps < 1:
             raise ValueError(f"total_steps must be >= 1, got {total_steps}")
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.cfg = cfg
         self.total_steps = total_steps
+        self.kv_policy = kv_policy  # the rollouts' policy: visible_kv.png's reference lines
         self.metrics_path = self.run_dir / METRICS_FILE
         self.history, self._elapsed_before = _read_history(self.metrics_path)
         # disabled: no W&B at all (not even the import), e.g. on machines without wandb installed
@@ -135,7 +136,7 @@ class Monitor:
         self._file.close()
         if self._run is not None:
             self._run.finish(exit_code=exit_code)
-        plots = write_plots(self.history, self.run_dir) if self.cfg.plots else []
+        plots = write_plots(self.history, self.run_dir, self.kv_policy) if self.cfg.plots else []
         self._summary = format_summary(self.run_dir, self.history, self.total_steps, wall_s, plots,
                                        self._wandb_note())
         (self.run_dir / SUMMARY_FILE).write_text(self._summary)
@@ -242,8 +243,14 @@ def _postfix(row: dict) -> str:
 # ------------------------------------------------------------------------------ plots, summary
 
 
-def write_plots(history: dict[int, dict], run_dir: Path) -> list[Path]:
-    """PNG line plots of reward and visible KV against step (those present); returns the paths."""
+def write_plots(history: dict[int, dict], run_dir: Path, kv_policy: str | None = None) -> list[Path]:
+    """reward.png and visible_kv.png (those with data); returns the paths.
+
+    reward.png: each step's mean reward, faint, under its moving average (``smoothing_window`` steps),
+    with the evaluations' accuracy marked (before training at step 0, after at the last step).
+    visible_kv.png: mean and peak visible KV per step from 0 up, with what bounds them as reference
+    lines: the mean prompt, the window, and their sum (the most a prefix_sliding step can see).
+    """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
@@ -253,17 +260,78 @@ def write_plots(history: dict[int, dict], run_dir: Path) -> list[Path]:
         steps, values = _series(history, key)
         if not steps:
             continue
-        fig = Figure(figsize=(6, 3.5), dpi=100)
+        fig = Figure(figsize=(6.4, 3.8), dpi=100)
         FigureCanvasAgg(fig)
         ax = fig.add_subplot()
-        ax.plot(steps, values, marker="o" if len(steps) < 30 else None)
-        ax.set(xlabel="step", ylabel=label, title=f"{label} against step")
+        if key == KEYS.reward:
+            _reward_axes(ax, history, steps, values)
+        else:
+            _visible_kv_axes(ax, history, steps, values, kv_policy)
+        policy = f" ({kv_policy})" if kv_policy and key == KEYS.visible_kv else ""
+        ax.set(xlabel="step", ylabel=label, title=f"{label} against step{policy}")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="best")
         fig.tight_layout()
         fig.savefig(run_dir / filename)
         written.append(run_dir / filename)
     return written
+
+
+def smoothing_window(n: int) -> int:
+    """Steps averaged by the reward curve and the summary's "last steps": a tenth of the run, 5 to 20."""
+    return max(1, min(n, max(5, min(20, n // 10))))
+
+
+def moving_average(values: list[float], window: int) -> list[float]:
+    """Trailing mean over the last ``window`` values (fewer at the start)."""
+    sums, out = [0.0], []
+    for v in values:
+        sums.append(sums[-1] + v)
+    for i in range(1, len(values) + 1):
+        lo = max(0, i - window)
+        out.append((sums[i] - sums[lo]) / (i - lo))
+    return out
+
+
+def _reward_axes(ax, history: dict[int, dict], steps: list[int], values: list[float]) -> None:
+    window = smoothing_window(len(values))
+    ax.plot(steps, values, color="tab:blue", alpha=0.3, linewidth=1, label="reward per step")
+    ax.plot(steps, moving_average(values, window), color="tab:blue", linewidth=2,
+            label=f"mean of the last {window} steps")
+    for name, marker, color in (("eval_before", "o", "tab:green"), ("eval_after", "s", "tab:red")):
+        at = [(0 if name == "eval_before" else s, row[f"{name}/accuracy"]) for s, row in sorted(history.items())
+              if isinstance(row.get(f"{name}/accuracy"), (int, float))]
+        if at:
+            x, y = zip(*at)
+            ax.scatter(x, y, marker=marker, color=color, zorder=3, s=40,
+                       label=f"{name.replace('_', ' ')} accuracy {y[-1]:.3f}")
+
+
+def _visible_kv_axes(ax, history: dict[int, dict], steps: list[int], values: list[float],
+                     kv_policy: str | None) -> None:
+    from rollout.kv_policy import KVPolicy
+
+    ax.plot(steps, values, color="tab:blue", label="mean per decode step")
+    peak_steps, peaks = _series(history, KEYS.peak_visible_kv)
+    if peak_steps:
+        ax.plot(peak_steps, peaks, color="tab:orange", alpha=0.8, label="peak")
+    _, prompts = _series(history, KEYS.prompt_tokens)
+    prompt = sum(prompts) / len(prompts) if prompts else None
+    policy = KVPolicy.parse(kv_policy) if kv_policy else None
+    lines = []
+    if prompt is not None:
+        lines.append((prompt, "prompt (mean)", ":"))
+    if policy is not None and policy.bounded:
+        lines.append((policy.window, f"window W = {policy.window}", "--"))
+        kept = {"prefix_sliding": prompt, "streaming": policy.sinks, "sliding_window": 0}[policy.kind]
+        if kept:
+            lines.append((kept + policy.window, f"{'prompt (mean)' if policy.kind == 'prefix_sliding' else 'sinks'} + W: "
+                          "the most a step sees", "-."))
+    for y, label, style in lines:
+        ax.axhline(y, color="gray", linestyle=style, linewidth=1, label=label)
+    top = max([*values, *peaks, *(y for y, _, _ in lines)])
+    ax.set_ylim(0, top * 1.1 if top > 0 else 1)
 
 
 def _strict(row: dict) -> dict:
@@ -286,6 +354,7 @@ def format_summary(run_dir: Path, history: dict[int, dict], total_steps: int, wa
         f"  steps            {last} / {total_steps}",
         f"  wall time        {_duration(wall_s)}",
         f"  reward           {_first_last_text(history, KEYS.reward)}",
+        f"  reward, last     {_last_mean_text(history, KEYS.reward)}",
         f"  accuracy         {_first_last_text(history, KEYS.accuracy)}",
         f"  visible KV       {_mean_text(history, KEYS.visible_kv, '{:.1f} tokens (mean over steps)')}",
         f"  rollout tok/s    {_mean_text(history, KEYS.rollout_tokens_per_s, '{:.1f} (mean over steps)')}",
@@ -294,6 +363,10 @@ def format_summary(run_dir: Path, history: dict[int, dict], total_steps: int, wa
         f"  traces           {_trace_count(run_dir)}",
         f"  metrics          {run_dir / METRICS_FILE}",
     ]
+    evals = [f"  {name.replace('_', ' '):<17}{_eval_text(history, name)}" for name in ("eval_before", "eval_after")
+             if _eval_text(history, name)]
+    at = next(i for i, line in enumerate(lines) if line.startswith("  accuracy")) + 1
+    lines[at:at] = evals
     if plots:
         lines.append(f"  plots            {', '.join(str(p) for p in plots)}")
     if wandb_note:
@@ -306,6 +379,26 @@ def _first_last_text(history: dict[int, dict], key: str) -> str:
     if not steps:
         return "n/a"
     return f"{values[0]:.4f} (step {steps[0]}) -> {values[-1]:.4f} (step {steps[-1]})"
+
+
+def _last_mean_text(history: dict[int, dict], key: str) -> str:
+    """Mean of the last ``smoothing_window`` steps: one step's mean reward over a few groups is noisy."""
+    steps, values = _series(history, key)
+    if not steps:
+        return "n/a"
+    n = smoothing_window(len(values))
+    return f"{sum(values[-n:]) / n:.4f} (mean of steps {steps[-n]}-{steps[-1]})"
+
+
+def _eval_text(history: dict[int, dict], name: str) -> str | None:
+    """The evaluation ``name`` (eval_before / eval_after) as one line, or None when the run has none."""
+    rows = [row for _, row in sorted(history.items()) if isinstance(row.get(f"{name}/accuracy"), (int, float))]
+    if not rows:
+        return None
+    row = rows[-1]
+    get = lambda k: row.get(f"{name}/{k}", math.nan)  # noqa: E731
+    return (f"accuracy {get('accuracy'):.3f} on {get('num_problems'):.0f} problems, visible KV mean "
+            f"{get('mean_visible_kv'):.1f} peak {get('peak_visible_kv'):.0f}, {get('mean_tokens'):.1f} tokens")
 
 
 def _mean_text(history: dict[int, dict], key: str, fmt: str) -> str:

@@ -50,6 +50,8 @@ class StepReport:
     """wall seconds of the learner step"""
     weight_sync_seconds: float | None = None
     """wall seconds of the weight sync after the step; None when no sync was due"""
+    prompt_tokens: float | None = None
+    """mean prompt tokens of the trained traces (the reference line of visible_kv.png)"""
     learner: dict[str, float] = field(default_factory=dict)
     """the learner's own metrics (loss, grad_norm, ...), logged as learner/<name>"""
     eval_before: EvalResult | None = None

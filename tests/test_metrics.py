@@ -350,3 +350,45 @@ def test_metrics_jsonl_is_strict_json_when_a_value_is_not_finite(tmp_path):
     second.log(3, {"reward": 1.0, "visible_kv": 5.0})
     summary = second.finish()
     assert "0.5000 (step 2) -> 1.0000 (step 3)" in summary
+
+
+# ------------------------------------------------------------------------------ summary and plots
+
+
+def test_summary_has_both_evaluations_and_the_mean_reward_of_the_last_steps(tmp_path):
+    """summary.txt carries the before/after evaluation lines and the reward averaged over the last steps.
+    Catches: the last step's noisy reward reported as the result, or an evaluation left out of the summary."""
+    monitor = Monitor(tmp_path, MonitorConfig(wandb=WandbConfig(mode="disabled"), plots=False), total_steps=12)
+    before = EvalResult(accuracy=0.5, num_problems=64, mean_tokens=30.0, mean_visible_kv=20.5, peak_visible_kv=28,
+                        kv_policy="prefix_sliding:24")
+    after = EvalResult(accuracy=0.75, num_problems=64, mean_tokens=28.0, mean_visible_kv=19.0, peak_visible_kv=27,
+                       kv_policy="prefix_sliding:24")
+    for step in range(1, 13):
+        metrics = {KEYS.reward: 0.1 * step if step < 12 else 0.0}  # a bad last step: 0.0
+        if step == 1:
+            metrics.update(before.as_metrics("eval_before"))
+        if step == 12:
+            metrics.update(after.as_metrics("eval_after"))
+        monitor.log(step, metrics)
+    summary = monitor.finish()
+    # 12 steps: a window of 5, steps 8-12: (0.8 + 0.9 + 1.0 + 1.1 + 0.0) / 5 = 0.76
+    assert "reward, last     0.7600 (mean of steps 8-12)" in summary
+    assert "eval before      accuracy 0.500 on 64 problems, visible KV mean 20.5 peak 28, 30.0 tokens" in summary
+    assert "eval after       accuracy 0.750 on 64 problems, visible KV mean 19.0 peak 27, 28.0 tokens" in summary
+
+
+def test_visible_kv_plot_starts_at_zero_with_prompt_window_and_bound_lines():
+    """visible_kv.png shows what "bounded" means: the y axis from 0, and the mean prompt, the window and their
+    sum (prefix_sliding's bound) as reference lines. Catches: an autoscaled axis that starts near the data (a flat
+    bounded curve then looks like noise), or the bound drawn at W alone."""
+    from matplotlib.figure import Figure
+
+    from cluster.monitor import _visible_kv_axes
+
+    history = {s: {KEYS.visible_kv: 40.0 + s, KEYS.peak_visible_kv: 50.0, KEYS.prompt_tokens: 12.0} for s in (1, 2, 3)}
+    ax = Figure().add_subplot()
+    _visible_kv_axes(ax, history, [1, 2, 3], [41.0, 42.0, 43.0], "prefix_sliding:24")
+    assert ax.get_ylim()[0] == 0
+    horizontal = sorted(line.get_ydata()[0] for line in ax.get_lines() if line.get_linestyle() != "-")
+    assert horizontal == [12.0, 24.0, 36.0]  # prompt (mean 12), W = 24, prompt + W = 36
+    assert ax.get_ylim()[1] >= 50.0  # the peak curve is inside the axes
