@@ -77,7 +77,7 @@ def build_parser(help_request: tuple[str, str | None, list[str]] | None = None) 
         "eval", help="score a checkpoint, or compare checkpoints and KV policies, on the task's eval split",
         usage="%(prog)s [-h] CHECKPOINT | COMPARE.yaml [key=value ...]",
         description="sliderl eval CHECKPOINT: greedy accuracy and KV use of CHECKPOINT (a Hugging Face directory, "
-                    "e.g. run_dir/checkpoints/step_000020) on eval.num_problems eval problems. The run's "
+                    "e.g. run_dir/checkpoints/step_000120) on eval.num_problems eval problems. The run's "
                     "config.yaml (two folders up) is used when present; overrides apply on top.\n\n"
                     "sliderl eval COMPARE.yaml: every entry of eval.compare.entries (a label, a checkpoint, a KV "
                     "policy) samples eval.compare.k completions per problem (temperature 0.6, top-p 0.95 unless "
@@ -319,7 +319,7 @@ def run_checkpoint_eval(checkpoint: str | None, overrides: list[str]) -> int:
     from rollout import LLM
 
     if checkpoint is None:
-        raise ConfigError("sliderl eval needs a CHECKPOINT directory (e.g. runs/x/checkpoints/step_000020) "
+        raise ConfigError("sliderl eval needs a CHECKPOINT directory (e.g. runs/x/checkpoints/step_000120) "
                           "or a COMPARE.yaml file (e.g. configs/compare-tiny.yaml)")
     if any(o.startswith("eval.compare.") or o.startswith("eval.compare=") for o in overrides):
         raise ConfigError("eval.compare.* settings belong to a comparison: sliderl eval COMPARE.yaml [key=value ...]")
