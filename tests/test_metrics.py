@@ -326,8 +326,21 @@ def test_ray_metrics_recorded_inside_an_actor(monkeypatch):
                 break
             time.sleep(0.2)
         assert {key: got.get(key, math.nan) for key in expected} == pytest.approx(expected)
+        # the shipped Grafana dashboard queries only series that exist. Catches: a panel left on a renamed
+        # metric, or one missing Ray's ray_ prefix or a histogram's _bucket/_sum/_count suffix (an empty panel)
+        queried = dashboard_series()
+        assert queried and queried <= {name for name, _ in got}, queried - {name for name, _ in got}
     finally:
         ray.shutdown()
+
+
+def dashboard_series() -> set[str]:
+    """Every ``ray_sliderl_*`` series a PromQL expression of docs/grafana/sliderl.json reads."""
+    import re
+
+    dashboard = json.loads((Path(__file__).resolve().parents[1] / "docs/grafana/sliderl.json").read_text())
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    return {name for expr in exprs for name in re.findall(r"\b(?:ray_)?sliderl_\w+", expr)}
 
 
 def test_metrics_jsonl_is_strict_json_when_a_value_is_not_finite(tmp_path):
