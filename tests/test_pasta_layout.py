@@ -167,6 +167,8 @@ def test_unclosed_fork_is_never_joined_and_ends_the_critical_path():
     assert layout.critical_path == 3 + 8  # the promise (3 steps), then 8 block tokens on the fork
 
 
+# catches: bad input failing late or silently (a prompt-less layout, whose first target has no
+# predictor; a negative baseline; a division by a zero critical path)
 def test_bad_input_is_named():
     with pytest.raises(ValueError, match="prompt_len must be an int >= 1.*got 0"):
         PastaLayout.parse(0, text("a"), TAGS, decode)
@@ -198,8 +200,8 @@ def random_completion(rng: random.Random) -> list[int]:
 
 
 # catches: any disagreement between the comparisons a FlexAttention mask_mod evaluates and the tables
-# (planted: view_at of a fork = its block start instead of its fork point -> fails; exposed_at never
-# for every fork -> fails), and a mask that is not causal in flattened order.
+# (planted: a fork's view_at at its <promise instead of its /> -> fails; exposed_at never for every
+# fork -> fails), and a mask that is not causal in flattened order.
 def test_mask_mod_equals_the_table_rule_on_random_layouts():
     rng = random.Random(0)
     forks = joins = 0
