@@ -147,9 +147,9 @@ def layout_of(tok, prompt, ref) -> PastaLayout:
 
 
 # catches: the trainer's mask letting the main thread see a fork before its sync (planted in
-# rollout.pasta.PastaLayout.exposed_at -> max error 0.3), the position shift dropped (planted -> 0.2),
-# the promise's /> scoring <async> instead of the main continuation (planted -> fails), the layout
-# not reaching the model (RoPE positions = trace indices).
+# PastaLayout.exposed_at), the position shift dropped (planted in the parser), the promise's />
+# scoring <async> instead of the main continuation (planted in PastaLayout.predictor_index), the
+# layout's position ids not reaching the model (planted in pack_windows: RoPE at trace indices).
 @pytest.mark.parametrize("backend", ["sdpa", "dense"])
 def test_learner_path_logprobs_match_a_float64_reference(setup, backend):
     path, tok, prompt, ref = setup
