@@ -44,8 +44,10 @@ def test_constants_and_token_count_agree_with_the_tokenizer():
 
 
 # catches: a promise's tokens="N" that does not cover its block (planted: floor instead of ceil -> the
-# main thread resumes inside the fork's positions), a sync that does not join every fork, forks that are
-# not the chains, a response whose parallel layout would not be faster than the plain one.
+# main thread resumes inside the fork's positions), a sync that does not join every fork (planted: no
+# sync), forks that are not the chains, a response whose layout is not faster than the plain one
+# (planted: 4..6 steps per chain), the layout's critical path disagreeing with rewards.pasta_lang's
+# scheduler (planted: main tokens after a block costing no step).
 def test_annotated_responses_fork_each_chain_and_join_them_at_one_sync():
     for p in problems():
         k = p["prompt"].count("\n") - 1
