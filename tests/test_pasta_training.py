@@ -230,3 +230,32 @@ def test_pasta_traces_train_whole_only(setup):
     with pytest.raises(ValueError, match=r"whole trace only \(window_mode='full'.*targets \[\d+, \d+\)"):
         WindowInput(ids, torch.zeros_like(ids), truncated_window(len(prompt), len(ref.ids), 4, 2), 1.0, layout)
     assert WindowInput(ids, torch.zeros_like(ids), full_window(len(prompt), len(ref.ids)), 1.0, layout)
+
+
+# catches: the promise's /> keeping <async> as its target in the SFT path (planted in
+# PastaLayout.predictor_index: the flattened predecessor -> the pair (/>, <async>) is in the loss and
+# (/>, c) is gone), the <async> in the loss, the eos or the sync left without a target.
+def test_sft_targets_by_hand(setup):
+    from trainer.sft import SFTExample, sft_trace
+
+    path, tok, _, _ = setup
+    trace = sft_trace(tok, SFTExample("Q\n", 'a<promise tokens="1"/><async>b</async>c<sync/>d'), "pasta", 0)
+    # flattened: 0 Q, 1 \n, 2 a, 3 <promise, 4..14 ' tokens="1"' (11 bytes), 15 />, 16 <async>, 17 b,
+    # 18 </async>, 19 c, 20 <sync/>, 21 d, 22 eos. Trained (input -> target) pairs, by target:
+    #   \n->a, a-><promise, <promise->' ', the attribute bytes in turn, '"'->/>, (no pair for <async>),
+    #   <async>->b, b-></async>, />->c (not <async>), c-><sync/>, <sync/>->d, d->eos
+    promise, close, async_open, async_close, sync = (tok.convert_tokens_to_ids(t) for t in PASTA_TOKENS)
+    attr = tok(' tokens="1"').input_ids
+    a, b, c, d = (tok(ch).input_ids[0] for ch in "abcd")
+    nl, eos = tok("\n").input_ids[0], tok.eos_token_id
+    expected = ([(nl, a), (a, promise), (promise, attr[0])] + list(zip(attr, attr[1:])) + [(attr[-1], close)]
+                + [(async_open, b), (b, async_close), (close, c), (c, sync), (sync, d), (d, eos)])
+    layout = PastaLayout.parse(2, trace.completion_token_ids, PastaTokenIds.from_tokenizer(tok), tok.decode)
+    item = window_input(trace.prompt_token_ids, trace.completion_token_ids, bind_policy_vocab("pasta", tok),
+                        1.0, layout=layout)
+    packed, mask = pack_windows([item]), item.loss_mask()
+    pairs = [(int(packed.input_ids[p]), int(t)) for p, t, m in zip(packed.predictor_index, packed.target_ids, mask)
+             if m]
+    assert pairs == expected
+    # c (flattened 19) sits after the promise's predicted 10 tokens: position 15 + 1 + 10 = 26
+    assert packed.positions.tolist()[15:22] == [15, 16, 17, 18, 26, 27, 28]
