@@ -90,12 +90,18 @@ def test_answers_follow_the_prompt_and_verify():
             finals[name] = int(start) + sum(int(op) for op in ops)
         assert question == "+".join(finals) + "=?"
         assert int(p["answer"]) == sum(finals.values())
-        for name, value in finals.items():
-            assert re.search(rf"^{name}=\d+( [+-]\d=\d+)*={value}$|^{name}=\d+( [+-]\d=\d+)* [+-]\d={value}$",
-                             p["solution_plain"], re.M)
+        lines = {line.split("=", 1)[0]: line for line in p["solution_plain"].splitlines()}
+        for name, line in zip(finals, chains):  # "A=47 +5=52 -3=49": each step redone from the prompt's operands
+            start, *steps = lines[name].split("=", 1)[1].split()
+            value = int(start)
+            for step, operand in zip(steps, line.split()[1:], strict=True):
+                value += int(operand)
+                assert step == f"{operand}={value}"
+            assert value == finals[name]
         for text in (p["solution"], p["solution_plain"]):
             assert verifier(text, p["answer"]).total == 1.0
-        assert verifier(p["solution"].replace(f"{{{p['answer']}}}", f"{{{int(p['answer']) + 1}}}"), p["answer"]).total == 0.0
+        wrong = p["solution"].replace(f"{{{p['answer']}}}", f"{{{int(p['answer']) + 1}}}")
+        assert verifier(wrong, p["answer"]).total == 0.0
 
 
 # catches: a split whose first problems change with n, train and eval sharing prompts, settings ignored.

@@ -52,7 +52,7 @@ _MIN_FLEX_BUCKET = 128
 class PackedVisibility:
     """Per-token visibility data of a packed stream; all ``[N]`` int64 on one device."""
 
-    positions: Tensor  # index in its trace (write order; the position id but under pasta); increasing per document
+    positions: Tensor  # index in its trace (write order; the position id except under pasta); increasing per document
     death: Tensor  # first query position that no longer sees this token as a key
     doc: Tensor  # document (window) index, 0..D-1, non-decreasing
     thread: Tensor | None = None  # pasta: thread within its document (0 main); None: one thread everywhere
