@@ -77,8 +77,8 @@ def test_plain_response_is_the_annotated_one_without_annotations():
         assert not any(tag in p["solution_plain"] for tag in PASTA_TAGS)
 
 
-# catches: a wrong answer or chain value (planted: the combination adds the chains' start values), a
-# verifier that cannot read an annotated response.
+# catches: a wrong answer (planted: the chains' start values summed) or chain value (planted: each step
+# showing the value before it), a verifier that cannot read an annotated response.
 def test_answers_follow_the_prompt_and_verify():
     verifier = PastaTaskVerifier()
     for p in problems():
