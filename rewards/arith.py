@@ -82,26 +82,13 @@ class ArithTask:
         rng = split_rng("arith", self.seed, split, n)
         records: list[dict] = []
         while len(records) < n:
-            start, ops = self._draw(rng)
+            start, ops = draw_chain(rng, self.num_steps, self.max_operand, self.min_value, self.max_value)
             prompt = format_prompt(start, ops)
             if is_eval_prompt(prompt) == (split == "eval"):
                 values = run_chain(start, ops)
                 records.append({"prompt_id": f"arith-{split}-{len(records):06d}", "prompt": prompt,
                                 "answer": str(values[-1]), "solution": format_solution(start, ops)})
         return records
-
-    def _draw(self, rng: random.Random) -> tuple[int, list[tuple[str, int]]]:
-        """A start value and ``[(sign, operand)]`` keeping every value in ``min_value..max_value``."""
-        lo, hi = self.min_value, self.max_value
-        value = rng.randint(lo, hi)
-        start, ops = value, []
-        for _ in range(rng.randint(*self.num_steps)):
-            operand = rng.randint(1, self.max_operand)
-            signs = [s for s, v in (("+", value + operand), ("-", value - operand)) if lo <= v <= hi]
-            sign = rng.choice(signs)
-            value = value + operand if sign == "+" else value - operand
-            ops.append((sign, operand))
-        return start, ops
 
     def max_completion_chars(self) -> int:
         """An upper bound on the characters of any reference solution (tokens, for a byte-level tokenizer)."""
@@ -129,6 +116,21 @@ def format_solution(start: int, ops: list[tuple[str, int]]) -> str:
     lines = [str(start)] + [f"{STEP_LABELS[i]}{sign}{operand}={values[i + 1]}" for i, (sign, operand) in enumerate(ops)]
     body = "".join(line + "\n" for line in lines)
     return f"<think>\n{body}{END_THINK}\nAnswer: \\boxed{{{values[-1]}}}"
+
+
+def draw_chain(rng: random.Random, num_steps: tuple[int, int], max_operand: int, min_value: int,
+               max_value: int) -> tuple[int, list[tuple[str, int]]]:
+    """A start value and ``[(sign, operand)]`` of ``num_steps`` (fewest, most) steps keeping every value in
+    ``min_value..max_value``: each operand is drawn from 1..max_operand, then a sign that keeps it in range."""
+    value = rng.randint(min_value, max_value)
+    start, ops = value, []
+    for _ in range(rng.randint(*num_steps)):
+        operand = rng.randint(1, max_operand)
+        signs = [s for s, v in (("+", value + operand), ("-", value - operand)) if min_value <= v <= max_value]
+        sign = rng.choice(signs)
+        value = value + operand if sign == "+" else value - operand
+        ops.append((sign, operand))
+    return start, ops
 
 
 def run_chain(start: int, ops: list[tuple[str, int]]) -> list[int]:

@@ -11,6 +11,12 @@ One rule covers every policy: ``full`` (death never), ``prefix_sliding``, ``slid
 ``streaming`` (death = position + W outside the kept prefix) and ``registers`` (death = the
 position of the register token that killed the step). Every query sees at least itself.
 
+A ``pasta`` window (``rollout.pasta``) also carries each token's thread, ``exposed_at`` and
+``view_at``, and its tokens' positions above are their indices in the trace (write order), while
+the model gets the layout's position ids; the rule then also needs
+
+    thread[j] == thread[i]  or  exposed_at[j] <= view_at[i]          (rollout.pasta.thread_visible)
+
 Backends (all GQA-aware, scale 1/sqrt(D), output in q's dtype):
   flex  FlexAttention with a ``mask_mod`` reading the position/death/document tensors and a block
         mask (block sparsity skips out-of-window and dead tiles). Compiled with ``torch.compile``
@@ -28,14 +34,15 @@ Backends (all GQA-aware, scale 1/sqrt(D), output in q's dtype):
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from rollout.kv_policy import NEVER, visible_mask
+from rollout.kv_policy import NEVER
 from rollout.model import AttentionBackend, DenseAttention
+from rollout.pasta import thread_visible
 
 ATTENTION_BACKENDS = ("auto", "flex", "sdpa", "dense")
 _MIN_FLEX_BUCKET = 128
@@ -45,18 +52,28 @@ _MIN_FLEX_BUCKET = 128
 class PackedVisibility:
     """Per-token visibility data of a packed stream; all ``[N]`` int64 on one device."""
 
-    positions: Tensor  # original position within its trace; increasing within a document
+    positions: Tensor  # index in its trace (write order; the position id except under pasta); increasing per document
     death: Tensor  # first query position that no longer sees this token as a key
     doc: Tensor  # document (window) index, 0..D-1, non-decreasing
+    thread: Tensor | None = None  # pasta: thread within its document (0 main); None: one thread everywhere
+    exposed_at: Tensor | None = None  # pasta: trace index from which other threads see this key
+    view_at: Tensor | None = None  # pasta: trace index where this query's view of other threads stops
 
     @classmethod
-    def pack(cls, parts: Sequence[tuple[Tensor, Tensor]]) -> PackedVisibility:
-        """Concatenate ``(positions [n_i], death [n_i])`` of D windows; document i gets id i."""
+    def pack(cls, parts: Sequence[tuple[Tensor, ...]]) -> PackedVisibility:
+        """Concatenate D windows' ``(positions, death)``, or ``(positions, death, thread, exposed_at, view_at)``
+        for a pasta window (``rollout.pasta.PastaLayout``), each ``[n_i]``; document i gets id i.
+        With any pasta window, the others get one thread (0) each."""
         if not parts:
             raise ValueError("cannot pack zero windows")
-        docs = [torch.full_like(pos, i) for i, (pos, _) in enumerate(parts)]
-        return cls(torch.cat([p for p, _ in parts]).long(), torch.cat([d for _, d in parts]).long(),
-                   torch.cat(docs).long())
+        if any(len(p) not in (2, 5) for p in parts):
+            raise ValueError(f"each window packs 2 tensors (positions, death) or 5 (pasta: positions, death, thread, "
+                             f"exposed_at, view_at), got {sorted({len(p) for p in parts})}")
+        docs = [torch.full_like(p[0], i) for i, p in enumerate(parts)]
+        if any(len(p) == 5 for p in parts):
+            parts = [p if len(p) == 5 else (*p, *[torch.zeros_like(p[0])] * 3) for p in parts]
+        columns = [torch.cat(column).long() for column in zip(*parts)]
+        return cls(columns[0], columns[1], torch.cat(docs).long(), *columns[2:])
 
     def __len__(self) -> int:
         return self.positions.shape[0]
@@ -67,25 +84,36 @@ class PackedVisibility:
 
     @property
     def causal_only(self) -> bool:
-        """True when no key ever dies (``full``): plain causal attention within each document."""
-        return bool((self.death >= NEVER).all())
+        """True when no key ever dies (``full``) and every document is one thread: plain causal attention
+        within each document."""
+        return bool((self.death >= NEVER).all()) and (self.thread is None or not bool(self.thread.any()))
 
     def to(self, device: torch.device | str) -> PackedVisibility:
-        return PackedVisibility(self.positions.to(device), self.death.to(device), self.doc.to(device))
+        move = lambda x: None if x is None else x.to(device)  # noqa: E731
+        return PackedVisibility(*(move(getattr(self, f.name)) for f in fields(self)))
 
     def dense_mask(self) -> Tensor:
         """``[N, N]`` bool, True where query row i sees key column j (the rule above)."""
-        same_doc = self.doc[:, None] == self.doc[None, :]
-        return visible_mask(self.positions, self.positions, self.death) & same_doc
+        index = torch.arange(len(self), device=self.positions.device)
+        return self.mask_mod()(0, 0, index[:, None], index[None, :])
 
     def mask_mod(self):
-        """The rule as a FlexAttention ``mask_mod(b, h, q_idx, kv_idx)`` over flat indices."""
+        """The rule as a FlexAttention ``mask_mod(b, h, q_idx, kv_idx)`` over flat indices (any broadcasting
+        index tensors)."""
         pos, death, doc = self.positions, self.death, self.doc
 
         def visible(b, h, q_idx, kv_idx):
             return (doc[q_idx] == doc[kv_idx]) & (pos[kv_idx] <= pos[q_idx]) & (pos[q_idx] < death[kv_idx])
 
-        return visible
+        if self.thread is None:
+            return visible
+        thread, exposed, view = self.thread, self.exposed_at, self.view_at
+
+        def visible_in_threads(b, h, q_idx, kv_idx):
+            return visible(b, h, q_idx, kv_idx) & thread_visible(thread[q_idx], view[q_idx], thread[kv_idx],
+                                                                 exposed[kv_idx])
+
+        return visible_in_threads
 
     def document_batch(self) -> DocumentBatch:
         """The stream as a ``[D, T]`` batch of its documents (T the longest), each with its own mask."""
@@ -97,10 +125,11 @@ class PackedVisibility:
         gather = starts.repeat_interleave(width)  # pad slots read their document's first token
         gather[slot] = torch.arange(len(self), device=self.doc.device)
         mask = torch.eye(width, dtype=torch.bool, device=self.doc.device).repeat(num_docs, 1, 1)  # pads see themselves
+        visible = self.mask_mod()
         for d in range(num_docs):
             a, n = int(starts[d]), int(counts[d])
-            pos, death = self.positions[a:a + n], self.death[a:a + n]
-            mask[d, :n, :n] = visible_mask(pos, pos, death)
+            index = torch.arange(a, a + n, device=self.doc.device)
+            mask[d, :n, :n] = visible(0, 0, index[:, None], index[None, :])
         return DocumentBatch(gather.view(num_docs, width), slot, mask)
 
     def prefers_document_batch(self) -> bool:
@@ -117,8 +146,10 @@ class PackedVisibility:
         if extra <= 0:
             return self
         pad = torch.arange(extra, dtype=torch.int64, device=self.positions.device)
+        threads = () if self.thread is None else [torch.cat([x, torch.zeros_like(pad)])  # one thread: no effect
+                                                  for x in (self.thread, self.exposed_at, self.view_at)]
         return PackedVisibility(torch.cat([self.positions, pad]), torch.cat([self.death, pad + 1]),
-                                torch.cat([self.doc, torch.full_like(pad, -1)]))
+                                torch.cat([self.doc, torch.full_like(pad, -1)]), *threads)
 
 
 @dataclass(frozen=True)

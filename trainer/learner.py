@@ -19,6 +19,7 @@ import torch
 
 from rollout.kv_policy import KVPolicy, register_tokens
 from rollout.loader import DTYPES, load_model, load_tokenizer
+from rollout.pasta import PastaLayout, PastaTokenIds
 from rollout.trace import Trace
 from rollout.vocab import bind_policy_vocab
 from trainer.algorithms import Algorithm, Row, Selection, Totals, make_algorithm
@@ -87,6 +88,8 @@ class Learner:
     whose keywords build (or, beside ``args``, replace fields of) the record. model_path: a local HF
     model directory. Each trace trains under its own ``kv_policy``; W is that policy's window, or
     ``args.window`` when given; policies without one (full, registers) train on the whole trace.
+    A ``pasta`` trace trains whole under its threads (``rollout.pasta.PastaLayout``: mask, position
+    ids, each token predicted within its thread) and needs ``window_mode='full'``.
     ``args.vocab_policy`` (e.g. ``registers:N``) adds that policy's tokens before the first step and
     weight sync (a registers trace can also grow the vocabulary lazily, but only before step 1).
     The optimizer is AdamW over every parameter, in the model's dtype, at ``args.lr_at(version)``.
@@ -109,6 +112,7 @@ class Learner:
         self.optimizer = self._make_optimizer()
         self.version = 0
         self._policies: dict[str, KVPolicy] = {}
+        self._pasta_tags: PastaTokenIds | None = None  # looked up at the first pasta trace
         self.vocab_policy = self._bind(args.vocab_policy) if args.vocab_policy else None
         self._bind("full")  # grows the model when the tokenizer already has more tokens, as the engine does
 
@@ -202,6 +206,7 @@ class Learner:
         prompt_len, num_generated = len(trace.prompt_token_ids), len(trace.completion_token_ids)
         if num_generated == 0:
             return []
+        layout = self._pasta_layout(trace) if policy.kind == "pasta" else None
         window = self.args.window or (policy.window if policy.kind in WINDOWED_KINDS else None)
         windows = training_windows(self.args.window_mode, prompt_len, num_generated, window, self.args.multiplier)
         ids = torch.tensor([*trace.prompt_token_ids, *trace.completion_token_ids], dtype=torch.int64)
@@ -209,11 +214,23 @@ class Learner:
         sampler = torch.tensor(trace.logprobs, dtype=torch.float32) if trace.logprobs else None
         out = []
         for w in windows:
-            mask = w.loss_mask(trace.forced)
+            item = WindowInput(ids, death, w, trace.temperature, layout)
+            mask = item.loss_mask(trace.forced)
             if mask.any():
                 behaviour = sampler[w.target_start:w.target_end] if sampler is not None else None
-                out.append((Row(index, advantage, role, mask, behaviour), WindowInput(ids, death, w, trace.temperature)))
+                out.append((Row(index, advantage, role, mask, behaviour), item))
         return out
+
+    def _pasta_layout(self, trace: Trace) -> PastaLayout:
+        """The threads of a pasta trace; they span the whole trace, so it trains only with window_mode 'full'."""
+        if self.args.window_mode != "full":
+            raise ValueError(f"trace {trace.trace_id!r} has KV policy pasta, which trains on the whole trace only (its "
+                             f"forks' keys and position ids span it): window_mode={self.args.window_mode!r} is not "
+                             "valid for it; set window_mode='full'")
+        if self._pasta_tags is None:
+            self._pasta_tags = PastaTokenIds.from_tokenizer(self.tokenizer)
+        return PastaLayout.parse(len(trace.prompt_token_ids), trace.completion_token_ids, self._pasta_tags,
+                                 self.tokenizer.decode)
 
     def _trace_policy(self, trace: Trace) -> KVPolicy:
         try:

@@ -7,6 +7,13 @@ convention — ``log_softmax(logits / T)[token]``, ``T = 1`` for greedy traces (
 logprobs up to float error; over a truncated window it differs by the cut context, which
 ``logprob_mismatch`` reports.
 
+A ``pasta`` trace (``rollout.pasta.PastaLayout``) is scored whole, under its threads' visibility and
+position ids, each token predicted by the previous token of its own thread (a promise's ``/>``
+predicts the first main-thread token after its block), as the runtime samples it. Inputs stay in
+flattened order; only the predictor of each target, the mask and the position ids change. A fork's
+``<async>`` keeps a target slot, so per-target tensors line up with the completion as for any
+trace, but it is never in the loss (the runtime inserts it).
+
 Shape letters: N packed input tokens, M packed targets, D windows in a pack.
 """
 
@@ -20,6 +27,7 @@ from torch import Tensor
 
 from rollout.kv_policy import KVPolicy
 from rollout.model import DecoderLM
+from rollout.pasta import PastaLayout
 from rollout.sampling import logprobs_at
 from rollout.trace import Trace
 from trainer.attention import PackedVisibility, training_attention
@@ -28,18 +36,36 @@ from trainer.windows import TrainingWindow, full_window
 
 @dataclass(frozen=True)
 class WindowInput:
-    """One window of one trace: the whole trace's ids and deaths, the window, the sampler temperature."""
+    """One window of one trace: the whole trace's ids and deaths, the window, the sampler temperature, and
+    for a ``pasta`` trace its layout (then the window must be the whole trace)."""
 
     token_ids: Tensor  # [P + T] int64, prompt then completion
     death: Tensor  # [P + T] int64, KVPolicy.death_positions over the whole trace
     window: TrainingWindow
     temperature: float
+    layout: PastaLayout | None = None  # pasta: threads, position ids and targets of the whole trace
 
     def __post_init__(self) -> None:
-        n = self.window.prompt_len + self.window.num_generated
+        w = self.window
+        n = w.prompt_len + w.num_generated
         if self.token_ids.shape != (n,) or self.death.shape != (n,):
             raise ValueError(f"window is for {n} trace tokens, got token_ids {tuple(self.token_ids.shape)} "
                              f"and death {tuple(self.death.shape)}")
+        if self.layout is None:
+            return
+        if (len(self.layout), self.layout.prompt_len) != (n, w.prompt_len):
+            raise ValueError(f"the pasta layout is for {self.layout.prompt_len} prompt + {self.layout.num_generated} "
+                             f"generated tokens, the window for {w.prompt_len} + {w.num_generated}")
+        if (w.target_start, w.loss_start, w.target_end) != (0, 0, w.num_generated):
+            raise ValueError(f"a pasta trace trains on the whole trace only (window_mode='full'; its forks' keys and "
+                             f"position ids span it), got targets [{w.target_start}, {w.target_end}) with loss from "
+                             f"{w.loss_start} of {w.num_generated} generated tokens")
+
+    def loss_mask(self, forced: list[bool] | Tensor | None = None) -> Tensor:
+        """bool ``[num_targets]``: the window's loss mask (``TrainingWindow.loss_mask``), and for a pasta trace
+        not on a fork's ``<async>``."""
+        mask = self.window.loss_mask(forced)
+        return mask if self.layout is None else mask & self.layout.target_mask()
 
 
 @dataclass(frozen=True)
@@ -47,7 +73,7 @@ class PackedWindows:
     """D windows as one flat stream: model inputs ``[N]`` and the targets they score ``[M]``."""
 
     input_ids: Tensor  # [N] int64
-    positions: Tensor  # [N] int64, original positions
+    positions: Tensor  # [N] int64, position ids (the original positions; a pasta layout's)
     visibility: PackedVisibility  # [N] positions, deaths, documents
     predictor_index: Tensor  # [M] int64, flat input index whose logits score each target
     target_ids: Tensor  # [M] int64
@@ -75,16 +101,22 @@ def pack_windows(windows: Sequence[WindowInput]) -> PackedWindows:
     ids, positions, parts, predictors, targets, temps, offsets = [], [], [], [], [], [], [0]
     base = 0
     for item in windows:
-        w = item.window
-        pos = w.input_positions()  # [n]
-        ids.append(item.token_ids[pos])
-        positions.append(pos)
-        parts.append((pos, item.death[pos]))
-        predictors.append(base + w.predictor_index())
+        w, layout = item.window, item.layout
+        order = w.input_positions()  # [n] indices into the trace
+        ids.append(item.token_ids[order])
+        if layout is None:
+            positions.append(order)
+            parts.append((order, item.death[order]))
+            predictors.append(base + w.predictor_index())
+        else:  # the whole trace: input index = trace index
+            positions.append(layout.positions[order])
+            parts.append((order, item.death[order], layout.thread[order], layout.exposed_at()[order],
+                          layout.view_at()[order]))
+            predictors.append(base + layout.predictor_index())
         targets.append(item.token_ids[w.target_positions()])
         temps.append(torch.full((w.num_targets,), float(item.temperature)))
         offsets.append(offsets[-1] + w.num_targets)
-        base += pos.shape[0]
+        base += order.shape[0]
     return PackedWindows(torch.cat(ids).long(), torch.cat(positions), PackedVisibility.pack(parts),
                          torch.cat(predictors), torch.cat(targets).long(), torch.cat(temps), tuple(offsets))
 
@@ -132,38 +164,46 @@ def _chunk_logprobs(model: DecoderLM, hidden: Tensor, target_ids: Tensor, temper
 
 def recompute_logprobs(model: DecoderLM, prompt_ids: Sequence[int], completion_ids: Sequence[int],
                        policy: KVPolicy, *, temperature: float = 1.0, window: TrainingWindow | None = None,
-                       backend: str = "auto", kv_deaths: Sequence[tuple[int, int, int]] = ()) -> Tensor:
+                       backend: str = "auto", kv_deaths: Sequence[tuple[int, int, int]] = (),
+                       layout: PastaLayout | None = None) -> Tensor:
     """Logprobs of ``window``'s targets (default: every completion token) under ``policy``: float32 ``[num_targets]``.
 
     policy: parsed and, for ``registers``, bound to the token ids (``rollout.vocab.bind_policy_vocab``).
     temperature: the sampler's (0 = greedy, scored at T = 1). kv_deaths: the engine's recorded
-    ``(start, end, death)`` ranges (h2o). Runs without grad only if the caller disables it.
+    ``(start, end, death)`` ranges (h2o). layout: a pasta trace's (required for pasta). Runs without
+    grad only if the caller disables it.
     """
-    item = window_input(prompt_ids, completion_ids, policy, temperature, window, kv_deaths)
+    item = window_input(prompt_ids, completion_ids, policy, temperature, window, kv_deaths, layout)
     return packed_logprobs(model, pack_windows([item]), backend)
 
 
 def trace_logprobs(model: DecoderLM, trace: Trace, policy: KVPolicy | None = None, *,
-                   window: TrainingWindow | None = None, backend: str = "auto") -> Tensor:
+                   window: TrainingWindow | None = None, backend: str = "auto",
+                   layout: PastaLayout | None = None) -> Tensor:
     """``recompute_logprobs`` for a Trace, at its temperature; policy defaults to ``trace.kv_policy``."""
     policy = KVPolicy.parse(trace.kv_policy) if policy is None else policy
     return recompute_logprobs(model, trace.prompt_token_ids, trace.completion_token_ids, policy,
                               temperature=trace.temperature, window=window, backend=backend,
-                              kv_deaths=trace.death_ranges)
+                              kv_deaths=trace.death_ranges, layout=layout)
 
 
 def window_input(prompt_ids: Sequence[int], completion_ids: Sequence[int], policy: KVPolicy, temperature: float,
-                 window: TrainingWindow | None = None,
-                 kv_deaths: Sequence[tuple[int, int, int]] = ()) -> WindowInput:
+                 window: TrainingWindow | None = None, kv_deaths: Sequence[tuple[int, int, int]] = (),
+                 layout: PastaLayout | None = None) -> WindowInput:
     """A ``WindowInput`` with deaths computed over the whole trace (the policy's, then the recorded
-    ``kv_deaths`` ranges on top); checks the window fits the trace."""
+    ``kv_deaths`` ranges on top); checks the window fits the trace. ``layout``: given exactly for a
+    ``pasta`` policy (``PastaLayout.parse`` of the trace)."""
+    if (policy.kind == "pasta") != (layout is not None):
+        raise ValueError(f"a PastaLayout is required for the pasta policy and only for it, got policy "
+                         f"{policy.spec!r} with layout {'given' if layout is not None else 'None'}; parse one with "
+                         "rollout.pasta.PastaLayout.parse(prompt_len, completion_ids, tags, tokenizer.decode)")
     ids = torch.tensor([*prompt_ids, *completion_ids], dtype=torch.int64)
     window = window or full_window(len(prompt_ids), len(completion_ids))
     if (window.prompt_len, window.num_generated) != (len(prompt_ids), len(completion_ids)):
         raise ValueError(f"window is for a trace of {window.prompt_len} prompt + {window.num_generated} generated "
                          f"tokens, got {len(prompt_ids)} + {len(completion_ids)}")
     death = policy.death_positions(len(prompt_ids), ids, kv_deaths)
-    return WindowInput(ids, death, window, temperature)
+    return WindowInput(ids, death, window, temperature, layout)
 
 
 # ---------------------------------------------------------------- sampler/trainer mismatch

@@ -7,6 +7,11 @@ trains on examples ``s·B .. (s+1)·B - 1`` (cycling); every ``check_every`` ste
 examples are scored by ``Learner.evaluate`` and training stops once their exact match (greedy
 decoding reproduces the completion) reaches ``target_accuracy``.
 
+A ``pasta`` stage trains Pasta-Lang-annotated completions under Pasta-SFT's modifications (the
+threads' mask, position ids and in-thread targets: ``rollout.pasta``; it needs ``window_mode='full'``)
+and adds the tags to the vocabulary first; Baseline-SFT is the same stage under ``full`` on the
+completions without annotations (``rewards.pasta_task`` generates both).
+
 ``run_sft`` writes the checkpoint (Hugging Face layout + ``trainer_state.pt``) to ``out_dir`` and the
 marker ``sft.json`` (settings, steps run, checks, losses, seconds) last. ``cached_sft`` trains into a
 staging folder and renames it to ``cache_dir/sft-<fingerprint>`` atomically; a folder with its

@@ -1,0 +1,131 @@
+"""The summed-chains task (rewards.pasta_task): annotated responses parse into K forks joined by one sync
+with a shorter critical path than the plain response, the plain response is the annotated one without
+annotations, answers verify, splits are disjoint and stable.
+
+Independent references: the byte-level tokenizer itself (token counts), rollout.pasta's parser and
+rewards.pasta_lang's text-level scheduler (two separate implementations of the critical path), a
+regular expression that strips the annotations, and arithmetic redone here from the prompt.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+
+from rewards.pasta_lang import schedule
+from rewards.pasta_task import PASTA_TAGS, UNIT, PastaTask, PastaTaskVerifier, byte_level_tokens
+from rollout import pasta
+from rollout.pasta import PastaLayout, PastaTokenIds
+from rollout.tiny import build_tokenizer
+
+TOKENIZER = build_tokenizer(extra_special_tokens=pasta.PASTA_TOKENS)
+TAGS = PastaTokenIds.from_tokenizer(TOKENIZER)
+
+
+def ids(text: str) -> list[int]:
+    return TOKENIZER(text).input_ids
+
+
+def problems() -> list[dict]:
+    task = PastaTask()
+    return task.problems(30) + task.problems(10, "eval")
+
+
+# catches: the task's copies of the tag strings or the unit drifting from rollout.pasta's, and a token
+# count that does not match the tokenizer the models use (planted: tags counted by their bytes -> fails).
+def test_constants_and_token_count_agree_with_the_tokenizer():
+    assert PASTA_TAGS == pasta.PASTA_TOKENS and UNIT == pasta.UNIT
+    for p in problems()[:10]:
+        blocks = re.findall(r"<async>.*?</async>", p["solution"], re.S)
+        for text in (*blocks, p["prompt"]):
+            assert byte_level_tokens(text) == len(ids(text))
+
+
+# catches: a promise's tokens="N" that does not cover its block (planted: floor instead of ceil -> the
+# main thread resumes inside the fork's positions), a sync that does not join every fork (planted: no
+# sync), forks that are not the chains, a response whose layout is not faster than the plain one
+# (planted: 4..6 steps per chain), the layout's critical path disagreeing with rewards.pasta_lang's
+# scheduler (planted: main tokens after a block costing no step).
+def test_annotated_responses_fork_each_chain_and_join_them_at_one_sync():
+    for p in problems():
+        k = p["prompt"].count("\n") - 1
+        completion = ids(p["solution"])
+        layout = PastaLayout.parse(3, completion, TAGS, TOKENIZER.decode)
+        assert len(layout.forks) == k and 2 <= k <= 4 and layout.malformed.total == 0
+        sync = [3 + j for j, t in enumerate(completion) if t == TAGS.sync]
+        assert len(sync) == 1 and all(f.join == sync[0] for f in layout.forks)
+        for f, name in zip(layout.forks, "ABCD"):
+            block = completion[f.block[0] - 3:f.block[1] - 3]
+            assert TOKENIZER.decode(block[1:-1]).startswith(f"{name}=")
+            assert f.units == math.ceil(len(block) / 10)
+            resume = int(layout.positions[f.fork_point]) + 1 + 10 * f.units  # the main thread after the block
+            assert int(layout.positions[f.block[1] - 1]) < resume  # the fork fits its predicted length
+        plain = len(ids(p["solution_plain"]))
+        assert layout.critical_path < plain
+        count = lambda s: len(ids(s))  # noqa: E731
+        assert schedule(p["solution"], count).critical_path == layout.critical_path
+
+
+# catches: plain and annotated responses that differ in content (planted: chains in another order in
+# the plain response -> fails), or an annotation left in the plain response.
+def test_plain_response_is_the_annotated_one_without_annotations():
+    strip = re.compile(r'<promise[^<>]*/>|<async>|</async>|<sync/>')
+    for p in problems():
+        assert strip.sub("", p["solution"]) == p["solution_plain"]
+        assert not any(tag in p["solution_plain"] for tag in PASTA_TAGS)
+
+
+# catches: a wrong answer (planted: the chains' start values summed) or chain value (planted: each step
+# showing the value before it), a verifier that cannot read an annotated response.
+def test_answers_follow_the_prompt_and_verify():
+    verifier = PastaTaskVerifier()
+    for p in problems():
+        *chains, question = p["prompt"].splitlines()
+        finals = {}
+        for line in chains:
+            name, rest = line.split("=", 1)
+            start, *ops = rest.split()
+            finals[name] = int(start) + sum(int(op) for op in ops)
+        assert question == "+".join(finals) + "=?"
+        assert int(p["answer"]) == sum(finals.values())
+        lines = {line.split("=", 1)[0]: line for line in p["solution_plain"].splitlines()}
+        for name, line in zip(finals, chains):  # "A=47 +5=52 -3=49": each step redone from the prompt's operands
+            start, *steps = lines[name].split("=", 1)[1].split()
+            value = int(start)
+            for step, operand in zip(steps, line.split()[1:], strict=True):
+                value += int(operand)
+                assert step == f"{operand}={value}"
+            assert value == finals[name]
+        for text in (p["solution"], p["solution_plain"]):
+            assert verifier(text, p["answer"]).total == 1.0
+        wrong = p["solution"].replace(f"{{{p['answer']}}}", f"{{{int(p['answer']) + 1}}}")
+        assert verifier(wrong, p["answer"]).total == 0.0
+
+
+# catches: a split whose first problems change with n, train and eval sharing prompts, settings ignored.
+def test_splits_are_disjoint_stable_and_follow_the_settings():
+    task = PastaTask(num_chains=(2, 2), num_steps=(9, 9), seed=3)
+    train, more = task.problems(20), task.problems(40)
+    assert more[:20] == train
+    evals = task.problems(20, "eval")
+    assert not {p["prompt"] for p in train} & {p["prompt"] for p in evals}
+    for p in train:
+        lines = p["prompt"].splitlines()
+        assert len(lines) == 3 and all(len(line.split()) == 10 for line in lines[:2])
+    assert PastaTask(seed=4).problems(5) != PastaTask(seed=3).problems(5)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"num_chains": (1, 3)}, r"num_chains must be \(a, b\) with 2 <= a <= b <= 26, got \(1, 3\)"),
+    ({"num_steps": (0, 4)}, r"num_steps must be \(a, b\) with 1 <= a <= b, got \(0, 4\)"),
+    ({"max_operand": 0}, "max_operand must be >= 1, got 0"),
+    ({"min_value": 10, "max_value": 12}, "max_value - min_value >= max_operand"),
+])
+def test_bad_settings_are_named(kwargs, message):
+    # catches: settings that would loop forever or draw out-of-range values accepted silently
+    with pytest.raises(ValueError, match=message):
+        PastaTask(**kwargs)
+    with pytest.raises(ValueError, match="unknown split 'dev'"):
+        PastaTask().problems(1, "dev")
