@@ -162,7 +162,8 @@ def test_data_mistakes_end_sliderl_before_ray_with_one_line(tmp_path, capsys):
 
     was_running = ray.is_initialized()
     cases = [
-        (["train", "task.type=math", f"data.source={tmp_path / 'missing.jsonl'}"], "does not exist"),
+        (["train", "task.type=math", "warmstart.enabled=false", f"data.source={tmp_path / 'missing.jsonl'}"],
+         "does not exist"),
         (["sft", f"data.source={tmp_path / 'missing'}/"], "does not exist"),
     ]
     for args, fragment in cases:

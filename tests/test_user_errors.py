@@ -45,7 +45,7 @@ USER_ERRORS = [
     (["data.chat_template=false", "data.enable_thinking=false"],
      ["enable_thinking=False only applies to chat-templated prompts"]),
     # a data file that is not there: once found only when the run read it
-    (["task.type=math", "data.source=/nonexistent/problems.jsonl"],
+    (["task.type=math", "warmstart.enabled=false", "data.source=/nonexistent/problems.jsonl"],
      ["data.source: dataset '/nonexistent/problems.jsonl' does not exist"]),
     (["warmstart.data.source=pairs/missing.parquet"], ["warmstart.data.source: dataset 'pairs/missing.parquet' does not exist"]),
 ]
