@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     _job(commands, "sft", run_sft, SFTJobConfig,
          "supervised fine-tuning on prompt/completion pairs (no arguments: the tiny-arith SFT job)",
          "Fine-tune model on (prompt, completion) pairs — the arith task's solutions or a .jsonl/.parquet file "
-         "(data.source) — with the learner's SFT algorithm under one KV policy (kv). Writes config.yaml and the "
+         "(data.source) of pairs or of chat conversations (a messages column) — with the learner's SFT algorithm under one KV policy (kv). Writes config.yaml and the "
          "checkpoint (model/) to output_dir.", "data.source=pairs.jsonl sft.steps=100")
     evaluate = commands.add_parser(
         "eval", help="score a checkpoint, or compare checkpoints and KV policies, on the task's eval split",
