@@ -69,7 +69,8 @@ def stage_pairs(stage: SFTStage, task) -> tuple[list[tuple[Prompt, str]], list[t
 
 def conversation_pair(messages, row: int, source: str) -> tuple[list[dict], str]:
     """One chat conversation as (the messages before the last, the last one's content); the last must be the
-    assistant's."""
+    assistant's. Keys other than role and content (name, reasoning_content, ...) reach the template; a key
+    that is null (a column other rows have) is left out."""
     where = f"SFT data {source!r} row {row}"
     if not isinstance(messages, list) or not messages or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages):
@@ -78,7 +79,7 @@ def conversation_pair(messages, row: int, source: str) -> tuple[list[dict], str]
     if messages[-1]["role"] != "assistant":
         raise ConfigError(f"{where}: the last message is the completion and must be the assistant's, got role "
                           f"{messages[-1]['role']!r}")
-    return [{"role": m["role"], "content": m["content"]} for m in messages[:-1]], messages[-1]["content"]
+    return [{k: v for k, v in m.items() if v is not None} for m in messages[:-1]], messages[-1]["content"]
 
 
 def written(prompts: PromptFormat | None, pairs: list[tuple[Prompt, str]], source: str) -> list[SFTExample]:

@@ -92,8 +92,9 @@ def test_a_template_that_writes_its_bos_reaches_engine_and_trainer_with_one_bos(
     # Catches: the templated text encoded again with special tokens (two BOS: the template's and the
     # tokenizer's), enable_thinking not passed to the template, the rollout worker sending the prompt's
     # text instead of its ids (the engine would encode it and add the second BOS), or the SFT trainer
-    # re-encoding a chat prompt's text instead of using its ids (a warm start would train two BOS). The
-    # reference ids are transformers' apply_chat_template; the engine's are read back from the worker's trace.
+    # re-encoding a chat prompt's text instead of using its ids (a warm start would train two BOS) or putting
+    # a BOS before the completion. The reference ids are transformers' apply_chat_template; the engine's are
+    # read back from the worker's trace.
     from cluster.data import PromptGroup
     from cluster.prompts import prompt_format
     from cluster.rollout_worker import RolloutWorker
@@ -121,7 +122,9 @@ def test_a_template_that_writes_its_bos_reaches_engine_and_trainer_with_one_bos(
     cfg = math_job(tmp_path, bos_model, source, "data.enable_thinking=false", "data.instruction=''")
     tokenizer = AutoTokenizer.from_pretrained(str(bos_model), local_files_only=True)
     example = written(prompt_format(cfg.data, cfg.model, tokenizer), [(ROWS[0]["problem"], "5")], source)[0]
-    assert sft_trace(tokenizer, example, "full", 0).prompt_token_ids == expected
+    trace = sft_trace(tokenizer, example, "full", 0)
+    assert trace.prompt_token_ids == expected
+    assert trace.completion_token_ids == [ord("5"), tokenizer.eos_token_id]  # no BOS inside the sequence
 
 
 def test_the_length_filter_measures_the_templated_prompt(tmp_path, tiny_model_factory, capsys):

@@ -2,7 +2,7 @@
 
 Each ``SFTExample`` becomes a ``Trace`` stamped with the stage's KV policy (prompt ids = the example's
 own ``prompt_token_ids`` when it has them — a chat-templated prompt — else ``tokenizer(prompt).input_ids``;
-completion ids = ``tokenizer(completion).input_ids + [eos]``; no sampler logprobs), so the SFT forward
+completion ids = the completion's ids without special tokens + ``[eos]``; no sampler logprobs), so the SFT forward
 sees exactly what the engine will let the model see. Step s trains on examples ``s·B .. (s+1)·B - 1`` (cycling); every ``check_every`` steps the held-out
 examples are scored by ``Learner.evaluate`` and training stops once their exact match (greedy
 decoding reproduces the completion) reaches ``target_accuracy``.
@@ -95,7 +95,8 @@ class SFTResult:
 def sft_trace(tokenizer, example: SFTExample, kv_policy: str, index: int) -> Trace:
     """``example`` as a Trace under ``kv_policy``: completion + eos, no sampler logprobs."""
     prompt = tokenizer(example.prompt).input_ids if example.prompt_token_ids is None else list(example.prompt_token_ids)
-    completion = tokenizer(example.completion).input_ids + [tokenizer.eos_token_id]
+    # the completion continues the prompt: no BOS of its own, whatever the tokenizer adds to a text
+    completion = tokenizer(example.completion, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
     return Trace(f"sft-{index}", f"sft-{index}", str(index), -1, 0, kv_policy, prompt, completion, [], "stop")
 
 
