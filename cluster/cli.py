@@ -71,7 +71,7 @@ def build_parser(help_request: tuple[str, str | None, list[str]] | None = None) 
     job(commands, "sft", run_sft, SFTJobConfig,
          "supervised fine-tuning on prompt/completion pairs (no arguments: the tiny-arith SFT job)",
          "Fine-tune model on (prompt, completion) pairs — the arith task's solutions or a .jsonl/.parquet file "
-         "(data.source) — with the learner's SFT algorithm under one KV policy (kv). Writes config.yaml and the "
+         "(data.source) of pairs or of chat conversations (a messages column) — with the learner's SFT algorithm under one KV policy (kv). Writes config.yaml and the "
          "checkpoint (model/) to output_dir.", "data.source=pairs.jsonl sft.steps=100")
     evaluate = commands.add_parser(
         "eval", help="score a checkpoint, or compare checkpoints and KV policies, on the task's eval split",
@@ -265,12 +265,17 @@ def run_train(config_path: str | None, overrides: list[str]) -> int:
 
 def run_sft(config_path: str | None, overrides: list[str]) -> int:
     """``sliderl sft``: load the config, fine-tune, print where the checkpoint is."""
-    from cluster.sft_job import run_sft_job, stage_examples
+    from cluster.prompts import prompt_format
+    from cluster.sft_job import run_sft_job, stage_pairs, written
+    from rollout.loader import load_tokenizer
 
     cfg = load_config(SFTJobConfig, config_path, overrides)
     check_device(cfg.learner.device, "learner.device")
     check_outlives_job(cfg.output_dir, "output_dir")
-    train, held_out = stage_examples(cfg, cfg.task)  # the data's errors come before anything is written
+    pairs = stage_pairs(cfg, cfg.task)  # the data's errors come before the model is built and anything is written
+    conversations = any(not isinstance(prompt, str) for prompt, _ in pairs[0])
+    prompts = prompt_format(cfg.data, cfg.model, load_tokenizer(cfg.model.resolve()), conversations)
+    train, held_out = (written(prompts, part, cfg.data.source) for part in pairs)
     print(to_yaml(cfg), end="", flush=True)
     save_config(cfg, Path(cfg.output_dir) / "config.yaml")
     result = run_sft_job(cfg, train, held_out)
@@ -303,7 +308,8 @@ def checked_checkpoint(checkpoint: str, key: str = "checkpoint") -> Path:
 
 
 def eval_problems(cfg: TrainConfig) -> list:
-    """The first eval.num_problems problems of the config's eval split."""
+    """The first eval.num_problems problems of the config's eval split (prompts: the problem texts, not yet written
+    by ``cluster.prompts.PromptFormat``)."""
     import tempfile
 
     from cluster.data import data_sources, load_split
@@ -314,9 +320,12 @@ def eval_problems(cfg: TrainConfig) -> list:
 
 
 def run_checkpoint_eval(checkpoint: str | None, overrides: list[str]) -> int:
-    """``sliderl eval CHECKPOINT``: accuracy and KV numbers of a checkpoint on the eval split."""
+    """``sliderl eval CHECKPOINT``: accuracy and KV numbers of a checkpoint on the eval split, its prompts
+    written by the run's ``data`` settings with the checkpoint's tokenizer."""
     from cluster.evaluation import score
+    from cluster.prompts import prompt_format
     from rollout import LLM
+    from rollout.loader import load_tokenizer
 
     if checkpoint is None:
         raise ConfigError("sliderl eval needs a CHECKPOINT directory (e.g. runs/x/checkpoints/step_000120) "
@@ -326,11 +335,11 @@ def run_checkpoint_eval(checkpoint: str | None, overrides: list[str]) -> int:
     path = checked_checkpoint(checkpoint)
     run_config = path.resolve().parent.parent / "config.yaml"
     cfg = load_config(TrainConfig, str(run_config) if run_config.is_file() else None, overrides)
-    problems = eval_problems(cfg)
+    problems = prompt_format(cfg.data, cfg.model, load_tokenizer(path)).apply(eval_problems(cfg))
     check_device(cfg.engine.device, "engine.device")
     llm = LLM(str(path), args=cfg.engine)
     start = time.perf_counter()
-    outputs = llm.generate([p.prompt for p in problems], cfg.eval_sampling())
+    outputs = llm.generate([p.engine_prompt for p in problems], cfg.eval_sampling())
     result = score(outputs, problems, cfg.verifier(), cfg.engine.kv)
     print(f"{path}: {result.line()} | {time.perf_counter() - start:.1f} s")
     print(json.dumps({"checkpoint": str(path), **result.__dict__}))

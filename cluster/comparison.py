@@ -193,13 +193,16 @@ def run_comparison(cfg, checkpoints: dict[str, str], problems: list, verifier, r
 
 
 def run_entry(cfg, planned: PlannedEntry, problems: list, verifier) -> EntryResult:
-    """Sample every problem k times under ``planned``'s weights and KV policy, once per seed."""
+    """Sample every problem k times under ``planned``'s weights and KV policy, once per seed; prompts are
+    written by ``cfg.data`` with the checkpoint's own tokenizer."""
+    from cluster.prompts import prompt_format
     from rollout import LLM
 
     compare = cfg.eval.compare
-    prompts = [p.prompt for p in problems for _ in range(compare.k)]
     runs = []
     with LLM(planned.checkpoint, args=dataclasses.replace(cfg.engine, kv=planned.kv)) as llm:
+        written = prompt_format(cfg.data, cfg.model, llm.tokenizer).apply(problems)
+        prompts = [p.engine_prompt for p in written for _ in range(compare.k)]
         llm.generate(prompts[:1], dataclasses.replace(sample_params(cfg), max_tokens=WARMUP_TOKENS))  # untimed
         for seed in compare.seeds:
             params = [sample_params(cfg).for_sample(i, base_seed=seed * SEED_STRIDE) for i in range(len(prompts))]

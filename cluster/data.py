@@ -1,7 +1,9 @@
 """Prompt data: datasets read with ``datasets``, checked, and dealt out as groups with stable ids.
 
-A ``Problem`` is one row (id, prompt text, reference answer). ``PromptStream`` deals problems in a
-seeded order, a fresh permutation per pass, as ``PromptGroup`` records; the n-th group dealt has
+A ``Problem`` is one row (id, prompt, reference answer); ``load_problems`` gives the problem text as
+its prompt and ``cluster.prompts.PromptFormat.apply`` the formatted prompt with its token ids, which
+the engine receives as they are. ``PromptStream`` deals problems in a seeded order, a fresh
+permutation per pass, as ``PromptGroup`` records; the n-th group dealt has
 id ``g{n:08d}`` whatever happens later, so a group re-issued after a worker died keeps its id and
 the trace log can be checked against the learner's list of trained groups. The stream's whole
 state is its cursor (groups dealt so far), which checkpoints store.
@@ -25,6 +27,12 @@ class Problem:
     prompt_id: str
     prompt: str
     answer: str
+    prompt_token_ids: tuple[int, ...] | None = None  # the formatted prompt's ids; None: the engine tokenizes prompt
+
+    @property
+    def engine_prompt(self) -> list[int] | str:
+        """What ``LLM.add_request`` gets: the token ids when the prompt was formatted, else its text."""
+        return list(self.prompt_token_ids) if self.prompt_token_ids is not None else self.prompt
 
 
 @dataclass(frozen=True)
@@ -42,9 +50,9 @@ class PromptGroup:
 
 
 def load_problems(source: str, split: str, prompt_field: str, answer_field: str,
-                  id_field: str | None = None, template: str = "{prompt}", limit: int | None = None,
-                  skip_invalid: bool = False) -> list[Problem]:
-    """Rows of ``source`` (a local file/folder or a hub name) as Problems, fields checked first.
+                  id_field: str | None = None, limit: int | None = None, skip_invalid: bool = False) -> list[Problem]:
+    """Rows of ``source`` (a local file/folder or a hub name) as Problems whose prompt is the problem text,
+    fields checked first.
 
     Raises ConfigError naming the source when it cannot be read or lacks ``prompt_field`` or
     ``answer_field`` (listing the fields it has), and naming the row and field of the first row whose
@@ -66,7 +74,7 @@ def load_problems(source: str, split: str, prompt_field: str, answer_field: str,
     for row, (i, p, a) in enumerate(zip(ids, prompts, answers)):
         field = prompt_field if _blank(p) else answer_field if _blank(a) else None
         if field is None:
-            problems.append(Problem(str(i), template.format(prompt=p), str(a)))
+            problems.append(Problem(str(i), str(p), str(a)))
         elif not skip_invalid:
             got = p if field == prompt_field else a
             raise ConfigError(f"dataset {source!r} (split {split!r}) row {row} has no {field!r} (got {got!r}); "
@@ -85,10 +93,10 @@ def _blank(value) -> bool:
     return value is None or (isinstance(value, str) and not value.strip())
 
 
-def keep_fitting(problems: list[Problem], tokenizer, max_model_len: int, what: str) -> list[Problem]:
-    """The problems whose prompt leaves room for a generated token within ``max_model_len``; prints how many
-    were left out, and raises ConfigError when none is left."""
-    fitting = [p for p in problems if len(tokenizer(p.prompt).input_ids) < max_model_len]
+def keep_fitting(problems: list[Problem], max_model_len: int, what: str) -> list[Problem]:
+    """The problems whose formatted prompt (its token ids, ``PromptFormat.apply``) leaves room for a generated
+    token within ``max_model_len``; prints how many were left out, and raises ConfigError when none is left."""
+    fitting = [p for p in problems if len(p.prompt_token_ids) < max_model_len]
     if len(fitting) < len(problems):
         print(f"sliderl: left out {len(problems) - len(fitting)} of {len(problems)} {what} problems whose prompt "
               f"does not fit max_model_len={max_model_len}", flush=True)
@@ -98,7 +106,27 @@ def keep_fitting(problems: list[Problem], tokenizer, max_model_len: int, what: s
     return fitting
 
 
+def is_local(source: str) -> bool:
+    """True when ``source`` names a local file or folder rather than a hub dataset: it exists, starts with
+    ``.``, ``/`` or ``~``, or ends in a data-file suffix (.jsonl, .json, .parquet)."""
+    return source.startswith((".", "/", "~")) or Path(source).suffix in FILE_FORMATS or Path(source).expanduser().exists()
+
+
+def check_source(source: str | None) -> str | None:
+    """``source`` unchanged (a config validator); ValueError when it names a local file or folder that does not exist."""
+    if source is not None and is_local(source) and not Path(source).expanduser().exists():
+        raise ValueError(_missing(source))
+    return source
+
+
+def _missing(source: str) -> str:
+    return (f"dataset {source!r} does not exist (expected a local .jsonl/.json/.parquet file or a folder of them, "
+            "or a hub dataset name)")
+
+
 def open_dataset(source: str, split: str):
+    """``source`` (a data file, a folder of them, or a hub name) as a ``datasets.Dataset``; ConfigError when
+    it cannot be read."""
     import datasets
 
     datasets.disable_progress_bars()
@@ -109,14 +137,14 @@ def open_dataset(source: str, split: str):
             if kind is None:
                 raise ConfigError(f"dataset file {source!r} has an unknown suffix; valid: {', '.join(FILE_FORMATS)}")
             return datasets.load_dataset(kind, data_files=str(path), split=split)
-        if path.is_dir() or source.startswith((".", "/", "~")):
+        if is_local(source):
             if not path.exists():
-                raise ConfigError(f"dataset path {source!r} does not exist")
+                raise ConfigError(_missing(source))
             return datasets.load_dataset(str(path), split=split)
         return datasets.load_dataset(source, split=split)
     except ConfigError:
         raise
-    except (ValueError, OSError, FileNotFoundError) as err:
+    except (ValueError, OSError) as err:
         hint = " (hub datasets need the network: HF_HUB_OFFLINE=0)" if not path.exists() else ""
         raise ConfigError(f"cannot load dataset {source!r} split {split!r}{hint}: {' '.join(str(err).split())}") from None
 
@@ -175,7 +203,6 @@ def data_sources(cfg, run_dir: str | Path) -> tuple[tuple[str, str], tuple[str, 
 
 
 def load_split(cfg, source: tuple[str, str], limit: int | None = None) -> list[Problem]:
-    """``load_problems`` with the field names and template of ``cfg.data``."""
+    """``load_problems`` with the field names of ``cfg.data`` (prompts are the problem texts, not formatted yet)."""
     d = cfg.data
-    return load_problems(source[0], source[1], d.prompt_field, d.answer_field, d.id_field, d.template, limit,
-                         d.skip_invalid)
+    return load_problems(source[0], source[1], d.prompt_field, d.answer_field, d.id_field, limit, d.skip_invalid)

@@ -350,7 +350,7 @@ class Session:
 
         problems = self.plan.eval_problems
         wid, worker = next(iter(self.pool.live().items()))
-        outputs = ray.get(worker.evaluate.remote([p.prompt for p in problems], self.cfg.eval_sampling()))
+        outputs = ray.get(worker.evaluate.remote([p.engine_prompt for p in problems], self.cfg.eval_sampling()))
         result = score(outputs, problems, self.cfg.verifier(), self.cfg.engine.kv)
         print(f"sliderl: eval {label} (version {self.state.version}, worker {wid}): {result.line()}", flush=True)
         return result

@@ -80,7 +80,7 @@ class _InFlight:
 
 @dataclass
 class _EvalJob:
-    prompts: list[str]
+    prompts: list[str | list[int]]
     params: Any
     future: Future
     outputs: list = field(default_factory=list)
@@ -171,8 +171,9 @@ class RolloutWorker:
             held = [g.group_id for g in self._inbox] + list(self._inflight)
         return WorkerStatus(self.worker_id, self.incarnation, self.pid, self.version, held, self._fenced, self._error)
 
-    def evaluate(self, prompts: list[str], params: SamplingParams) -> list:
-        """Generate one completion per prompt (through the same engine loop); RequestOutputs in order."""
+    def evaluate(self, prompts: list[str | list[int]], params: SamplingParams) -> list:
+        """Generate one completion per prompt (text or token ids, through the same engine loop); RequestOutputs
+        in order."""
         job = _EvalJob(list(prompts), params, Future())
         with self._lock:
             self._evals.append(job)
@@ -237,7 +238,7 @@ class RolloutWorker:
         for group in self._inbox:
             job = _InFlight(group, self.version, time.perf_counter(), [None] * group.group_size, [-1] * group.group_size)
             for j in range(group.group_size):
-                seq = self.llm.add_request(group.problem.prompt, self.sampling.for_sample(j, group.seed))
+                seq = self.llm.add_request(group.problem.engine_prompt, self.sampling.for_sample(j, group.seed))
                 job.seqs.append(seq)
                 self._by_request[seq.request_id] = (job, j)
             self._inflight[group.group_id] = job

@@ -11,6 +11,7 @@ from pathlib import Path
 from cluster.config import ConfigError, check_device, check_outlives_job, save_config
 from cluster.run_checkpoints import Checkpoints, DamagedCheckpoint, DriverState
 from cluster.data import Problem, data_sources, keep_fitting, load_split
+from cluster.prompts import prompt_format
 from cluster.train_config import TrainConfig
 
 
@@ -47,9 +48,10 @@ def prepare(cfg: TrainConfig) -> RunPlan:
     train_problems = load_split(cfg, train_source)
     wants_eval = cfg.eval.before or cfg.eval.after
     eval_problems = load_split(cfg, eval_source, cfg.eval.num_problems) if wants_eval else []
-    # prompts are checked against the configured model's tokenizer and length first: a dataset nothing
-    # of which fits is an error before the warm start (which keeps the tokenizer and the config)
-    train_problems, eval_problems = fitting_prompts(cfg, cfg.model.resolve(), train_problems, eval_problems)
+    # prompts are written (raw or chat template) and checked against the configured model's tokenizer and
+    # length first: a dataset nothing of which fits is an error before the warm start (which keeps the
+    # tokenizer and the config)
+    train_problems, eval_problems = engine_prompts(cfg, cfg.model.resolve(), train_problems, eval_problems)
     return RunPlan(run_dir, initial_model(cfg), train_problems, eval_problems, resume)
 
 
@@ -61,16 +63,18 @@ def latest_checkpoint(checkpoints: Checkpoints) -> tuple[Path, DriverState] | No
         raise ConfigError(f"resume=true: {err}") from None
 
 
-def fitting_prompts(cfg: TrainConfig, model_path: str, train: list[Problem], evaluation: list[Problem]):
-    """Train and eval problems whose prompt fits the engine's max_model_len (others left out, counted)."""
+def engine_prompts(cfg: TrainConfig, model_path: str, train: list[Problem], evaluation: list[Problem]):
+    """Train and eval problems with their prompts written by ``cfg.data`` (raw or the chat template of
+    ``model_path``'s tokenizer), kept when the written prompt fits the engine's max_model_len (others left
+    out, counted)."""
     from transformers import AutoConfig
 
     from rollout.loader import load_tokenizer
 
     limit = cfg.engine.max_model_len or AutoConfig.from_pretrained(model_path, local_files_only=True).max_position_embeddings
-    tokenizer = load_tokenizer(model_path)
-    fitting = keep_fitting(train, tokenizer, limit, "train")
-    return fitting, keep_fitting(evaluation, tokenizer, limit, "eval") if evaluation else evaluation
+    prompts = prompt_format(cfg.data, cfg.model, load_tokenizer(model_path))
+    fitting = keep_fitting(prompts.apply(train), limit, "train")
+    return fitting, keep_fitting(prompts.apply(evaluation), limit, "eval") if evaluation else evaluation
 
 
 def initial_model(cfg: TrainConfig) -> str:

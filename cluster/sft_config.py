@@ -1,7 +1,9 @@
 """SFT stage settings: the warm start of ``sliderl train`` and the ``sliderl sft`` job.
 
-A stage is (prompt, completion) data, ``trainer.LearnerArgs`` (algo sft) and ``trainer.sft.SFTArgs``;
-``cluster.sft_job`` runs it with the one trainer.
+A stage is (prompt, completion) data — pairs, or chat conversations whose last assistant message is
+the completion — ``trainer.LearnerArgs`` (algo sft) and ``trainer.sft.SFTArgs``; ``cluster.sft_job``
+runs it with the one trainer. Prompts are written as the rollouts write them: the warm start by the
+train job's ``data`` settings, ``sliderl sft`` by its own (``cluster.prompts.PromptSettings``).
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from typing import Any, ClassVar
 from pydantic import Field, field_validator, model_validator
 
 from cluster.config import ModelSource, Section, TinyModel, run_folder
+from cluster.data import check_source
+from cluster.prompts import PromptSettings
 from cluster.task_config import GENERATED_TASKS, ArithTaskConfig, TaskSource
 from rollout.kv_policy import KVPolicy
 from trainer.algorithms import SFTOptions
@@ -21,10 +25,11 @@ DEFAULT_CACHE = "~/.cache/sliderl"
 
 
 class SFTData(Section):
-    """(prompt, completion) pairs for an SFT stage."""
+    """(prompt, completion) pairs for an SFT stage: a task's solutions, or a file of pairs or of chat conversations."""
 
     source: str = "task"
-    """task: the task's reference solutions (arith, regmachine); else a local .jsonl/.json/.parquet file or folder."""
+    """task: the task's reference solutions (arith, regmachine); else a local .jsonl/.json/.parquet file or folder
+    (or a hub dataset name, online) of prompt/completion columns or of chat messages (messages_field)."""
     task_solution: str = "solution"
     """source=task: which reference solution is the completion (regmachine: solution = lazy ``<reg_i>``
     annotations, TIP's SFT target; solution_dense = the same lines without registers, the Dense
@@ -33,9 +38,22 @@ class SFTData(Section):
     """Column holding the prompt (files only)."""
     completion_field: str = "completion"
     """Column holding the target completion; the end-of-sequence token is appended (files only)."""
+    messages_field: str = "messages"
+    """Column of chat conversations ([{role, content}, ...]); a file that has it is chat data: the prompt is
+    every message before the last one, which must be the assistant's, through the chat template with the
+    generation prompt, and the completion is that last message's content (+ eos)."""
     held_out: int = Field(64, ge=1)
     """Examples kept out of training and scored at each check (task: the problems after the trained
     ones; files: the last rows)."""
+
+    @field_validator("source")
+    @classmethod
+    def _exists(cls, source: str) -> str:
+        return check_source(source)
+
+
+class SFTJobData(PromptSettings, SFTData):
+    """``sliderl sft``'s data: the pairs and how their prompts are written (as ``sliderl train`` would write them)."""
 
 
 class SFTStage(Section):
@@ -68,7 +86,8 @@ class SFTStage(Section):
 
 
 class WarmStartConfig(SFTStage):
-    """An SFT stage on ``model`` before RL, its checkpoint cached by everything that shapes its weights."""
+    """An SFT stage on ``model`` before RL, its checkpoint cached by everything that shapes its weights; its
+    prompts are written as the rollouts' are (data.template, data.chat_template, ...)."""
 
     enabled: bool = False
     """Run the stage (or reuse its cached checkpoint) and start RL from it; its visibility is engine.kv."""
@@ -81,6 +100,8 @@ class SFTJobConfig(SFTStage):
 
     RECIPE: ClassVar[str] = "sft-tiny-arith.yaml"
 
+    data: SFTJobData = Field(default_factory=SFTJobData)
+    """Where the pairs come from, and how prompts are written (raw template or the chat template)."""
     model: ModelSource = Field(default_factory=TinyModel)
     """Initial weights: type tiny (random, built locally) or hf (a local directory)."""
     task: TaskSource = Field(default_factory=ArithTaskConfig)

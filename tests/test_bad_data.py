@@ -55,12 +55,13 @@ def test_bad_rows_end_sliderl_train_before_ray(tmp_path, capsys):
 
 def test_prompts_longer_than_the_engine_allows_are_left_out_before_the_run(tmp_path, tiny_model_factory, capsys):
     # Catches: a prompt that does not fit max_model_len reaching a worker and killing the run mid-way
-    # ("prompt of N tokens does not fit"). Byte-level tokenizer: a prompt of n ASCII chars is n tokens.
+    # ("prompt of N tokens does not fit"). Byte-level tokenizer: a prompt of n ASCII chars is n tokens
+    # raw (data.chat_template=false; the templated length: tests/test_prompts.py).
     model = tiny_model_factory(arch="qwen3")
     rows = [{"prompt": "x" * n, "answer": "1"} for n in (10, 40, 12, 100)]
     source = write_rows(tmp_path / "d.jsonl", rows)
     base = ["task.type=math", f"data.source={source}", "warmstart.enabled=false", "model.type=hf",
-            f"model.path={model}", "eval.before=false", "eval.after=false"]
+            f"model.path={model}", "eval.before=false", "eval.after=false", "data.chat_template=false"]
     plan = prepare(load_config(TrainConfig, None, [*base, "engine.max_model_len=32", f"run_dir={tmp_path / 'a'}"]))
     assert [len(p.prompt) for p in plan.train_problems] == [10, 12]
     assert "left out 2 of 4 train problems" in capsys.readouterr().out

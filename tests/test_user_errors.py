@@ -38,6 +38,16 @@ USER_ERRORS = [
     (["warmstart.learner.algo.type=grpo"], ["warmstart.learner: an SFT stage trains with algo type sft, got 'grpo'"]),
     # rollout seeds come from train.seed; a sampling seed would be ignored
     (["sampling.seed=3"], ["sampling.seed=3: rollout seeds come from train.seed"]),
+    # a raw template and the chat template at once: one of them would be silently ignored
+    (['data.template="Q: {prompt}"', "data.chat_template=true"],
+     ["data: template='Q: {prompt}' asks for raw prompts and chat_template=true", "set one of them"]),
+    # a chat-only setting with raw prompts
+    (["data.chat_template=false", "data.enable_thinking=false"],
+     ["enable_thinking=False only applies to chat-templated prompts"]),
+    # a data file that is not there: once found only when the run read it
+    (["task.type=math", "warmstart.enabled=false", "data.source=/nonexistent/problems.jsonl"],
+     ["data.source: dataset '/nonexistent/problems.jsonl' does not exist"]),
+    (["warmstart.data.source=pairs/missing.parquet"], ["warmstart.data.source: dataset 'pairs/missing.parquet' does not exist"]),
 ]
 
 

@@ -1,9 +1,9 @@
 """SFT stages: ``Learner`` with the SFT algorithm on (prompt, completion) pairs, stopping at a held-out target.
 
-Each ``SFTExample`` becomes a ``Trace`` stamped with the stage's KV policy (prompt ids =
-``tokenizer(prompt).input_ids``, completion ids = ``tokenizer(completion).input_ids + [eos]``, no
-sampler logprobs), so the SFT forward sees exactly what the engine will let the model see. Step s
-trains on examples ``s·B .. (s+1)·B - 1`` (cycling); every ``check_every`` steps the held-out
+Each ``SFTExample`` becomes a ``Trace`` stamped with the stage's KV policy (prompt ids = the example's
+own ``prompt_token_ids`` when it has them — a chat-templated prompt — else ``tokenizer(prompt).input_ids``;
+completion ids = the completion's ids without special tokens + ``[eos]``; no sampler logprobs), so the SFT forward
+sees exactly what the engine will let the model see. Step s trains on examples ``s·B .. (s+1)·B - 1`` (cycling); every ``check_every`` steps the held-out
 examples are scored by ``Learner.evaluate`` and training stops once their exact match (greedy
 decoding reproduces the completion) reaches ``target_accuracy``.
 
@@ -43,10 +43,15 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin")
 
 @dataclass(frozen=True)
 class SFTExample:
-    """One supervised pair: the model learns ``completion`` (then eos) after ``prompt``."""
+    """One supervised pair: the model learns ``completion`` (then eos) after ``prompt``.
+
+    ``prompt_token_ids``, when given, are the prompt's ids exactly as the engine will receive them (a chat
+    template's ids, which tokenizing ``prompt`` again could change, e.g. by a second BOS).
+    """
 
     prompt: str
     completion: str
+    prompt_token_ids: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -94,8 +99,9 @@ class SFTResult:
 
 def sft_trace(tokenizer, example: SFTExample, kv_policy: str, index: int) -> Trace:
     """``example`` as a Trace under ``kv_policy``: completion + eos, no sampler logprobs."""
-    prompt = tokenizer(example.prompt).input_ids
-    completion = tokenizer(example.completion).input_ids + [tokenizer.eos_token_id]
+    prompt = tokenizer(example.prompt).input_ids if example.prompt_token_ids is None else list(example.prompt_token_ids)
+    # the completion continues the prompt: no BOS of its own, whatever the tokenizer adds to a text
+    completion = tokenizer(example.completion, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
     return Trace(f"sft-{index}", f"sft-{index}", str(index), -1, 0, kv_policy, prompt, completion, [], "stop")
 
 
@@ -189,13 +195,20 @@ def fingerprint(model_path: str | Path, train_examples: list[SFTExample], held_o
     """12 hex digits over everything that changes the trained weights (``log_every`` does not)."""
     blob = json.dumps({
         "model": model_fingerprint(model_path),
-        "train": [dataclasses.astuple(e) for e in train_examples],
-        "held_out": [dataclasses.astuple(e) for e in held_out_examples],
+        "train": [example_key(e) for e in train_examples],
+        "held_out": [example_key(e) for e in held_out_examples],
         "kv_policy": KVPolicy.parse(kv_policy).spec,
         "learner_args": dataclasses.asdict(learner_args),
         "sft_args": {**dataclasses.asdict(sft_args), "log_every": None},
     }, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def example_key(example: SFTExample) -> tuple:
+    """What of ``example`` shapes the weights: (prompt, completion), and the prompt ids when it carries them."""
+    if example.prompt_token_ids is None:
+        return example.prompt, example.completion
+    return example.prompt, example.completion, list(example.prompt_token_ids)
 
 
 def model_fingerprint(model_path: str | Path) -> str:
