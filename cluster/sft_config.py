@@ -28,12 +28,13 @@ class SFTData(Section):
     """(prompt, completion) pairs for an SFT stage: a task's solutions, or a file of pairs or of chat conversations."""
 
     source: str = "task"
-    """task: the task's reference solutions (arith, regmachine); else a local .jsonl/.json/.parquet file or folder
+    """task: the task's reference solutions (arith, regmachine, pasta); else a local .jsonl/.json/.parquet file or folder
     (or a hub dataset name, online) of prompt/completion columns or of chat messages (messages_field)."""
     task_solution: str = "solution"
     """source=task: which reference solution is the completion (regmachine: solution = lazy ``<reg_i>``
     annotations, TIP's SFT target; solution_dense = the same lines without registers, the Dense
-    baseline's; solution_optimal = the optimal schedule)."""
+    baseline's; solution_optimal = the optimal schedule; pasta: solution = Pasta-Lang annotated, solution_plain =
+    without tags, Baseline-SFT's)."""
     prompt_field: str = "prompt"
     """Column holding the prompt (files only)."""
     completion_field: str = "completion"
@@ -105,7 +106,7 @@ class SFTJobConfig(SFTStage):
     model: ModelSource = Field(default_factory=TinyModel)
     """Initial weights: type tiny (random, built locally) or hf (a local directory)."""
     task: TaskSource = Field(default_factory=ArithTaskConfig)
-    """With data.source=task: the generated task (arith, regmachine) whose reference solutions are the pairs."""
+    """With data.source=task: the generated task (arith, regmachine, pasta) whose reference solutions are the pairs."""
     kv: str = "full"
     """Visibility every example is trained under (the KV policy its rollouts will use), e.g. prefix_sliding:24."""
     output_dir: str = Field(default_factory=run_folder("sft"))
@@ -119,6 +120,6 @@ class SFTJobConfig(SFTStage):
     @model_validator(mode="after")
     def _data_has_solutions(self) -> SFTJobConfig:
         if self.data.source == "task" and self.task.type not in GENERATED_TASKS:
-            raise ValueError("data.source=task needs task.type=arith or regmachine (its reference solutions are the pairs); "
+            raise ValueError("data.source=task needs task.type=arith, regmachine or pasta (its reference solutions are the pairs); "
                              "point data.source at a file of prompt/completion pairs")
         return self

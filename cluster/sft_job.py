@@ -1,7 +1,7 @@
 """SFT stages as jobs: ``sliderl sft`` and the warm start of ``sliderl train``.
 
 Both turn an ``SFTStage`` (data, learner settings, steps) into ``trainer.sft`` examples — a generated
-task's reference solutions (arith, regmachine), a user's file of prompt/completion pairs, or a file of chat
+task's reference solutions (arith, regmachine, pasta), a user's file of prompt/completion pairs, or a file of chat
 conversations — their prompts written by a ``cluster.prompts.PromptFormat`` exactly as the engine will
 receive them, and train them with the one trainer, ``trainer.Learner`` with the SFT algorithm, under one KV policy (the job's ``kv``; for
 the warm start, the rollouts' ``engine.kv``). The warm start's checkpoint is cached by everything

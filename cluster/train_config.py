@@ -168,7 +168,7 @@ class TrainConfig(Section):
     RECIPE: ClassVar[str] = "tiny-arith.yaml"
 
     task: TaskSource = Field(default_factory=ArithTaskConfig)
-    """What is learned: type arith or regmachine (generated problems) or math (data.source with reference answers)."""
+    """What is learned: type arith, regmachine or pasta (generated problems) or math (data.source with reference answers)."""
     data: DataConfig = Field(default_factory=DataConfig)
     """Prompt and eval datasets."""
     model: ModelSource = Field(default_factory=TinyModel)

@@ -47,7 +47,7 @@ class CorrectnessTerm:
             raise ValueError(f"correctness timeout_s must be a whole number of seconds >= 1, got {self.timeout_s!r}")
 
     def build(self, task: str) -> Reward:
-        if task in ("arith", "regmachine"):  # generated tasks: exact integer match
+        if task in ("arith", "regmachine", "pasta"):  # generated tasks: exact integer match
             return ArithVerifier(end_think=self.end_think)
         return MathReward(timeout_s=self.timeout_s, end_think=self.end_think)
 
@@ -119,7 +119,7 @@ class RewardSpec:
     __pydantic_config__: ClassVar[dict] = _CONFIG
 
     correctness: CorrectnessTerm | None = field(default_factory=CorrectnessTerm)
-    """The task's verifier (arith, regmachine: exact integer in the last boxed answer; math: math_verify)."""
+    """The task's verifier (arith, regmachine, pasta: exact integer in the last boxed answer; math: math_verify)."""
     kv_penalty: KVPenaltyTerm | None = None
     """TIP's penalty on the mean visible KV tokens over a budget."""
     thinking_penalty: ThinkingPenaltyTerm | None = None
@@ -134,7 +134,7 @@ class RewardSpec:
             raise ValueError(f"the reward needs at least one term of {', '.join(self.TERMS)}")
 
     def build(self, task: str) -> CompositeReward:
-        """The composite reward for ``task`` (arith | regmachine | math): every present term with its weight."""
+        """The composite reward for ``task`` (arith | regmachine | pasta | math): every present term with its weight."""
         terms = {f.name: getattr(self, f.name) for f in fields(self)}
         return CompositeReward({name: (term.build(task), float(term.weight))
                                 for name, term in terms.items() if term is not None})

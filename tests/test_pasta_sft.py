@@ -29,3 +29,25 @@ def test_pasta_sft_stage_runs_and_the_loss_falls(tmp_path):
     # a random model starts near ln(vocab) = ln(264) = 5.6 nats per token; 12 steps learn the format
     assert result.losses[0] > 4.0
     assert sum(result.losses[-3:]) / 3 < 0.6 * result.losses[0]
+
+
+# catches: the recipes (configs/pasta-sft.yaml as it is, and with kv=full data.task_solution=solution_plain)
+# not reaching a stage — task.type=pasta not a generated task, so the job refuses data.source=task (planted:
+# "pasta" dropped from GENERATED_TASKS) — or Pasta-SFT not trained under kv=pasta (its checkpoint then
+# lacks the tags; the baseline's must not have them).
+def test_pasta_sft_and_baseline_sft_jobs_run_from_the_recipe(tmp_path):
+    import json
+    from pathlib import Path
+
+    from cluster.cli import main
+
+    recipe = str(Path(__file__).resolve().parents[1] / "configs/pasta-sft.yaml")
+    quick = ["sft.steps=2", "sft.check_every=2", "data.held_out=2", "model.hidden_size=32", "model.num_layers=1",
+             "model.num_heads=2", "model.num_kv_heads=1", "model.intermediate_size=64"]
+    assert main(["sft", recipe, f"output_dir={tmp_path / 'pasta'}", *quick]) == 0
+    assert main(["sft", recipe, "kv=full", "data.task_solution=solution_plain", f"output_dir={tmp_path / 'base'}",
+                 *quick]) == 0
+    pasta_vocab = json.loads((tmp_path / "pasta/model/tokenizer.json").read_text())["added_tokens"]
+    base_vocab = json.loads((tmp_path / "base/model/tokenizer.json").read_text())["added_tokens"]
+    assert {t["content"] for t in pasta_vocab} >= set(PASTA_TOKENS)  # kv=pasta bound the tags
+    assert not {t["content"] for t in base_vocab} & set(PASTA_TOKENS)  # Baseline-SFT: plain text, full
