@@ -248,6 +248,7 @@ def print_table(rows: list[dict]) -> None:
               f"{r['seconds']:>6.1f}")
 
 
+PAPER_1X = 0.1  # Prefix Sliding §4, Figure 8: "only passing the sliding window itself leads to a high KL of above 0.1"
 KL_FLOOR = 1e-16  # float64 k3 of a float32 rounding difference is ~1e-14; an exact 0 is drawn here
 
 
@@ -270,6 +271,7 @@ def plot(rows: list[dict], path: Path) -> Path:
             if r["mode"] == "full (last W)" or r["window_mode"] == "chunked":
                 ax.axhline(max(r["kl"], KL_FLOOR), linestyle="--" if r["window_mode"] == "chunked" else ":",
                            color=color, linewidth=1, label=f"{run}: {r['mode']}")
+    ax.axhline(PAPER_1X, color="grey", alpha=0.5, linewidth=3, label="paper's 1x: above 0.1 (Qwen3-1.7B, W=2048)")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ks = sorted({r["k"] for r in rows if r["window_mode"] == "truncated"})
