@@ -9,6 +9,7 @@ reference gives it at that thread's previous token.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import pytest
@@ -167,23 +168,32 @@ def assert_matches_reference(llm: LLM, out, layout: Layout, tol: float = 1e-4) -
 
 
 # ---- the scripted sampler ---------------------------------------------------------------------
-def script(llm: LLM, scripts: dict[tuple[int, int], list[int]]) -> None:
-    """Make thread ``index`` of request ``rid`` sample ``scripts[(rid, index)]`` in order (a fork's script starts
-    after its <async>); the logprobs are those of the scripted tokens. Threads without a script sample freely."""
-    sample = llm.runner.sample
+class script:
+    """While active (``with script(llm, scripts):``), thread ``index`` of request ``rid`` samples
+    ``scripts[(rid, index)]`` in order (a fork's script starts after its <async>), with those tokens'
+    logprobs; threads without a script sample freely. Wraps ``llm.runner.sample``, like
+    ``benchmarks/engine_gpu.py:inject_registers``."""
 
-    def scripted(seqs, logits):
-        tokens, _ = sample(seqs, logits)
+    def __init__(self, llm: LLM, scripts: dict[tuple[int, int], list[int]]):
+        self.llm, self.scripts = llm, scripts
+
+    def __enter__(self):
+        self.sample = self.llm.runner.sample
+        self.llm.runner.sample = self.scripted
+
+    def __exit__(self, *exc):
+        self.llm.runner.sample = self.sample
+
+    def scripted(self, seqs, logits):
+        tokens, _ = self.sample(seqs, logits)
         for row, seq in enumerate(seqs):
             index = getattr(seq, "index", 0)
-            want = scripts.get((seq.request_id, index), [])
+            want = self.scripts.get((seq.request_id, index), [])
             k = seq.num_output - (index > 0)
             if k < len(want):
                 tokens[row] = want[k]
         temperature = torch.tensor([s.params.temperature for s in seqs])
         return tokens, logprobs_at(logits, tokens, temperature)
-
-    llm.runner.sample = scripted
 
 
 # ---- runtime correctness: forced responses against the dense reference ------------------------
@@ -201,19 +211,29 @@ RESPONSE_A = [
 RESPONSE_B = [Promise(' tokens="3"', "one two three"), SYNC, "ok", SYNC, "!"]  # a second sync: no-op
 
 
-def run_scripted(llm: LLM, requests: list[tuple[list[int], list | None, SamplingParams]]):
-    """Generate every request at once; a request with pieces samples them (scripted), one without samples freely."""
+def run_scripted(llm: LLM, requests: list[tuple[list[int], list | None, SamplingParams]], on_step=None,
+                 max_steps: int = 2000):
+    """Run every request at once (``on_step()`` after each step, at most ``max_steps``: no deadlock); a request
+    with pieces samples them (scripted), one without samples freely. Outputs and layouts in request order."""
     tags = PastaTokenIds.from_tokenizer(llm.tokenizer)
-    layouts, scripts = [], {}
-    for rid, (prompt, pieces, _) in enumerate(requests):
+    seqs, layouts, scripts = [], [], {}
+    for prompt, pieces, params in requests:
+        seqs.append(llm.add_request(prompt, params))
         layout = lay_out(pieces, tags, len(prompt)) if pieces is not None else None
         if layout is not None:
+            rid = seqs[-1].request_id
             scripts[(rid, 0)] = layout.main
             scripts.update({(rid, k): fork for k, fork in enumerate(layout.forks, start=1)})
         layouts.append(layout)
-    script(llm, scripts)
-    outs = llm.generate([p for p, _, _ in requests], [sp for _, _, sp in requests])
-    return outs, layouts
+    with script(llm, scripts):
+        for _ in range(max_steps):
+            if not llm.scheduler.has_unfinished():
+                break
+            llm.step()
+            if on_step is not None:
+                on_step()
+    assert not llm.scheduler.has_unfinished(), f"not finished after {max_steps} steps"
+    return [llm.output(s) for s in seqs], layouts
 
 
 def test_forced_responses_match_the_dense_reference_in_a_mixed_batch(pasta_model):
@@ -258,3 +278,125 @@ def expected_spans(layout: Layout, pieces, tags, prompt_len):
         spans.append(((start, point + 1), (prompt_len + block[0], prompt_len + block[-1] + 1),
                       None if join is None else prompt_len + join))
     return spans
+
+
+def test_critical_path_and_speedup_counted_by_hand(pasta_model):
+    # catches: a fork that starts a step after the one writing its /> (each fork's chain one step longer),
+    # a join one step after the last </async> is written (the main thread scheduled before its forks),
+    # a request that ends with its main thread while a fork still runs, and steps counted per thread
+    llm = LLM(pasta_model, kv="pasta", block_size=4, num_blocks=256)
+    tags = PastaTokenIds.from_tokenizer(llm.tokenizer)
+    prompt = [40, 41, 42, 43, 44]
+    main_a, main_b = (lay_out(r, tags, 5).main for r in (RESPONSE_A, RESPONSE_B))
+    (a,), _ = run_scripted(llm, [(prompt, RESPONSE_A, SamplingParams(max_tokens=len(main_a), **GREEDY))])
+    # A, one step per main token: "Go: " 1-4, promise a 5-27 (its /> at step 27); fork a samples its 11 tokens at
+    # 28-38; " and " 28-32, promise b 33-55; fork b samples 6 tokens at 56-61, " wait" 56-60, <sync/> at 61: step 62
+    # writes fork b's </async> and the <sync/> together; " so" 62-64, promise c 65-76; " end" 77-80 (max_tokens);
+    # fork c samples its 19 tokens at 77-95 and the request ends there
+    assert (len(main_a), [len(f) for f in lay_out(RESPONSE_A, tags, 5).forks]) == (80, [11, 6, 19])
+    assert a.pasta.steps == 95 and len(a.token_ids) == 80 + 3 + 11 + 6 + 19
+    assert a.pasta.speedup == pytest.approx(119 / 95)
+    (b,), _ = run_scripted(llm, [(prompt, RESPONSE_B, SamplingParams(max_tokens=len(main_b), **GREEDY))])
+    # B: promise 1-13; its fork samples 14 tokens at 14-27 while the main thread waits at <sync/> (step 14);
+    # step 28 writes </async> and <sync/> and samples "o"; "k", <sync/>, "!" at 29-31
+    assert b.pasta.steps == 31 and len(b.token_ids) == 18 + 15
+    assert llm.scheduler.blocks.num_free == 256
+
+
+def test_edge_cases_of_the_annotation(pasta_model):
+    # catches: a promise inside a fork forking (it is text), a fork ended by eos or by its token limit left
+    # without </async> (or the </async> KV not written before the join reads it), a <sync/> with no fork
+    # treated as a join (a fresh block: positions and tables shift), an invalid tokens="..." not defaulted,
+    # an unclosed <promise swallowing the <sync/> that interrupts it, and a request that ends with its main
+    # thread's eos while a fork runs
+    llm = LLM(pasta_model, kv="pasta", block_size=4, num_blocks=256, max_num_batched_tokens=8)
+    tags = PastaTokenIds.from_tokenizer(llm.tokenizer)
+    po, tc = tags.promise_open, tags.tag_close
+    limit = 60
+    edge = [
+        SYNC, "x",  # nothing to join: plain
+        Promise(' tokens="oops"', [*b"ab", EOS], close=False),  # DEFAULT_PROMISE_UNITS; eos closes the fork
+        Promise(' tokens="1"', [*b"p", po, *b' tokens="2"', tc, *b"q"]),  # a promise inside a fork: text
+        [po, *b" t"], SYNC,  # a <promise interrupted by <sync/>, which joins both forks
+        "y",
+        Promise(' tokens="2"', [97 + i % 26 for i in range(limit)], close=False),  # closed at max_tokens sampled
+        "z", [EOS],  # the main thread stops on eos; the last fork runs on
+    ]
+    params = SamplingParams(max_tokens=limit, temperature=0.0)
+    assert len(lay_out(edge, tags, 3).main) < limit
+    (out,), (layout,) = run_scripted(llm, [([7, 8, 9], edge, params)])
+    assert_matches_reference(llm, out, layout)
+    pasta = out.pasta
+    assert [f.closed_by for f in pasta.forks] == ["stop", "model", "length"] and out.finish_reason == "stop"
+    assert [f.join for f in pasta.forks][2] is None and pasta.forks[0].join == pasta.forks[1].join
+    assert (pasta.counts.promises_without_units, pasta.counts.promises_in_forks, pasta.counts.unclosed_promises,
+            pasta.counts.forks_closed_by_runtime) == (1, 1, 1, 2)
+    assert llm.scheduler.blocks.num_free == 256
+
+
+def test_fork_limit_and_a_promise_closed_by_the_last_token_are_text(pasta_model):
+    # catches: a promise past pasta_max_forks forking anyway (or shifting the positions after it), and a
+    # fork started by a /> on which the main thread stopped (its KV is never written)
+    llm = LLM(pasta_model, kv="pasta", block_size=4, num_blocks=256, pasta_max_forks=1)
+    over = [Promise(' tokens="1"', "ab"), "c", Promise(' tokens="2"', "zz", forks=False), "d", SYNC, "e"]
+    last = ["a", Promise(' tokens="1"', "", forks=False)]
+    tags = PastaTokenIds.from_tokenizer(llm.tokenizer)
+    requests = [([5, 6], pieces, SamplingParams(max_tokens=len(lay_out(pieces, tags, 2).main), **GREEDY))
+                for pieces in (over, last)]
+    outs, layouts = run_scripted(llm, requests)
+    for out, layout in zip(outs, layouts):
+        assert_matches_reference(llm, out, layout)
+    assert len(outs[0].pasta.forks) == 1 and outs[0].pasta.counts.promises_over_limit == 1
+    assert outs[1].pasta.forks == [] and outs[1].pasta.counts.promises_unforked == 1
+
+
+# ---- one pool for every thread: preemption, many requests ---------------------------------------
+def test_tiny_pool_with_preemption_equals_each_request_alone(pasta_model):
+    # catches: a preempted request resumed with its tables rebuilt wrong (a fork not attached again, a join
+    # not redone, holes not marked dead in the new blocks), one thread left behind by a preemption, a shared
+    # block's reference count off (freed while another thread holds it, or never freed), a main thread
+    # waiting at a sync that keeps the pool while its forks starve (the run would not finish), and outputs
+    # that depend on what else shares the batch
+    gen = torch.Generator().manual_seed(0)
+    # the main thread waits 30 steps at its <sync/>: its fork samples 44 tokens (within max_tokens = 13 + 1 + 36)
+    wait = [Promise(' tokens="4"', "the quick brown fox jumps over the lazy dog"), SYNC,
+            "and that, at last, is the end of it."]
+    responses = [RESPONSE_A, RESPONSE_B, None, wait, RESPONSE_A, None, RESPONSE_B, wait, RESPONSE_A, None, wait,
+                 RESPONSE_B, wait, None]
+    tags = PastaTokenIds.from_tokenizer(LLM(pasta_model, kv="pasta", num_blocks=8).tokenizer)
+    requests = []
+    for i, pieces in enumerate(responses):
+        prompt = torch.randint(0, 256, (int(torch.randint(2, 13, (1,), generator=gen)),), generator=gen).tolist()
+        length = len(lay_out(pieces, tags, len(prompt)).main) if pieces else 24
+        sampled = dict(temperature=0.8, seed=i) if pieces is None and i % 2 else dict(temperature=0.0)
+        requests.append((prompt, pieces, SamplingParams(max_tokens=length, ignore_eos=True, **sampled)))
+    alone = LLM(pasta_model, kv="pasta", block_size=4, num_blocks=512, pasta_max_forks=3)
+    refs = [run_scripted(alone, [r])[0][0] for r in requests]
+    # A's bound: ceil(92 / 4) = 23 blocks for the main thread + 3 forks x (2 + ceil(82 / 4)) = 92 of the 96
+    pool = 96
+    llm = LLM(pasta_model, kv="pasta", block_size=4, num_blocks=pool, pasta_max_forks=3, max_num_batched_tokens=32)
+    preempted = []  # (had forks, its main thread waited at a sync)
+    preempt = llm.scheduler._preempt
+
+    def recording_preempt(seq, batch=None):
+        request = seq.main.request
+        preempted.append((bool(request.forks), request.schedule_order()[-1] is request.main and bool(request.forks)))
+        preempt(seq, batch)
+
+    llm.scheduler._preempt = recording_preempt
+
+    def refcounts_match():  # every block's count is the number of table entries holding it
+        held = Counter(b for thread in llm.scheduler.running for b in thread.blocks.values())
+        assert all(llm.scheduler.blocks.ref_count(b) == held[b] for b in range(pool))
+        assert llm.scheduler.blocks.num_free == pool - len(held)
+
+    outs, layouts = run_scripted(llm, requests, on_step=refcounts_match)
+    assert any(forks for forks, _ in preempted) and any(waiting for _, waiting in preempted)
+    for out, ref, layout in zip(outs, refs, layouts):
+        assert out.token_ids == ref.token_ids and out.forced == ref.forced
+        assert out.logprobs == pytest.approx(ref.logprobs, abs=1e-5)
+        assert out.pasta.forks == ref.pasta.forks and out.pasta.counts == ref.pasta.counts
+        if layout is not None:
+            assert_matches_reference(llm, out, layout)
+    assert sum(o.num_preemptions for o in outs) == llm.stats.preemptions
+    assert llm.scheduler.blocks.num_free == pool and all(llm.scheduler.blocks.ref_count(b) == 0 for b in range(pool))
