@@ -16,6 +16,8 @@ import pytest
 import torch
 
 from rollout import LLM, SamplingParams
+from rollout.kv_policy import NEVER
+from rollout.loader import load_tokenizer
 from rollout.model import DenseAttention
 from rollout.pasta import DEFAULT_PROMISE_UNITS, PASTA_TOKENS, UNIT, PastaTokenIds
 from rollout.sampling import logprobs_at
@@ -137,12 +139,13 @@ def dense_mask(layout: Layout, prompt_len: int) -> torch.Tensor:
 def reference_logprobs(llm: LLM, prompt: list[int], layout: Layout, mask: torch.Tensor | None = None,
                        positions: list[int] | None = None) -> torch.Tensor:
     """The model's own forward over prompt + flattened response with a dense mask: ``[N, V]`` log-softmax."""
-    ids = torch.tensor(prompt + layout.flat)
-    pos = torch.tensor(positions if positions is not None else list(range(len(prompt))) + layout.positions)
+    dev = llm.device
+    ids = torch.tensor(prompt + layout.flat, device=dev)
+    pos = torch.tensor(positions if positions is not None else list(range(len(prompt))) + layout.positions, device=dev)
     mask = dense_mask(layout, len(prompt)) if mask is None else mask
     with torch.no_grad():
         hidden = llm.model(ids, pos, DenseAttention(mask))
-        return torch.log_softmax(llm.model.compute_logits(hidden).double(), dim=-1)
+        return torch.log_softmax(llm.model.compute_logits(hidden).double(), dim=-1).cpu()
 
 
 def predictors(layout: Layout, prompt_len: int) -> list[int]:
@@ -165,6 +168,14 @@ def assert_matches_reference(llm: LLM, out, layout: Layout, tol: float = 1e-4) -
     want = torch.tensor([float(ref[pred, tok]) for pred, tok, _ in rows], dtype=torch.float64)
     got = torch.tensor([lp for _, _, lp in rows], dtype=torch.float64)
     assert (want - got).abs().max() < tol
+
+
+def pasta_llm(path, **kw) -> LLM:
+    """A pasta engine whose KV slots all start as live keys (death NEVER), as blocks reused from finished
+    requests do: a slot the runtime should have marked dead but did not is then seen, not masked by luck."""
+    llm = LLM(path, kv="pasta", block_size=4, **kw)
+    llm.runner.cache.death.fill_(NEVER)
+    return llm
 
 
 # ---- the scripted sampler ---------------------------------------------------------------------
@@ -192,7 +203,7 @@ class script:
             k = seq.num_output - (index > 0)
             if k < len(want):
                 tokens[row] = want[k]
-        temperature = torch.tensor([s.params.temperature for s in seqs])
+        temperature = torch.tensor([s.params.temperature for s in seqs], device=logits.device)
         return tokens, logprobs_at(logits, tokens, temperature)
 
 
@@ -237,12 +248,12 @@ def run_scripted(llm: LLM, requests: list[tuple[list[int], list | None, Sampling
 
 
 def test_forced_responses_match_the_dense_reference_in_a_mixed_batch(pasta_model):
-    # catches: a fork that sees the main thread's tokens after its promise or the main thread a fork before
-    # its <sync/> (a table shared past the fork point), left-over slots of a left block not marked dead,
-    # the position shift dropped or a fork's positions not restarting at />+1, RoPE fed table positions (or
-    # the mask fed RoPE positions), the <sync/> written before its forks' last </async> (it would not see
-    # it), forced <async>/</async> missing from the layout, and a plain request disturbed by its neighbours
-    llm = LLM(pasta_model, kv="pasta", block_size=4, num_blocks=256, max_num_batched_tokens=16)
+    # catches: a fork that sees the main thread's tokens after its promise (the main thread going on in the
+    # shared block), the main thread seeing a fork before the fork ended (a join that does not wait),
+    # left-over slots of a left block not marked dead, the position shift dropped or a fork's positions not
+    # restarting at />+1, RoPE fed table positions (or the mask fed RoPE positions), the <sync/> written
+    # before its forks' last </async> (it would not see it), and a forced <async> missing from the layout
+    llm = pasta_llm(pasta_model, num_blocks=256, max_num_batched_tokens=16)
     tags = PastaTokenIds.from_tokenizer(llm.tokenizer)
     prompts = [list(range(40, 61)), list(range(70, 75)), [33, 34, 35]]
     main_a = lay_out(RESPONSE_A, tags, len(prompts[0])).main
@@ -284,7 +295,7 @@ def test_critical_path_and_speedup_counted_by_hand(pasta_model):
     # catches: a fork that starts a step after the one writing its /> (each fork's chain one step longer),
     # a join one step after the last </async> is written (the main thread scheduled before its forks),
     # a request that ends with its main thread while a fork still runs, and steps counted per thread
-    llm = LLM(pasta_model, kv="pasta", block_size=4, num_blocks=256)
+    llm = pasta_llm(pasta_model, num_blocks=256)
     tags = PastaTokenIds.from_tokenizer(llm.tokenizer)
     prompt = [40, 41, 42, 43, 44]
     main_a, main_b = (lay_out(r, tags, 5).main for r in (RESPONSE_A, RESPONSE_B))
@@ -304,12 +315,10 @@ def test_critical_path_and_speedup_counted_by_hand(pasta_model):
 
 
 def test_edge_cases_of_the_annotation(pasta_model):
-    # catches: a promise inside a fork forking (it is text), a fork ended by eos or by its token limit left
-    # without </async> (or the </async> KV not written before the join reads it), a <sync/> with no fork
-    # treated as a join (a fresh block: positions and tables shift), an invalid tokens="..." not defaulted,
-    # an unclosed <promise swallowing the <sync/> that interrupts it, and a request that ends with its main
-    # thread's eos while a fork runs
-    llm = LLM(pasta_model, kv="pasta", block_size=4, num_blocks=256, max_num_batched_tokens=8)
+    # catches: a promise inside a fork read as a tag (it is text), a fork ended by eos or by its token limit
+    # left without </async>, an invalid tokens="..." not defaulted, an unclosed <promise swallowing the
+    # <sync/> that interrupts it, and a request that ends with its main thread's eos while a fork runs
+    llm = pasta_llm(pasta_model, num_blocks=256, max_num_batched_tokens=8)
     tags = PastaTokenIds.from_tokenizer(llm.tokenizer)
     po, tc = tags.promise_open, tags.tag_close
     limit = 60
@@ -337,7 +346,7 @@ def test_edge_cases_of_the_annotation(pasta_model):
 def test_fork_limit_and_a_promise_closed_by_the_last_token_are_text(pasta_model):
     # catches: a promise past pasta_max_forks forking anyway (or shifting the positions after it), and a
     # fork started by a /> on which the main thread stopped (its KV is never written)
-    llm = LLM(pasta_model, kv="pasta", block_size=4, num_blocks=256, pasta_max_forks=1)
+    llm = pasta_llm(pasta_model, num_blocks=256, pasta_max_forks=1)
     over = [Promise(' tokens="1"', "ab"), "c", Promise(' tokens="2"', "zz", forks=False), "d", SYNC, "e"]
     last = ["a", Promise(' tokens="1"', "", forks=False)]
     tags = PastaTokenIds.from_tokenizer(llm.tokenizer)
@@ -351,30 +360,51 @@ def test_fork_limit_and_a_promise_closed_by_the_last_token_are_text(pasta_model)
 
 
 # ---- one pool for every thread: preemption, many requests ---------------------------------------
+def test_block_bound_counts_the_forks_and_refuses_what_cannot_fit_alone(pasta_model):
+    # catches: a bound that leaves the forks out (a request admitted into a pool it cannot finish in
+    # alone: it would stop mid-run with "cannot hold request alone"), and a message without the numbers
+    # P = 9, max_tokens = 40, B = 4: the main thread's ceil(49 / 4) = 13 blocks, then per fork a part-filled
+    # block at its promise and one at its join, plus its own ceil((40 + 2) / 4) = 11: 13 + 2 x 13 = 39
+    llm = pasta_llm(pasta_model, num_blocks=38, pasta_max_forks=2)
+    assert llm.max_concurrency(9, 40) == 0
+    with pytest.raises(ValueError, match=r"9 prompt tokens and max_tokens=40 may hold 39 KV blocks of 4 tokens under "
+                                         r"pasta .* more than the whole pool of 38 blocks; .* pasta_max_forks=2"):
+        llm.add_request(list(range(1, 10)), SamplingParams(max_tokens=40, **GREEDY))
+    tags = PastaTokenIds.from_tokenizer(llm.tokenizer)
+    main = lay_out(RESPONSE_A, tags, 9).main  # 80 tokens, 3 forks: alone in a pool of exactly its bound
+    bound = -(-(9 + 80) // 4) + 3 * (2 + -(-(80 + 2) // 4))
+    llm = pasta_llm(pasta_model, num_blocks=bound, pasta_max_forks=3)
+    (out,), (layout,) = run_scripted(llm, [(list(range(1, 10)), RESPONSE_A, SamplingParams(max_tokens=80, **GREEDY))])
+    assert len(main) == 80 and out.kv.peak_blocks <= bound
+    assert_matches_reference(llm, out, layout)
+    assert llm.scheduler.blocks.num_free == bound
+
+
+
 def test_tiny_pool_with_preemption_equals_each_request_alone(pasta_model):
-    # catches: a preempted request resumed with its tables rebuilt wrong (a fork not attached again, a join
-    # not redone, holes not marked dead in the new blocks), one thread left behind by a preemption, a shared
-    # block's reference count off (freed while another thread holds it, or never freed), a main thread
-    # waiting at a sync that keeps the pool while its forks starve (the run would not finish), and outputs
-    # that depend on what else shares the batch
+    # catches: a preempted request resumed with its tables rebuilt wrong (a join not redone, holes not marked
+    # dead in the new blocks), one thread left behind by a preemption, a shared block returned to the pool
+    # while another thread holds it, a fork that cannot get a block restarting its own request instead of
+    # preempting a newer one (its main thread waiting at a sync holds the pool: the run never finishes),
+    # and outputs that depend on what else shares the batch
     gen = torch.Generator().manual_seed(0)
     # the main thread waits 30 steps at its <sync/>: its fork samples 44 tokens (within max_tokens = 13 + 1 + 36)
     wait = [Promise(' tokens="4"', "the quick brown fox jumps over the lazy dog"), SYNC,
             "and that, at last, is the end of it."]
     responses = [RESPONSE_A, RESPONSE_B, None, wait, RESPONSE_A, None, RESPONSE_B, wait, RESPONSE_A, None, wait,
                  RESPONSE_B, wait, None]
-    tags = PastaTokenIds.from_tokenizer(LLM(pasta_model, kv="pasta", num_blocks=8).tokenizer)
+    tags = PastaTokenIds.from_tokenizer(load_tokenizer(pasta_model))
     requests = []
     for i, pieces in enumerate(responses):
         prompt = torch.randint(0, 256, (int(torch.randint(2, 13, (1,), generator=gen)),), generator=gen).tolist()
         length = len(lay_out(pieces, tags, len(prompt)).main) if pieces else 24
         sampled = dict(temperature=0.8, seed=i) if pieces is None and i % 2 else dict(temperature=0.0)
         requests.append((prompt, pieces, SamplingParams(max_tokens=length, ignore_eos=True, **sampled)))
-    alone = LLM(pasta_model, kv="pasta", block_size=4, num_blocks=512, pasta_max_forks=3)
+    alone = pasta_llm(pasta_model, num_blocks=512, pasta_max_forks=3)
     refs = [run_scripted(alone, [r])[0][0] for r in requests]
     # A's bound: ceil(92 / 4) = 23 blocks for the main thread + 3 forks x (2 + ceil(82 / 4)) = 92 of the 96
     pool = 96
-    llm = LLM(pasta_model, kv="pasta", block_size=4, num_blocks=pool, pasta_max_forks=3, max_num_batched_tokens=32)
+    llm = pasta_llm(pasta_model, num_blocks=pool, pasta_max_forks=3, max_num_batched_tokens=32)
     preempted = []  # (had forks, its main thread waited at a sync)
     preempt = llm.scheduler._preempt
 
@@ -400,3 +430,25 @@ def test_tiny_pool_with_preemption_equals_each_request_alone(pasta_model):
             assert_matches_reference(llm, out, layout)
     assert sum(o.num_preemptions for o in outs) == llm.stats.preemptions
     assert llm.scheduler.blocks.num_free == pool and all(llm.scheduler.blocks.ref_count(b) == 0 for b in range(pool))
+
+
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.slow),
+                                    pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_triton_kernels_mask_pasta_tables_like_the_reference(pasta_model, device):
+    # catches: the Triton decode or prefill kernel (or a captured decode graph) masking Pasta tables
+    # differently from the dense rule (query positions other than table positions, holes not dead); on CPU
+    # the kernels run under TRITON_INTERPRET=1 (~25 s), on CUDA with decode graphs
+    import kernels
+
+    llm = pasta_llm(pasta_model, num_blocks=64, max_num_batched_tokens=8, pasta_max_forks=2,
+              device=device)
+    llm.runner.impl = kernels  # on CPU: the CUDA path's kernels, interpreted
+    tags = PastaTokenIds.from_tokenizer(llm.tokenizer)
+    short = [Promise(' tokens="1"', "ab"), "c", Promise(' tokens="1"', "de f"), SYNC, "gh"]
+    main = lay_out(short, tags, 6).main
+    outs, layouts = run_scripted(llm, [(list(range(50, 56)), short, SamplingParams(max_tokens=len(main), **GREEDY)),
+                                       ([9, 10, 11], None, SamplingParams(max_tokens=6, **GREEDY))])
+    assert_matches_reference(llm, outs[0], layouts[0])
+    plain = LLM(pasta_model, kv="full", block_size=4, num_blocks=64, device=device).generate(
+        [[9, 10, 11]], SamplingParams(max_tokens=6, **GREEDY))
+    assert outs[1].token_ids == plain[0].token_ids
