@@ -251,8 +251,8 @@ def test_forced_responses_match_the_dense_reference_in_a_mixed_batch(pasta_model
     # catches: a fork that sees the main thread's tokens after its promise (the main thread going on in the
     # shared block), the main thread seeing a fork before the fork ended (a join that does not wait),
     # left-over slots of a left block not marked dead, the position shift dropped or a fork's positions not
-    # restarting at />+1, RoPE fed table positions (or the mask fed RoPE positions), the <sync/> written
-    # before its forks' last </async> (it would not see it), and a forced <async> missing from the layout
+    # restarting at />+1, RoPE fed table positions (or the mask fed RoPE positions), and a forced <async>
+    # missing from the layout
     llm = pasta_llm(pasta_model, num_blocks=256, max_num_batched_tokens=16)
     tags = PastaTokenIds.from_tokenizer(llm.tokenizer)
     prompts = [list(range(40, 61)), list(range(70, 75)), [33, 34, 35]]
@@ -343,6 +343,17 @@ def test_edge_cases_of_the_annotation(pasta_model):
     assert llm.scheduler.blocks.num_free == 256
 
 
+def test_one_token_per_step_joins_after_the_last_async_close_is_written(pasta_model):
+    # catches: a join that waits only for its forks to stop, not for their last </async> to be written: with
+    # one token per step the main thread's <sync/> and the fork's </async> cannot share a forward, so the
+    # <sync/> would not see it (the forks-first order of a waiting main thread alone hides this at wider steps)
+    llm = pasta_llm(pasta_model, num_blocks=64, max_num_batched_tokens=1, pasta_max_forks=1)
+    main = lay_out(RESPONSE_B, PastaTokenIds.from_tokenizer(llm.tokenizer), 5).main
+    (out,), (layout,) = run_scripted(llm, [([40, 41, 42, 43, 44], RESPONSE_B,
+                                           SamplingParams(max_tokens=len(main), **GREEDY))])
+    assert_matches_reference(llm, out, layout)
+
+
 def test_fork_limit_and_a_promise_closed_by_the_last_token_are_text(pasta_model):
     # catches: a promise past pasta_max_forks forking anyway (or shifting the positions after it), and a
     # fork started by a /> on which the main thread stopped (its KV is never written)
@@ -384,9 +395,7 @@ def test_block_bound_counts_the_forks_and_refuses_what_cannot_fit_alone(pasta_mo
 def test_tiny_pool_with_preemption_equals_each_request_alone(pasta_model):
     # catches: a preempted request resumed with its tables rebuilt wrong (a join not redone, holes not marked
     # dead in the new blocks), one thread left behind by a preemption, a shared block returned to the pool
-    # while another thread holds it, a fork that cannot get a block restarting its own request instead of
-    # preempting a newer one (its main thread waiting at a sync holds the pool: the run never finishes),
-    # and outputs that depend on what else shares the batch
+    # while another thread holds it, and outputs that depend on what else shares the batch
     gen = torch.Generator().manual_seed(0)
     # the main thread waits 30 steps at its <sync/>: its fork samples 44 tokens (within max_tokens = 13 + 1 + 36)
     wait = [Promise(' tokens="4"', "the quick brown fox jumps over the lazy dog"), SYNC,
@@ -452,3 +461,28 @@ def test_triton_kernels_mask_pasta_tables_like_the_reference(pasta_model, device
     plain = LLM(pasta_model, kv="full", block_size=4, num_blocks=64, device=device).generate(
         [[9, 10, 11]], SamplingParams(max_tokens=6, **GREEDY))
     assert outs[1].token_ids == plain[0].token_ids
+
+
+def test_main_threads_waiting_at_syncs_do_not_starve_their_forks(pasta_model):
+    # catches: a deadlock when every main thread waits at a <sync/> and their forks want blocks the pool no
+    # longer has (a fork that waits for room instead of preempting the newest request: nothing would ever
+    # be freed), and outputs of requests preempted while waiting that differ from each alone
+    # each request: the main thread writes its promise and waits at <sync/> while the fork samples 44 tokens;
+    # bound (P = 4, max_tokens = 50, one fork): ceil(54 / 4) = 14 + (2 + ceil(52 / 4)) = 29 blocks, the whole pool;
+    # three requests run at once and each reaches about 4 + 12 blocks with its fork
+    wait = [Promise(' tokens="4"', "the quick brown fox jumps over the lazy dog"), SYNC,
+            "and that, at last, is the end of it."]
+    tags = PastaTokenIds.from_tokenizer(load_tokenizer(pasta_model))
+    prompts = [[11, 12, 13, 14], [21, 22, 23, 24], [31, 32, 33, 34]]
+    length = len(lay_out(wait, tags, 4).main)
+    requests = [(p, wait, SamplingParams(max_tokens=length, **GREEDY)) for p in prompts]
+    assert length == 50
+    llm = pasta_llm(pasta_model, num_blocks=29, pasta_max_forks=1)
+    outs, layouts = run_scripted(llm, requests, max_steps=500)
+    assert llm.stats.preemptions > 0
+    alone = pasta_llm(pasta_model, num_blocks=64, pasta_max_forks=1)
+    for out, layout, request in zip(outs, layouts, requests):
+        ref = run_scripted(alone, [request])[0][0]
+        assert out.token_ids == ref.token_ids and out.logprobs == pytest.approx(ref.logprobs, abs=1e-5)
+        assert_matches_reference(llm, out, layout)
+    assert llm.scheduler.blocks.num_free == 29
