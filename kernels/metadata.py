@@ -25,7 +25,7 @@ class AttentionMetadata:
     """Per-step tensors; every implementation (torch reference, Triton) reads exactly these."""
 
     query_start: torch.Tensor  # [S+1] int32, cumulative query counts per sequence
-    query_pos: torch.Tensor  # [N] int32, position of each query token in its table's order (the mask's q)
+    query_pos: torch.Tensor  # [N] int32, each query token's position in its table's order (the mask's q)
     slot_mapping: torch.Tensor  # [N] int64, cache slot that receives each query token's K/V
     slot_death: torch.Tensor  # [N] int32, death position written beside each new K/V
     block_tables: torch.Tensor  # [S, M] int32, physical ids of live blocks (any order), -1 pad

@@ -167,7 +167,8 @@ class ModelRunner:
         self.graphs = self.cache = self.model = None
 
     def set_death(self, slots: list[int], death: int) -> None:
-        """Keys at ``slots`` die at position ``death`` (registers: their step was killed; Pasta: 0, slots left empty)."""
+        """Keys at ``slots`` die at position ``death`` (registers: their step was killed; pasta: 0, for slots a
+        thread left empty)."""
         index = self.host_tensor(slots, torch.long).to(self.device, non_blocking=True)
         # index_fill_ takes the scalar as such; `death[index] = death` copied a 0-d CPU tensor to the
         # device, which made the host wait for the queued step at every kill (engine_gpu --sync-debug)

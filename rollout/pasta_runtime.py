@@ -7,9 +7,11 @@ What the runtime does (thesis, Pasta chapter; the tags are ``rollout.pasta``'s):
   gets ``<async>`` from the runtime (forced, logprob 0.0) and samples until ``</async>``. A fork that
   samples eos or a stop token, reaches ``max_tokens`` sampled tokens, or reaches ``max_model_len`` is
   closed by the runtime: ``</async>`` is appended after its last token (forced), and counted. Forks
-  spawn from the main thread only: inside a fork ``<promise``, ``/>`` and ``<sync/>`` are plain text
-  (``<promise`` is counted). At most ``max_forks`` forks per request; a promise past it is plain text.
-  The main thread goes on without seeing any fork.
+  spawn from the main thread only: inside a fork ``<promise``, ``/>``, ``<async>`` and ``<sync/>`` are
+  plain text. At most ``max_forks`` forks per request; a promise past it is plain text. The main thread
+  goes on without seeing any fork. A fork samples with the request's parameters and its own seed
+  (derived from the request's and its index); budget forcing and stop strings apply to the main
+  thread only, eos and stop tokens close a fork.
 - **Sync.** A ``<sync/>`` sampled by the main thread joins every fork not joined yet: the main thread
   is not scheduled until they have all ended, then their blocks join its table and its ``<sync/>`` is
   written (in the same step as the last fork's ``</async>``), so it and everything after see them. A
@@ -17,8 +19,8 @@ What the runtime does (thesis, Pasta chapter; the tags are ``rollout.pasta``'s):
 - **End.** A request finishes when its main thread has stopped (eos, stop, length) and every fork has
   ended; forks still running when the main thread stops run on. Its finish reason is the main thread's.
 - **Malformed tags** read as plain text where they stand, counted in ``PastaCounts``: a ``<promise``
-  interrupted by another tag (which then acts as itself), a ``/>`` or ``</async>`` or ``<async>`` on the
-  main thread outside a promise. A promise without a valid ``tokens="N"`` forks with
+  interrupted by another tag (which then acts as itself), a ``/>``, ``<async>`` or ``</async>`` on the
+  main thread outside a promise, a tag in a fork. A promise without a valid ``tokens="N"`` forks with
   ``DEFAULT_PROMISE_UNITS``. A ``/>`` on which the main thread stops, or that leaves no room for a
   fork under ``max_model_len``, forks nothing (and shifts no position), so the flattened response
   reads the same to ``rollout.pasta``'s parser.
@@ -37,16 +39,16 @@ together (``Scheduler``), the main thread first, or last while it waits at a syn
 starts in the step that writes its ``/>`` and a join happens in the step that writes the last
 ``</async>``. Preemption takes the whole request: every thread drops its blocks and the request is
 recomputed from its tokens, replaying the same forks and joins into the same table layout. A request's
-block bound (``rollout.block_bound``) counts ``max_forks`` forks at full length, and ``add_request``
-refuses one that cannot fit the pool alone, so the oldest request always progresses (no deadlock:
-a main thread waiting at a sync is never scheduled ahead of its forks, and preempting frees blocks for the
-oldest). Overlap (a step queued before the last one's tokens are read) is off under pasta.
+block bound (``rollout.block_bound``) counts ``max_forks`` forks at full length and ``add_request``
+refuses one that cannot fit the pool alone; any thread short of a block preempts the newest request,
+so the oldest always progresses and a main thread waiting at a sync never starves its forks. Overlap
+(a step queued before the last one's tokens are read) is off under pasta.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from rollout.block_bound import block_bound
 from rollout.block_manager import BlockManager
@@ -77,6 +79,7 @@ class PastaCounts:
     promises_over_limit: int = 0  # past max_forks: plain text
     promises_unforked: int = 0  # ``/>`` on which the main thread stopped, or without room under max_model_len
     promises_in_forks: int = 0  # ``<promise`` inside a fork: plain text
+    stray_tags: int = 0  # main thread: ``/>``, ``<async>``, ``</async>`` outside a tag; a fork: ``/>``, ``<async>``
     forks_closed_by_runtime: int = 0  # ``</async>`` appended after eos / a stop token / the fork's limit
 
 
@@ -234,19 +237,23 @@ class PastaRuntime:
             self._stop_main(request)
         if request.tag_start is not None:
             if token not in self.tag_ids:  # the promise's attribute text
-                return self._stop_tag(request, stopped)
+                return self._left_open(request, stopped)
             start, request.tag_start = request.tag_start, None
             if token == tags.tag_close:
                 return self._promise(request, start, stopped)
             request.counts.unclosed_promises += 1
         if token == tags.promise_open:
             request.tag_start = i
-            self._stop_tag(request, stopped)
-        elif token == tags.sync and request.unjoined and not stopped:
-            request.joins.append(Join(i, request.unjoined))
-            request.unjoined = []
+            self._left_open(request, stopped)
+        elif token == tags.sync:
+            if request.unjoined and not stopped:
+                request.joins.append(Join(i, request.unjoined))
+                request.unjoined = []
+        elif token in self.tag_ids:
+            request.counts.stray_tags += 1
 
-    def _stop_tag(self, request: PastaRequest, stopped: bool) -> None:
+    def _left_open(self, request: PastaRequest, stopped: bool) -> None:
+        """A ``<promise`` is open: when the main thread stopped there, it is never closed."""
         if stopped:
             request.counts.unclosed_promises += 1
 
@@ -294,6 +301,7 @@ class PastaRuntime:
         if token == self.tags.async_close:
             return self._end_fork(fork, "model")
         counts.promises_in_forks += token == self.tags.promise_open
+        counts.stray_tags += token in (self.tags.tag_close, self.tags.async_open)
         if (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
             self._close(fork, "stop")
         elif fork.num_output - 1 >= p.max_tokens or fork.last_position >= self.max_model_len - 2:

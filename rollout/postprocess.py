@@ -76,7 +76,8 @@ class Postprocessor:
         return bool(killed)
 
     def _pasta_token(self, thread: PastaThread, token: int, logprob: float, logits: torch.Tensor) -> None:
-        """The main thread takes its token as any sequence does, then the runtime reads it; a fork's goes to the runtime."""
+        """The main thread takes its token as any sequence does, then the runtime reads it; a fork's token goes
+        to the runtime."""
         if thread.index == 0:
             self._append(thread, token, logprob, logits)
             self.pasta.main_token(thread, self._check_finish(thread))

@@ -38,7 +38,7 @@ class ScheduledBatch:
         """Remove the rows of a request preempted while this batch was being scheduled."""
         keep = [i for i, s in enumerate(self.seqs) if s.request_id != request_id]
         self.seqs, self.num_tokens = [self.seqs[i] for i in keep], [self.num_tokens[i] for i in keep]
-        self.dead = [self.dead[i] for i in keep if i < len(self.dead)]
+        self.dead = [self.dead[i] for i in keep]
 
     def input_ids(self) -> list[int]:
         """The tokens this step feeds, flattened in row order."""

@@ -132,7 +132,8 @@ def dense_mask(layout: Layout, prompt_len: int) -> torch.Tensor:
             if thread[q] == 0:
                 mask[q, k] = main_sees(q, k)
             else:
-                mask[q, k] = thread[k] == thread[q] or (k <= points[thread[q] - 1] and main_sees(points[thread[q] - 1], k))
+                point = points[thread[q] - 1]
+                mask[q, k] = thread[k] == thread[q] or (k <= point and main_sees(point, k))
     return mask
 
 
@@ -338,8 +339,8 @@ def test_edge_cases_of_the_annotation(pasta_model):
     pasta = out.pasta
     assert [f.closed_by for f in pasta.forks] == ["stop", "model", "length"] and out.finish_reason == "stop"
     assert [f.join for f in pasta.forks][2] is None and pasta.forks[0].join == pasta.forks[1].join
-    assert (pasta.counts.promises_without_units, pasta.counts.promises_in_forks, pasta.counts.unclosed_promises,
-            pasta.counts.forks_closed_by_runtime) == (1, 1, 1, 2)
+    assert (pasta.counts.promises_without_units, pasta.counts.promises_in_forks, pasta.counts.stray_tags,
+            pasta.counts.unclosed_promises, pasta.counts.forks_closed_by_runtime) == (1, 1, 1, 1, 2)
     assert llm.scheduler.blocks.num_free == 256
 
 
