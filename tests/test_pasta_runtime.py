@@ -487,3 +487,30 @@ def test_main_threads_waiting_at_syncs_do_not_starve_their_forks(pasta_model):
         assert out.token_ids == ref.token_ids and out.logprobs == pytest.approx(ref.logprobs, abs=1e-5)
         assert_matches_reference(llm, out, layout)
     assert llm.scheduler.blocks.num_free == 29
+
+
+def test_text_is_the_flattened_response_cut_where_the_main_thread_stopped(pasta_model):
+    # catches: a text decoded from the main thread alone (forks missing), and a cut at the first stop string
+    # of the flattened text (the fork's "STOP" is text: only the main thread's stop string ends the request)
+    llm = pasta_llm(pasta_model, num_blocks=256)
+    pieces = [Promise(' tokens="1"', "a STOP b"), "c", SYNC, "dSTOP"]
+    tags = PastaTokenIds.from_tokenizer(llm.tokenizer)
+    params = SamplingParams(max_tokens=64, stop=["STOP"], **GREEDY)
+    (out,), (layout,) = run_scripted(llm, [([1, 2, 3], pieces, params)])
+    assert out.finish_reason == "stop" and out.token_ids == layout.flat
+    assert out.text == llm.tokenizer.decode(layout.flat)[:-len("STOP")]
+    assert out.pasta.forks[0].closed_by == "model" and tags.async_close in out.token_ids
+
+
+def test_max_model_len_caps_every_threads_positions(pasta_model):
+    # catches: a fork closed past max_model_len (its </async> written at position max_model_len or later), and a
+    # main thread whose shifted positions are not capped (it would sample past max_model_len - 1)
+    llm = pasta_llm(pasta_model, num_blocks=256, max_model_len=40)
+    # prompt 0..2, <promise 3, attributes 4..14, /> 15; the fork's <async> at 16 samples at 17..38 (22 tokens)
+    # and its </async> lands at 39 = max_model_len - 1; the main thread goes on at 15 + 1 + 20 = 36 and stops
+    # after sampling the token at position 39
+    pieces = [Promise(' tokens="2"', "abcdefghijklmnopqrstuv", close=False), "wxyz"]
+    (out,), (layout,) = run_scripted(llm, [([1, 2, 3], pieces, SamplingParams(max_tokens=64, **GREEDY))])
+    assert_matches_reference(llm, out, layout)
+    assert max(layout.positions) == 39 and out.finish_reason == "length"
+    assert out.pasta.forks[0].closed_by == "length"
