@@ -295,7 +295,8 @@ def expected_spans(layout: Layout, pieces, tags, prompt_len):
 def test_critical_path_and_speedup_counted_by_hand(pasta_model):
     # catches: a fork that starts a step after the one writing its /> (each fork's chain one step longer),
     # a join one step after the last </async> is written (the main thread scheduled before its forks),
-    # a request that ends with its main thread while a fork still runs, and steps counted per thread
+    # a request that ends with its main thread while a fork still runs, steps counted per thread, and a fork's
+    # visible keys counted without what its table inherited
     llm = pasta_llm(pasta_model, num_blocks=256)
     tags = PastaTokenIds.from_tokenizer(llm.tokenizer)
     prompt = [40, 41, 42, 43, 44]
@@ -308,6 +309,9 @@ def test_critical_path_and_speedup_counted_by_hand(pasta_model):
     assert (len(main_a), [len(f) for f in lay_out(RESPONSE_A, tags, 5).forks]) == (80, [11, 6, 19])
     assert a.pasta.steps == 95 and len(a.token_ids) == 80 + 3 + 11 + 6 + 19
     assert a.pasta.speedup == pytest.approx(119 / 95)
+    # the most keys one query saw: fork c's last, its table the prompt (5), the main thread through c's />
+    # (76), the joined blocks of a and b (12 + 7) and its own <async> and 18 tokens
+    assert a.kv.peak_visible_tokens == 5 + 76 + 12 + 7 + 19
     (b,), _ = run_scripted(llm, [(prompt, RESPONSE_B, SamplingParams(max_tokens=len(main_b), **GREEDY))])
     # B: promise 1-13; its fork samples 14 tokens at 14-27 while the main thread waits at <sync/> (step 14);
     # step 28 writes </async> and <sync/> and samples "o"; "k", <sync/>, "!" at 29-31
