@@ -3,11 +3,14 @@
 The engine flattens a batch into N query tokens; sequence s owns query rows
 ``query_start[s] : query_start[s+1]``. Keys live in a paged cache of ``num_blocks`` blocks of
 ``block_size`` slots; slot ``b * block_size + j`` of physical block b holds the key at logical
-position ``block_index * block_size + j`` of the sequence that owns b.
+position ``block_index * block_size + j`` of the sequence whose table lists b.
 
 Visibility (see ``rollout.kv_policy``): a query at position q reads the key at position k when
 ``k <= q < death[slot]``. ``block_tables`` lists only *live* blocks (inter-tile skipping: a dead or
 out-of-window block is never read); boundary blocks are masked slot by slot (intra-tile masking).
+These positions are the tokens' places in the sequence's block table, which are their token
+positions except for Pasta threads (``rollout.pasta_thread``): their tables interleave threads, a block
+may sit at different logical indices in different threads' tables, and RoPE positions travel apart.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ class AttentionMetadata:
     """Per-step tensors; every implementation (torch reference, Triton) reads exactly these."""
 
     query_start: torch.Tensor  # [S+1] int32, cumulative query counts per sequence
-    query_pos: torch.Tensor  # [N] int32, true position of each query token (Continue PE)
+    query_pos: torch.Tensor  # [N] int32, each query token's position in its table's order (the mask's q)
     slot_mapping: torch.Tensor  # [N] int64, cache slot that receives each query token's K/V
     slot_death: torch.Tensor  # [N] int32, death position written beside each new K/V
     block_tables: torch.Tensor  # [S, M] int32, physical ids of live blocks (any order), -1 pad

@@ -19,6 +19,8 @@ from rollout.block_manager import BlockManager
 from rollout.engine_args import EngineArgs
 from rollout.loader import DTYPES, load_model, load_tokenizer
 from rollout.model_runner import ModelRunner
+from rollout.pasta import PastaTokenIds
+from rollout.pasta_runtime import PastaRuntime
 from rollout.postprocess import Postprocessor
 from rollout.run_ahead import RunAhead
 from rollout.sampling import SamplingParams
@@ -55,6 +57,8 @@ class LLM:
     Under a bounded policy each request reserves its block bound on admission (``Sequence.block_bound``),
     so ``max_concurrency(prompt_len, max_tokens)`` requests of that shape run at once and none is ever
     preempted; a request whose bound alone exceeds the pool is refused by ``add_request``.
+    Under ``kv="pasta"`` every request runs the Pasta-Lang runtime (``rollout.pasta_runtime``): its outputs are
+    flattened responses with their forks (``RequestOutput.pasta``); overlap is off.
     ``close()`` (or leaving ``with LLM(...) as llm:``) frees the KV pool, the weights and the CUDA graphs.
     """
 
@@ -78,11 +82,17 @@ class LLM:
                                    watermark_blocks=math.ceil(round(args.kv_watermark * num_blocks, 6)))
         overlap = args.overlap
         if overlap is None:  # registers too: a kill's redo costs ~4% at 0.8 kills per step (docs/benchmarks.md)
-            overlap = self.device.type == "cuda"
+            overlap = self.device.type == "cuda" and self.policy.kind != "pasta"  # pasta: EngineArgs refuses True
         self.run_ahead = RunAhead(self.runner, self.scheduler, overlap)
         self.eos_ids = self._eos_ids(model)
+        self.pasta = None
+        if self.policy.kind == "pasta":
+            self.pasta = PastaRuntime(PastaTokenIds.from_tokenizer(self.tokenizer), args.pasta_max_forks,
+                                      self.scheduler, self.policy, self.tokenizer.decode, self.eos_ids,
+                                      block_size=self.block_size, max_model_len=self.max_model_len,
+                                      max_chunk=args.max_num_batched_tokens)
         self.postprocess = Postprocessor(self.tokenizer, self.eos_ids, self.max_model_len, self.scheduler,
-                                         self.runner.set_death)
+                                         self.runner.set_death, self.pasta)
         self.stats = EngineStats()
         self._next_id = 0
         self.closed = False
@@ -137,8 +147,11 @@ class LLM:
         self._check_prompt(ids)
         rid = self._next_id
         seed = params.seed if params.seed is not None else (self.args.seed * 1_000_003 + rid) % (2**31)
-        seq = Sequence(rid, ids, params, seed, self.policy.tracker(len(ids)), self.block_size, time.perf_counter(),
-                       max_model_len=self.max_model_len, max_chunk=self.args.max_num_batched_tokens)
+        if self.pasta is not None:
+            seq = self.pasta.new_request(rid, ids, params, seed, time.perf_counter())
+        else:
+            seq = Sequence(rid, ids, params, seed, self.policy.tracker(len(ids)), self.block_size, time.perf_counter(),
+                           max_model_len=self.max_model_len, max_chunk=self.args.max_num_batched_tokens)
         self._check_pool(seq)
         self._next_id += 1
         self._note_concurrency(seq)
@@ -151,7 +164,8 @@ class LLM:
         policy; under full and registers, the count that fits if every request reaches its bound
         (more start while they are short, and preemption sorts it out)."""
         return self._concurrency(block_bound(self.policy, prompt_len, max_tokens, self.max_model_len,
-                                             self.block_size, self.args.max_num_batched_tokens))
+                                             self.block_size, self.args.max_num_batched_tokens,
+                                             self.args.pasta_max_forks))
 
     def load_weights(self, weights) -> None:
         """Replace the model's weights in place (a state dict or ``(name, tensor)`` pairs).
@@ -173,7 +187,7 @@ class LLM:
             return
         self.closed = True
         self.runner.close()
-        self.model = self.runner = self.run_ahead = self.postprocess = None
+        self.model = self.runner = self.run_ahead = self.postprocess = self.pasta = None
         self.scheduler.waiting.clear()
         self.scheduler.running.clear()
         if self.device.type == "cuda":
@@ -194,7 +208,9 @@ class LLM:
         pool = self.scheduler.blocks.num_blocks
         if seq.block_bound > pool:
             smaller = ("max_tokens, the window or the prompt" if self.policy.bounded else
-                       "the budget, max_tokens or the prompt" if self.policy.kind == "h2o" else "max_tokens or the prompt")
+                       "the budget, max_tokens or the prompt" if self.policy.kind == "h2o" else
+                       f"max_tokens, the prompt or pasta_max_forks={self.args.pasta_max_forks}"
+                       if self.policy.kind == "pasta" else "max_tokens or the prompt")
             raise ValueError(
                 f"a request of {seq.prompt_len} prompt tokens and max_tokens={seq.params.max_tokens} may hold "
                 f"{seq.block_bound} KV blocks of {self.block_size} tokens under {self.policy.spec} "

@@ -25,7 +25,7 @@ class EngineArgs:
     __pydantic_config__: ClassVar[dict] = {"extra": "forbid", "use_attribute_docstrings": True}
 
     kv: str = "full"
-    """KV retention policy: full, prefix_sliding:W, sliding_window:W, streaming:S:W, registers:N or h2o:B (B >= 2 x block_size; canonicalised)."""
+    """KV retention policy: full, prefix_sliding:W, sliding_window:W, streaming:S:W, registers:N, h2o:B (B >= 2 x block_size) or pasta (canonicalised)."""
     device: str = "cpu"
     """Where the engine runs: cpu, cuda or cuda:N."""
     dtype: str = "float32"
@@ -52,6 +52,8 @@ class EngineArgs:
     """Queue each decode step before the previous one's tokens are read back; None: on for CUDA."""
     gemv: bool = False
     """On CUDA, run linear layers and the lm_head over at most 8 tokens with the Triton split-K GEMV instead of cuBLAS (off: no faster at batch 1 on the H200, docs/benchmarks.md)."""
+    pasta_max_forks: int = 8
+    """kv=pasta: most forks per request (>= 0); a promise past it is plain text. Each fork may hold max_tokens + 2 tokens of KV, which the request's block bound counts."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kv", KVPolicy.parse(self.kv).spec)
@@ -81,6 +83,12 @@ class EngineArgs:
             raise ValueError(f"gemv must be true or false, got {self.gemv!r}")
         if self.overlap is not None and not isinstance(self.overlap, bool):
             raise ValueError(f"overlap must be None, true or false, got {self.overlap!r}")
+        if policy.kind == "pasta" and self.overlap:
+            raise ValueError("overlap=True is not supported under kv=pasta (a <sync/> is known only once its token is "
+                             "read back, after the next step would have written it); use overlap=None or False")
+        forks = self.pasta_max_forks
+        if isinstance(forks, bool) or not isinstance(forks, int) or forks < 0:
+            raise ValueError(f"pasta_max_forks must be an integer >= 0, got {forks!r}")
 
     @classmethod
     def from_keywords(cls, base: EngineArgs | None = None, **keywords) -> EngineArgs:

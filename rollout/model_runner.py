@@ -64,17 +64,21 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self, max_num_seqs, max_blocks)
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, AttentionMetadata]:
-        """Flatten the batch on the host: positions ``[N]`` and the attention metadata.
+        """Flatten the batch on the host: RoPE positions ``[N]`` and the attention metadata.
 
         A new key's death is the one known now (``Sequence.key_deaths``); a register kill that comes
-        later reaches the cache through ``set_death``.
+        later reaches the cache through ``set_death``. The mask's query positions are the tokens' slots in
+        their block table's order (``Sequence.table_positions``), RoPE's are ``Sequence.rope_positions``: the
+        same numbers except for Pasta threads, whose tables interleave threads (``rollout.pasta_runtime``).
         """
         bs = self.block_size
-        pos, slots, deaths, starts = [], [], [], [0]
+        pos, table_pos, slots, deaths, starts = [], [], [], [], [0]
         for seq, n in zip(batch.seqs, batch.num_tokens):
             a = seq.num_computed
-            pos.extend(range(a, a + n))
-            slots.extend(seq.blocks[p // bs] * bs + p % bs for p in range(a, a + n))
+            at = seq.table_positions(a, n)
+            pos.extend(seq.rope_positions(a, n))
+            table_pos.extend(at)
+            slots.extend(seq.blocks[p // bs] * bs + p % bs for p in at)
             deaths.extend(seq.key_deaths(a, n))
             starts.append(starts[-1] + n)
         live = [len(seq.blocks) for seq in batch.seqs]
@@ -87,7 +91,7 @@ class ModelRunner:
         host = self.host_tensor
         meta = AttentionMetadata(
             query_start=host(starts, torch.int32),
-            query_pos=host(pos, torch.int32),
+            query_pos=host(table_pos, torch.int32),
             slot_mapping=host(slots, torch.int64),
             slot_death=host(deaths, torch.int32),
             block_tables=host(tables),
@@ -118,6 +122,9 @@ class ModelRunner:
         """
         pos, meta = self.prepare(batch)
         ids = input_ids if input_ids is not None else self.host_tensor(batch.input_ids(), torch.long)
+        dead = batch.dead_slots()
+        if dead:  # slots a Pasta thread left empty: no query may read them (written before the step's K/V)
+            self.set_death(dead, 0)
         mass = None
         if self.graphs is not None and meta.is_decode and self.graphs.fits(meta):
             hidden = self.graphs.run(ids, pos, meta)
@@ -160,7 +167,8 @@ class ModelRunner:
         self.graphs = self.cache = self.model = None
 
     def set_death(self, slots: list[int], death: int) -> None:
-        """Registers: keys at ``slots`` die at position ``death`` (their step was killed)."""
+        """Keys at ``slots`` die at position ``death`` (registers: their step was killed; pasta: 0, for slots a
+        thread left empty)."""
         index = self.host_tensor(slots, torch.long).to(self.device, non_blocking=True)
         # index_fill_ takes the scalar as such; `death[index] = death` copied a 0-d CPU tensor to the
         # device, which made the host wait for the queued step at every kill (engine_gpu --sync-debug)

@@ -1,6 +1,7 @@
 """What happens to a sequence once its token is sampled: append it (or the token budget forcing puts
 in its place), apply register kills, stop on eos / stop ids / stop strings / length, finish, free
-the blocks no future query sees; and the ``RequestOutput`` of a finished request."""
+the blocks no future query sees; and the ``RequestOutput`` of a finished request. Under ``kv="pasta"``
+the Pasta runtime (``rollout.pasta_runtime``) then reads the main thread's tags and takes the forks' tokens."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import time
 
 import torch
 
+from rollout.pasta_runtime import PastaRuntime
+from rollout.pasta_thread import PastaThread
 from rollout.sampling import logprobs_at
 from rollout.scheduler import ScheduledBatch, Scheduler
 from rollout.sequence import RequestOutput, Sequence, Status
@@ -16,15 +19,18 @@ from rollout.sequence import RequestOutput, Sequence, Status
 class Postprocessor:
     """Turns one step's sampled tokens into sequence state.
 
-    ``set_death(slots, death)`` writes the death of cached keys (``ModelRunner.set_death``).
+    ``set_death(slots, death)`` writes the death of cached keys (``ModelRunner.set_death``); ``pasta`` is the
+    engine's Pasta runtime under ``kv="pasta"`` (every sequence is then a ``PastaThread``), else None.
     """
 
-    def __init__(self, tokenizer, eos_ids: set[int], max_model_len: int, scheduler: Scheduler, set_death):
+    def __init__(self, tokenizer, eos_ids: set[int], max_model_len: int, scheduler: Scheduler, set_death,
+                 pasta: PastaRuntime | None = None):
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
         self.max_model_len = max_model_len
         self.scheduler = scheduler
         self.set_death = set_death
+        self.pasta = pasta
         self._encoded: dict[str, tuple[int, ...]] = {}
 
     def __call__(self, batch: ScheduledBatch, rows: list[int], tokens: list[int], logprobs: list[float],
@@ -35,11 +41,16 @@ class Postprocessor:
         finished, killers = [], set()
         for row, i in enumerate(rows):
             seq = batch.seqs[i]
+            if self.pasta is not None:
+                self._pasta_token(seq, tokens[row], logprobs[row], logits[row])
+                continue
             if self._append(seq, tokens[row], logprobs[row], logits[row]):
                 killers.add(seq.request_id)
             if self._check_finish(seq):
                 self._finish(seq)
                 finished.append(seq)
+        if self.pasta is not None:
+            finished = self.pasta.end_step(batch)
         for seq in batch.seqs:
             if seq.status is Status.RUNNING:
                 self.scheduler.free_dead_blocks(seq)
@@ -63,6 +74,15 @@ class Postprocessor:
         if killed:
             self._kill(seq, killed)
         return bool(killed)
+
+    def _pasta_token(self, thread: PastaThread, token: int, logprob: float, logits: torch.Tensor) -> None:
+        """The main thread takes its token as any sequence does, then the runtime reads it; a fork's token goes
+        to the runtime."""
+        if thread.index == 0:
+            self._append(thread, token, logprob, logits)
+            self.pasta.main_token(thread, self._check_finish(thread))
+        else:
+            self.pasta.fork_token(thread, token, logprob)
 
     def _token_ids(self, text: str) -> tuple[int, ...]:
         """Token ids of ``text`` (cached: budget forcing asks for them every step)."""
@@ -91,7 +111,7 @@ class Postprocessor:
             seq.finish_reason = "stop"
         elif p.stop and self._stop_string(seq) is not None:
             seq.finish_reason = "stop"
-        elif seq.num_output >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
+        elif seq.num_output >= p.max_tokens or seq.last_position >= self.max_model_len - 1:
             seq.finish_reason = "length"
         return seq.finish_reason is not None
 
@@ -110,13 +130,28 @@ class Postprocessor:
         seq.finished_at = time.perf_counter()
 
     def output(self, seq: Sequence) -> RequestOutput:
-        """The output record of a finished request: text decoded without a final eos, cut at a stop string."""
-        out = seq.output_token_ids
+        """The output record of a finished request: text decoded without a final eos, cut at a stop string.
+
+        Under pasta, the flattened response; its text is cut where the main thread's is (the response ends
+        with the main thread's last tokens).
+        """
+        text = self._text(seq, seq.output_token_ids)
+        if self.pasta is None:
+            return RequestOutput(seq.request_id, seq.prompt_token_ids, seq.output_token_ids, seq.logprobs, text,
+                                 seq.finish_reason, seq.kv, seq.forced, seq.num_preemptions,
+                                 seq.finished_at - seq.arrival, list(seq.kv_deaths))
+        ids, logprobs, forced, pasta = self.pasta.flatten(seq)
+        cut = len(self._text(seq, seq.output_token_ids, cut=False)) - len(text)
+        flat = self._text(seq, ids, cut=False)
+        return RequestOutput(seq.request_id, seq.prompt_token_ids, ids, logprobs, flat[:len(flat) - cut],
+                             seq.finish_reason, seq.kv, forced, seq.num_preemptions, seq.finished_at - seq.arrival,
+                             pasta=pasta)
+
+    def _text(self, seq: Sequence, out: list[int], cut: bool = True) -> str:
+        """``out`` decoded without a final eos (when ``seq`` stopped on it), cut at a stop string unless not ``cut``."""
         shown = out[:-1] if out and out[-1] in self.eos_ids and seq.finish_reason == "stop" else out
         text = self.tokenizer.decode(shown)
-        if seq.params.stop:
-            cut = self._stop_string(seq, text)
-            text = text if cut is None else text[:cut]
-        return RequestOutput(seq.request_id, seq.prompt_token_ids, out, seq.logprobs, text, seq.finish_reason,
-                             seq.kv, seq.forced, seq.num_preemptions, seq.finished_at - seq.arrival,
-                             list(seq.kv_deaths))
+        if cut and seq.params.stop:
+            at = self._stop_string(seq, text)
+            text = text if at is None else text[:at]
+        return text

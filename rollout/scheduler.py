@@ -11,18 +11,34 @@ from rollout.sequence import Sequence, Status
 
 @dataclass
 class ScheduledBatch:
-    """This step's work: ``num_tokens[i]`` consecutive uncomputed tokens of ``seqs[i]``."""
+    """This step's work: ``num_tokens[i]`` consecutive uncomputed tokens of ``seqs[i]``, and ``dead[i]``, physical
+    slots that row's sequence left empty (Pasta threads): their keys must read as dead before the forward."""
 
     seqs: list[Sequence] = field(default_factory=list)
     num_tokens: list[int] = field(default_factory=list)
     computed: bool = False  # its tokens were marked computed (``mark_computed``)
+    dead: list[list[int]] = field(default_factory=list)
 
-    def add(self, seq: Sequence, n: int) -> None:
+    def add(self, seq: Sequence, n: int, dead: list[int] | None = None) -> None:
         self.seqs.append(seq)
         self.num_tokens.append(n)
+        self.dead.append(dead or [])
 
     def __len__(self) -> int:
         return len(self.seqs)
+
+    def tokens_of(self, seq: Sequence) -> int:
+        """How many of ``seq``'s tokens this batch computes (0 when it has no row)."""
+        return next((n for s, n in zip(self.seqs, self.num_tokens) if s is seq), 0)
+
+    def dead_slots(self) -> list[int]:
+        return [slot for slots in self.dead for slot in slots]
+
+    def drop_request(self, request_id: int) -> None:
+        """Remove the rows of a request preempted while this batch was being scheduled."""
+        keep = [i for i, s in enumerate(self.seqs) if s.request_id != request_id]
+        self.seqs, self.num_tokens = [self.seqs[i] for i in keep], [self.num_tokens[i] for i in keep]
+        self.dead = [self.dead[i] for i in keep]
 
     def input_ids(self) -> list[int]:
         """The tokens this step feeds, flattened in row order."""
@@ -48,12 +64,18 @@ class Scheduler:
 
     Under a bounded policy (``admit_by_bound``) a request is admitted only while its block bound
     (``Sequence.block_bound``) and the running sequences' bounds fit the pool together: a running
-    sequence always finds its next block free, so none is ever preempted. Under ``full`` and
-    ``registers`` a request is admitted while its first chunk leaves free a block per running
+    sequence always finds its next block free, so none is ever preempted. Under ``full``,
+    ``registers`` and ``pasta`` a request is admitted while its first chunk leaves free a block per running
     sequence plus ``watermark_blocks``; when a running sequence then needs a block and none is free,
-    the most recently admitted sequence is preempted: its blocks go back to the pool and it is
+    the most recently admitted request is preempted: its blocks go back to the pool and it is
     recomputed from its tokens later. Under h2o a decode step's pages over the budget are evicted
     just before the step is allocated (``evict``), so its block table is the first to lack them.
+
+    A request may run as several sequences (the threads of a Pasta request, ``rollout.pasta_runtime``):
+    ``running`` keeps each request's threads together, in admission order of the requests; a step
+    schedules them in ``Sequence.threads()`` order, each as far as ``Sequence.ready_tokens`` allows, and
+    preemption takes a whole request. The oldest request is never preempted for another, so it always
+    progresses: with every request's bound within the pool (``LLM.add_request``) nothing deadlocks.
     """
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
@@ -122,39 +144,58 @@ class Scheduler:
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            self.evict(seq)
-            n = self._fit(seq, min(seq.num_uncomputed, budget))
-            while n == 0 and self.running[-1] is not seq:
-                self._preempt(self.running[-1])
-                n = self._fit(seq, min(seq.num_uncomputed, budget))
-            if n == 0:
-                if len(self.running) == 1:
-                    raise RuntimeError(
-                        f"the KV pool ({self.blocks.num_blocks} blocks) cannot hold request {seq.request_id} alone "
-                        f"at {seq.num_computed} tokens; raise num_blocks / kv_cache_gb or use a bounded KV policy")
-                self._preempt(seq)
-                break
-            self.allocate(seq, n)
-            batch.add(seq, n)
-            budget -= n
-            i += 1
+            threads = self.running[i].threads()
+            for seq in threads:
+                n = self._schedule_thread(batch, seq, budget) if budget > 0 else 0
+                if n is None:  # its request was preempted: it was the last one running
+                    return budget
+                budget -= n
+            i += len(threads)
         return budget
+
+    def _schedule_thread(self, batch: ScheduledBatch, seq: Sequence, budget: int) -> int | None:
+        """Schedule what ``seq`` may compute now, preempting later requests for blocks; the tokens scheduled,
+        or None when ``seq``'s own request had to be preempted."""
+        self.evict(seq)
+        want = min(seq.ready_tokens(batch), budget)
+        if want == 0:
+            return 0
+        n = self._fit(seq, want)
+        while n == 0 and self.running[-1].request_id != seq.request_id:
+            self._preempt(self.running[-1])
+            n = self._fit(seq, want)
+        if n == 0:
+            if self.running[0].request_id == seq.request_id:
+                raise RuntimeError(
+                    f"the KV pool ({self.blocks.num_blocks} blocks) cannot hold request {seq.request_id} alone "
+                    f"at {seq.num_computed} tokens; raise num_blocks / kv_cache_gb or use a bounded KV policy")
+            self._preempt(seq, batch)
+            return None
+        self.allocate(seq, n)
+        batch.add(seq, n, seq.take_dead_slots())
+        return n
 
     def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         while self.waiting and budget > 0 and self.can_admit(self.waiting[0]):
             seq = self.waiting[0]
-            want = min(seq.num_uncomputed, budget)
+            want = min(seq.ready_tokens(batch), budget)
             n = self._fit(seq, want, reserve=self._admission_reserve())
             assert n == want or not self.admit_by_bound, "the pool less the running bounds holds any chunk of a bound"
             if n == 0:
                 break
             self.waiting.popleft()
-            seq.status = Status.RUNNING
-            self.running.append(seq)
+            for thread in seq.threads():
+                thread.status = Status.RUNNING
+                self.running.append(thread)
             self.allocate(seq, n)
-            batch.add(seq, n)
+            batch.add(seq, n, seq.take_dead_slots())
             budget -= n
+
+    def add_thread(self, seq: Sequence) -> None:
+        """A new sequence of a running request (a Pasta fork): it runs beside the request's others."""
+        last = max(i for i, s in enumerate(self.running) if s.request_id == seq.request_id)
+        self.running.insert(last + 1, seq)
+        seq.status = Status.RUNNING
 
     def _admission_reserve(self) -> int:
         """Free blocks an admission must leave: none under a bounded policy (the bounds reserve them);
@@ -165,26 +206,25 @@ class Scheduler:
 
     def _fit(self, seq: Sequence, n: int, reserve: int = 0) -> int:
         """The most of the next ``n`` tokens whose blocks can be allocated now."""
-        bs = seq.block_size
-        first = seq.num_computed // bs
-        room = (first + 1) * bs - seq.num_computed if first in seq.blocks else 0
-        return min(n, room + max(0, self.blocks.num_free - reserve) * bs)
+        return seq.fit(n, max(0, self.blocks.num_free - reserve))
 
     def allocate(self, seq: Sequence, n: int) -> None:
-        """Blocks for the next ``n`` positions of ``seq`` (the caller checked that the pool has them)."""
-        bs = seq.block_size
-        for j in range(seq.num_computed // bs, (seq.num_computed + n - 1) // bs + 1):
-            if j not in seq.blocks:
-                seq.add_block(j, self.blocks.allocate())
+        """Blocks for the next ``n`` tokens of ``seq`` (the caller checked that the pool has them)."""
+        for j in seq.new_columns(n):
+            seq.add_block(j, self.blocks.allocate())
         assert len(seq.blocks) <= seq.block_bound, (seq.request_id, len(seq.blocks), seq.block_bound)
-        seq.kv.peak_blocks = max(seq.kv.peak_blocks, len(seq.blocks))
+        seq.kv.peak_blocks = max(seq.kv.peak_blocks, seq.held_blocks)
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Sequence, batch: ScheduledBatch | None = None) -> None:
+        """Preempt ``seq``'s whole request (all its threads; their rows leave ``batch``)."""
         assert not self.admit_by_bound, f"request {seq.request_id} was admitted by its bound yet needs preempting"
-        self.running.remove(seq)
-        for block in seq.reset_for_recompute():
-            self.blocks.free(block)
-        self.waiting.appendleft(seq)
+        for thread in seq.threads():
+            self.running.remove(thread)
+            for block in thread.reset_for_recompute():
+                self.blocks.free(block)
+        if batch is not None:
+            batch.drop_request(seq.request_id)
+        self.waiting.appendleft(seq.main)
         self.num_preemptions += 1
 
     def evict(self, seq: Sequence) -> None:
@@ -199,7 +239,9 @@ class Scheduler:
             self.blocks.free(block)
 
     def finish(self, seq: Sequence) -> None:
-        self.running.remove(seq)
-        for block in seq.release_blocks():
-            self.blocks.free(block)
-        seq.status = Status.FINISHED
+        """``seq``'s request is done: every thread leaves and lets go of its blocks."""
+        for thread in seq.threads():
+            self.running.remove(thread)
+            for block in thread.release_blocks():
+                self.blocks.free(block)
+            thread.status = Status.FINISHED

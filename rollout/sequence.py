@@ -5,6 +5,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 from enum import Enum, auto
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -12,6 +13,10 @@ from rollout.block_bound import block_bound
 from rollout.heavy_hitters import HeavyHitters
 from rollout.kv_policy import DeathTracker
 from rollout.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from rollout.pasta_runtime import PastaOutput
+    from rollout.scheduler import ScheduledBatch
 
 
 class Status(Enum):
@@ -31,7 +36,12 @@ class KVUsage:
 
 @dataclass
 class RequestOutput:
-    """A finished request. ``logprobs[i]`` is the sampler's log-probability of ``token_ids[i]``."""
+    """A finished request. ``logprobs[i]`` is the sampler's log-probability of ``token_ids[i]``.
+
+    Under ``kv="pasta"`` ``token_ids`` is the flattened response (``rollout.pasta``) and ``pasta`` its
+    threads and speed (``rollout.pasta_runtime.PastaOutput``); the tags the runtime inserted are forced, with
+    logprob 0.0.
+    """
 
     request_id: int
     prompt_token_ids: list[int]
@@ -44,6 +54,7 @@ class RequestOutput:
     num_preemptions: int = 0
     seconds: float = 0.0
     kv_deaths: list[tuple[int, int, int]] = field(default_factory=list)  # h2o: evicted (start, end, death) ranges
+    pasta: PastaOutput | None = None  # kv="pasta": forks, steps and speedup
 
 
 class Sequence:
@@ -132,10 +143,54 @@ class Sequence:
         for j in range(before // self.block_size, self.num_computed // self.block_size):
             self.block_completed(j)
 
-    def blocks_needed(self, n_tokens: int) -> int:
-        """New blocks required to write the next ``n_tokens`` positions."""
-        first, last = self.num_computed // self.block_size, (self.num_computed + n_tokens - 1) // self.block_size
-        return sum(1 for j in range(first, last + 1) if j not in self.blocks)
+    # ---- where tokens go: what the scheduler and the model runner ask (Pasta threads override) ----
+    def table_positions(self, start: int, n: int) -> range:
+        """Slots of tokens ``start .. start + n - 1`` in the block table's order (logical block · block_size +
+        offset): the positions attention masks with. A sequence writes its tokens in order."""
+        return range(start, start + n)
+
+    def rope_positions(self, start: int, n: int) -> range:
+        """RoPE position ids of tokens ``start .. start + n - 1`` (the token index here)."""
+        return range(start, start + n)
+
+    @property
+    def last_position(self) -> int:
+        """RoPE position of the last token (``max_model_len`` caps it)."""
+        return len(self.token_ids) - 1
+
+    def ready_tokens(self, batch: ScheduledBatch) -> int:
+        """How many of the uncomputed tokens may be computed in ``batch`` (all of them here)."""
+        return self.num_uncomputed
+
+    def fit(self, n: int, free_blocks: int) -> int:
+        """The most of the next ``n`` tokens whose new blocks number at most ``free_blocks``."""
+        bs = self.block_size
+        first = self.num_computed // bs
+        room = (first + 1) * bs - self.num_computed if first in self.blocks else 0
+        return min(n, room + free_blocks * bs)
+
+    def new_columns(self, n: int) -> list[int]:
+        """Logical blocks the next ``n`` tokens need that are not held yet."""
+        first, last = self.num_computed // self.block_size, (self.num_computed + n - 1) // self.block_size
+        return [j for j in range(first, last + 1) if j not in self.blocks]
+
+    def take_dead_slots(self) -> list[int]:
+        """Physical slots whose keys must read as dead before the next forward (Pasta threads' left-over slots)."""
+        return []
+
+    @property
+    def held_blocks(self) -> int:
+        """Blocks this request holds (its peak is ``kv.peak_blocks``)."""
+        return len(self.blocks)
+
+    @property
+    def main(self) -> Sequence:
+        """The sequence that stands for the request: itself (a Pasta fork's is its main thread)."""
+        return self
+
+    def threads(self) -> list[Sequence]:
+        """The request's sequences in the order a step schedules them: itself."""
+        return [self]
 
     def add_block(self, j: int, block: int) -> None:
         col = len(self.blocks)

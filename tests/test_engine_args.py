@@ -11,7 +11,7 @@ from rollout import LLM, EngineArgs
 # LLM's library defaults as the README's "Python API" section spells them out
 README_DEFAULTS = dict(kv="full", device="cpu", dtype="float32", block_size=16, num_blocks=None, kv_cache_gb=None,
                        max_num_seqs=64, max_num_batched_tokens=1024, kv_watermark=0.01, max_model_len=None, seed=0,
-                       cuda_graphs=True, overlap=None, gemv=False)
+                       cuda_graphs=True, overlap=None, gemv=False, pasta_max_forks=8)
 
 
 def test_defaults_are_the_documented_ones():
@@ -40,10 +40,19 @@ def test_defaults_are_the_documented_ones():
     ("cuda_graphs", "no", "cuda_graphs must be true or false, got 'no'"),
     ("gemv", "yes", "gemv must be true or false, got 'yes'"),
     ("overlap", 1, "overlap must be None, true or false, got 1"),
+    ("pasta_max_forks", -1, "pasta_max_forks must be an integer >= 0, got -1"),
+    ("pasta_max_forks", 2.0, "pasta_max_forks must be an integer >= 0, got 2.0"),
 ])
 def test_bad_values_name_the_value_and_what_is_valid(field, value, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         EngineArgs(**{field: value})
+
+
+def test_overlap_is_refused_under_pasta():
+    # catches: overlap left on under pasta (a queued step would write a <sync/> before its join)
+    with pytest.raises(ValueError, match="overlap=True is not supported under kv=pasta"):
+        EngineArgs(kv="pasta", overlap=True)
+    assert EngineArgs(kv="pasta", overlap=False, pasta_max_forks=0).pasta_max_forks == 0
 
 
 def test_valid_edge_values_are_accepted_and_kv_is_canonical():
