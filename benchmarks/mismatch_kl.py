@@ -249,7 +249,15 @@ def print_table(rows: list[dict]) -> None:
 
 
 PAPER_1X = 0.1  # Prefix Sliding §4, Figure 8: "only passing the sliding window itself leads to a high KL of above 0.1"
+REFERENCE_LEGEND = (("chunked", "--"), ("whole trace, last W", ":"))
 KL_FLOOR = 1e-16  # float64 k3 of a float32 rounding difference is ~1e-14; an exact 0 is drawn here
+
+
+def reference_style(row: dict) -> str | None:
+    """Chunked (dashed) and the whole trace on the truncated rows' loss tokens (dotted) are horizontal lines."""
+    if row["window_mode"] == "chunked":
+        return "--"
+    return ":" if row["mode"] == "full (last W)" else None
 
 
 def plot(rows: list[dict], path: Path) -> Path:
@@ -257,7 +265,7 @@ def plot(rows: list[dict], path: Path) -> Path:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(6.4, 4.2), dpi=100)
+    fig = Figure(figsize=(8.6, 4.2), dpi=100)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     runs = list(dict.fromkeys(r["run"] for r in rows))
@@ -265,13 +273,13 @@ def plot(rows: list[dict], path: Path) -> Path:
         color = f"C{i}"
         mine = [r for r in rows if r["run"] == run]
         trunc = [r for r in mine if r["window_mode"] == "truncated"]
-        ax.plot([r["k"] for r in trunc], [max(r["kl"], KL_FLOOR) for r in trunc], "o-", color=color,
-                label=f"{run}: truncated")
-        for r in mine:  # the whole trace is drawn on the truncated rows' loss tokens: its last W
-            if r["mode"] == "full (last W)" or r["window_mode"] == "chunked":
-                ax.axhline(max(r["kl"], KL_FLOOR), linestyle="--" if r["window_mode"] == "chunked" else ":",
-                           color=color, linewidth=1, label=f"{run}: {r['mode']}")
-    ax.axhline(PAPER_1X, color="grey", alpha=0.5, linewidth=3, label="paper's 1x: above 0.1 (Qwen3-1.7B, W=2048)")
+        ax.plot([r["k"] for r in trunc], [max(r["kl"], KL_FLOOR) for r in trunc], "o-", color=color, label=run)
+        for r in mine:
+            if reference_style(r):
+                ax.axhline(max(r["kl"], KL_FLOOR), linestyle=reference_style(r), color=color, linewidth=1)
+    for label, style in REFERENCE_LEGEND:
+        ax.plot([], [], linestyle=style, color="black", linewidth=1, label=label)
+    ax.axhline(PAPER_1X, color="grey", alpha=0.5, linewidth=3, label="paper's 1x: above 0.1\n(Qwen3-1.7B, W=2048)")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ks = sorted({r["k"] for r in rows if r["window_mode"] == "truncated"})
@@ -279,7 +287,7 @@ def plot(rows: list[dict], path: Path) -> Path:
     ax.set(xlabel="generated tokens passed to the trainer (k·W)", ylabel="mismatch KL (k3, mean per loss token)",
            title="Sampler/trainer mismatch vs truncation multiplier")
     ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=6, loc="best")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))  # outside: never over a line
     fig.tight_layout()
     fig.savefig(path)
     return path
