@@ -271,10 +271,10 @@ def overlap_phases(llm: LLM, steps: int) -> dict:
             return out
         return wrapper
 
-    originals = {"take": ra.take, "queue_next": ra.queue_next, "read_back": ra.read_back, "sample": runner.sample,
-                 "postprocess": llm.postprocess}
-    ra.take, ra.queue_next = timed("take", ra.take), timed("queue_next", ra.queue_next)
-    runner.sample, llm.postprocess = timed("sample", runner.sample), timed("postprocess", llm.postprocess)
+    patched = [(ra, "take"), (ra, "queue_next"), (runner, "sample"), (llm, "postprocess"), (ra, "read_back")]
+    originals = [(obj, name, getattr(obj, name)) for obj, name in patched]
+    for obj, name, fn in originals[:-1]:
+        setattr(obj, name, timed(name, fn))
     read_back = timed("read_back", ra.read_back)
     ra.read_back = lambda *t: timed("wait", read_back(*t))
     before = (llm.stats.steps, llm.stats.queued_ahead, llm.stats.redone_rows, llm.stats.preemptions)
@@ -285,13 +285,8 @@ def overlap_phases(llm: LLM, steps: int) -> dict:
             llm.step()
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
-    for name, fn in originals.items():
-        if name == "postprocess":
-            llm.postprocess = fn
-        elif name == "sample":
-            runner.sample = fn
-        else:
-            setattr(ra, name, fn)
+    for obj, name, fn in originals:
+        setattr(obj, name, fn)
     spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
                    if e.device_type == torch.autograd.DeviceType.CUDA)
     busy, end = 0.0, -math.inf

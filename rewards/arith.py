@@ -66,11 +66,7 @@ class ArithTask:
         lo, hi = self.num_steps
         if not 1 <= lo <= hi <= len(STEP_LABELS):
             raise ValueError(f"num_steps must be (a, b) with 1 <= a <= b <= {len(STEP_LABELS)}, got {self.num_steps}")
-        if self.max_operand < 1:
-            raise ValueError(f"max_operand must be >= 1, got {self.max_operand}")
-        if self.min_value < 0 or self.max_value - self.min_value < self.max_operand:
-            raise ValueError(f"need 0 <= min_value and max_value - min_value >= max_operand ({self.max_operand}), "
-                             f"got min_value={self.min_value}, max_value={self.max_value}")
+        check_chain_bounds(self.max_operand, self.min_value, self.max_value)
         object.__setattr__(self, "num_steps", (int(lo), int(hi)))
 
     def problems(self, n: int, split: str = "train") -> list[dict]:
@@ -116,6 +112,15 @@ def format_solution(start: int, ops: list[tuple[str, int]]) -> str:
     lines = [str(start)] + [f"{STEP_LABELS[i]}{sign}{operand}={values[i + 1]}" for i, (sign, operand) in enumerate(ops)]
     body = "".join(line + "\n" for line in lines)
     return f"<think>\n{body}{END_THINK}\nAnswer: \\boxed{{{values[-1]}}}"
+
+
+def check_chain_bounds(max_operand: int, min_value: int, max_value: int) -> None:
+    """The operand and value ranges ``draw_chain`` needs: a ValueError naming the bad setting otherwise."""
+    if max_operand < 1:
+        raise ValueError(f"max_operand must be >= 1, got {max_operand}")
+    if min_value < 0 or max_value - min_value < max_operand:
+        raise ValueError(f"need 0 <= min_value and max_value - min_value >= max_operand ({max_operand}), "
+                         f"got min_value={min_value}, max_value={max_value}")
 
 
 def draw_chain(rng: random.Random, num_steps: tuple[int, int], max_operand: int, min_value: int,

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from rewards.arith import ArithVerifier, draw_chain, is_eval_prompt, run_chain, split_rng
+from rewards.arith import ArithVerifier, check_chain_bounds, draw_chain, is_eval_prompt, run_chain, split_rng
 from rewards.math import END_THINK
 
 ASYNC_OPEN, ASYNC_CLOSE, SYNC = "<async>", "</async>", "<sync/>"
@@ -87,11 +87,7 @@ class PastaTask:
             raise ValueError(f"num_chains must be (a, b) with 2 <= a <= b <= {len(CHAIN_NAMES)}, got {self.num_chains}")
         if not 1 <= self.num_steps[0] <= self.num_steps[1]:
             raise ValueError(f"num_steps must be (a, b) with 1 <= a <= b, got {self.num_steps}")
-        if self.max_operand < 1:
-            raise ValueError(f"max_operand must be >= 1, got {self.max_operand}")
-        if self.min_value < 0 or self.max_value - self.min_value < self.max_operand:
-            raise ValueError(f"need 0 <= min_value and max_value - min_value >= max_operand ({self.max_operand}), "
-                             f"got min_value={self.min_value}, max_value={self.max_value}")
+        check_chain_bounds(self.max_operand, self.min_value, self.max_value)
         object.__setattr__(self, "num_chains", (int(lo), int(hi)))
         object.__setattr__(self, "num_steps", tuple(int(x) for x in self.num_steps))
 

@@ -49,7 +49,7 @@ class EngineArgs:
     cuda_graphs: bool = True
     """On CUDA, replay decode steps as captured CUDA graphs (outputs are the same without)."""
     overlap: bool | None = None
-    """Queue each decode step before the previous one's tokens are read back; None: on for CUDA."""
+    """Queue each decode step before the previous one's tokens are read back; None: on for CUDA except under pasta."""
     gemv: bool = False
     """On CUDA, run linear layers and the lm_head over at most 8 tokens with the Triton split-K GEMV instead of cuBLAS (off: no faster at batch 1 on the H200, docs/benchmarks.md)."""
     pasta_max_forks: int = 8
