@@ -1,56 +1,112 @@
-"""What a run starts from, settled before any actor exists: run directory, resolved config, data
-(fields checked), initial weights (warm start or a model directory) and the checkpoint to resume.
+"""What a run starts from, settled before any actor exists: the storage root (run_dir), resolved config,
+data (fields checked), the initial model, the warm start's examples and the checkpoint to resume.
 Every mistake a user can make here is a ``ConfigError`` naming the bad value.
+
+The storage root (``cluster.storage``) holds the run's config, checkpoints, driver state and traces.
+A local root is also the driver's own folder. For a URI root the driver keeps its own files
+(task data, metrics.jsonl, W&B's offline folder, plots, summary) in a temporary folder and copies
+them to the root (``push_driver_files``); a resume starts by copying them back, so a fresh driver
+with nothing on its disk continues the run from the root alone.
 """
 
 from __future__ import annotations
 
+import sys
+import tempfile
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePath
 
-from cluster.config import ConfigError, check_device, check_outlives_job, save_config
-from cluster.run_checkpoints import Checkpoints, DamagedCheckpoint, DriverState
+from cluster.config import ConfigError, check_device, check_outlives_job, to_yaml
 from cluster.data import Problem, data_sources, keep_fitting, load_split
+from cluster.monitor import DRIVER_FILES, WANDB_DIR
+from cluster.run_checkpoints import Checkpoints, DamagedCheckpoint, DriverState
+from cluster.sft_job import stage_examples
+from cluster.storage import Storage
 from cluster.train_config import TrainConfig
+from trainer.sft import SFTExample
+
+CONFIG_FILE = "config.yaml"
 
 
 @dataclass
 class RunPlan:
     """What a run starts from, checked before any actor exists."""
 
-    run_dir: Path
-    model_path: str
+    storage: Storage  # the run's storage root (run_dir)
+    local_dir: Path  # the driver's own files: the root itself when local, else a temporary folder
+    model_path: str  # the configured model on the driver's disk, before any warm start
     train_problems: list[Problem]
     eval_problems: list[Problem]
-    resume: tuple[Path, DriverState] | None
+    resume: tuple[PurePath, DriverState] | None
+    warm_start: tuple[list[SFTExample], list[SFTExample]] | None = None  # the stage's (train, held-out) examples
+
+    @property
+    def run_dir(self) -> Path | str:
+        """The root as users name it: a Path when local, else its URI."""
+        return self.storage.root if self.storage.local else self.storage.location
+
+    def push_driver_files(self, final: bool = False) -> None:
+        """Copy the driver's own files to a remote root: metrics.jsonl, and when ``final`` also the summary,
+        plots and W&B's folder (nothing to do for a local root)."""
+        if self.storage.local:
+            return
+        try:
+            for name in DRIVER_FILES if final else DRIVER_FILES[:1]:
+                if (self.local_dir / name).is_file():
+                    self.storage.write_bytes(self.storage.path(name), (self.local_dir / name).read_bytes())
+            if final and (self.local_dir / WANDB_DIR).is_dir():
+                self.storage.upload(self.local_dir / WANDB_DIR, self.storage.path(WANDB_DIR))
+        except OSError as err:  # the checkpoints are what a resume needs; these files can wait for the next copy
+            print(f"sliderl: warning: could not copy the driver's files from {self.local_dir} to "
+                  f"{self.storage.location}: {err}", file=sys.stderr, flush=True)
+
+    def _pull_driver_files(self) -> None:
+        for name in DRIVER_FILES:
+            if self.storage.is_file(self.storage.path(name)):
+                (self.local_dir / name).write_bytes(self.storage.read_bytes(self.storage.path(name)))
 
 
 def prepare(cfg: TrainConfig) -> RunPlan:
-    """Run directory, resolved config, data (fields checked) and initial weights; no Ray yet."""
+    """Storage root, resolved config, data (fields checked), initial model and warm-start examples; no Ray yet."""
     check_devices(cfg)
     check_outlives_job(cfg.run_dir, "run_dir")
-    run_dir = Path(cfg.run_dir).expanduser().resolve()
-    checkpoints = Checkpoints(run_dir, cfg.checkpoint.keep)
-    resume = latest_checkpoint(checkpoints) if cfg.resume else None
-    if cfg.resume and resume is None:
-        raise ConfigError(f"resume=true but {run_dir / 'checkpoints'} holds no complete, intact checkpoint")
-    if not cfg.resume and checkpoints.complete():
-        raise ConfigError(f"run_dir {str(run_dir)!r} already holds checkpoints of a run; pass resume=true to "
-                          "continue it, or choose another run_dir")
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, run_dir / "config.yaml")
-    except OSError as err:
-        raise ConfigError(f"run_dir {str(run_dir)!r} cannot be written ({err.strerror or err}); choose a "
-                          "writable folder") from None
-    train_source, eval_source = data_sources(cfg, run_dir)
-    train_problems = load_split(cfg, train_source)
+    plan = _open_run(cfg)
+    train_source, eval_source = data_sources(cfg, plan.local_dir)
+    plan.train_problems = load_split(cfg, train_source)
     wants_eval = cfg.eval.before or cfg.eval.after
     eval_problems = load_split(cfg, eval_source, cfg.eval.num_problems) if wants_eval else []
     # prompts are checked against the configured model's tokenizer and length first: a dataset nothing
     # of which fits is an error before the warm start (which keeps the tokenizer and the config)
-    train_problems, eval_problems = fitting_prompts(cfg, cfg.model.resolve(), train_problems, eval_problems)
-    return RunPlan(run_dir, initial_model(cfg), train_problems, eval_problems, resume)
+    plan.model_path = cfg.model.resolve()
+    plan.train_problems, plan.eval_problems = fitting_prompts(cfg, plan.model_path, plan.train_problems,
+                                                              eval_problems)
+    if cfg.warmstart.enabled:
+        plan.warm_start = stage_examples(cfg.warmstart, cfg.task)
+    return plan
+
+
+def _open_run(cfg: TrainConfig) -> RunPlan:
+    """The storage root opened and checked (resume or a fresh run), config.yaml written, the driver's folder
+    ready; a root that cannot be reached or written is a ConfigError."""
+    try:
+        storage = Storage(cfg.run_dir)
+        checkpoints = Checkpoints(storage, cfg.checkpoint.keep)
+        resume = latest_checkpoint(checkpoints) if cfg.resume else None
+        if cfg.resume and resume is None:
+            raise ConfigError(f"resume=true but {storage.uri(checkpoints.dir)} holds no complete, intact checkpoint")
+        if not cfg.resume and checkpoints.complete():
+            raise ConfigError(f"run_dir {storage.location!r} already holds checkpoints of a run; pass resume=true "
+                              "to continue it, or choose another run_dir")
+        storage.make_dir(storage.root)
+        storage.write_bytes(storage.path(CONFIG_FILE), to_yaml(cfg).encode())
+        local_dir = Path(storage.root) if storage.local else Path(tempfile.mkdtemp(prefix="sliderl-run-"))
+        plan = RunPlan(storage, local_dir, "", [], [], resume)
+        if resume is not None and not storage.local:
+            plan._pull_driver_files()
+    except OSError as err:  # pyarrow's errors (unreachable endpoint, no bucket, no credentials) are OSErrors
+        raise ConfigError(f"run_dir {cfg.run_dir!r} cannot be written ({err.strerror or ' '.join(str(err).split())}); "
+                          "choose a writable folder, or check the storage URI, its bucket and credentials") from None
+    return plan
 
 
 def latest_checkpoint(checkpoints: Checkpoints) -> tuple[Path, DriverState] | None:
@@ -71,16 +127,6 @@ def fitting_prompts(cfg: TrainConfig, model_path: str, train: list[Problem], eva
     tokenizer = load_tokenizer(model_path)
     fitting = keep_fitting(train, tokenizer, limit, "train")
     return fitting, keep_fitting(evaluation, tokenizer, limit, "eval") if evaluation else evaluation
-
-
-def initial_model(cfg: TrainConfig) -> str:
-    """The configured model, warm-started by its SFT stage when enabled (trained now unless cached)."""
-    model_path = cfg.model.resolve()
-    if not cfg.warmstart.enabled:
-        return model_path
-    from cluster.sft_job import warm_start
-
-    return warm_start(cfg, model_path)
 
 
 def check_devices(cfg: TrainConfig) -> None:

@@ -3,8 +3,9 @@
 Both turn an ``SFTStage`` (data, learner settings, steps) into ``trainer.sft`` examples — a generated
 task's reference solutions (arith, regmachine) or a user's file of prompt/completion pairs — and train them with the
 one trainer, ``trainer.Learner`` with the SFT algorithm, under one KV policy (the job's ``kv``; for
-the warm start, the rollouts' ``engine.kv``). The warm start's checkpoint is cached by everything
-that shapes its weights; ``sliderl sft`` writes its checkpoint to ``output_dir/model``.
+the warm start, the rollouts' ``engine.kv``). The warm start runs on its own actor and its checkpoint
+is cached by everything that shapes its weights (``cluster.warm_start``); ``sliderl sft`` writes its
+checkpoint to ``output_dir/model``.
 """
 
 from __future__ import annotations
@@ -15,8 +16,7 @@ from cluster.config import ConfigError
 from cluster.data import open_dataset
 from cluster.sft_config import SFTJobConfig, SFTStage
 from cluster.task_config import GENERATED_TASKS
-from cluster.train_config import TrainConfig
-from trainer.sft import SFTExample, cached_sft, run_sft
+from trainer.sft import SFTExample, run_sft
 
 
 def stage_examples(stage: SFTStage, task) -> tuple[list[SFTExample], list[SFTExample]]:
@@ -47,17 +47,6 @@ def stage_examples(stage: SFTStage, task) -> tuple[list[SFTExample], list[SFTExa
         raise ConfigError(f"SFT data {d.source!r} has {len(examples)} rows; data.held_out={d.held_out} leaves none "
                           "to train on")
     return examples[:-d.held_out], examples[-d.held_out:]
-
-
-def warm_start(cfg: TrainConfig, model_path: str) -> str:
-    """The warm-started checkpoint of ``cfg`` from ``model_path`` (trained now unless cached)."""
-    stage = cfg.warmstart
-    train, held_out = stage_examples(stage, cfg.task)
-    print(f"sliderl: warm start from {model_path} (at most {stage.sft.steps} SFT steps under {cfg.engine.kv}, "
-          f"cached in {stage.cache_dir})", flush=True)
-    result = cached_sft(stage.cache_dir, model_path, train, held_out, cfg.engine.kv, stage.learner, stage.sft)
-    print(f"sliderl: warm start {result.line()} -> {result.path}", flush=True)
-    return result.path
 
 
 def run_sft_job(cfg: SFTJobConfig, train: list[SFTExample], held_out: list[SFTExample]):
