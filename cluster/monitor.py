@@ -100,7 +100,7 @@ class Monitor:
         if total_steps < 1:
             raise ValueError(f"total_steps must be >= 1, got {total_steps}")
         self.run_dir = Path(run_dir)
-        self.storage_root = storage_root or str(self.run_dir)
+        self.storage_root = storage_root
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.cfg = cfg
         self.total_steps = total_steps
@@ -108,7 +108,7 @@ class Monitor:
         self.history, self._elapsed_before = _read_history(self.metrics_path)
         # disabled: no W&B at all (not even the import), e.g. on machines without wandb installed
         self._run = None if cfg.wandb.mode == "disabled" else _start_wandb(self.run_dir, cfg.wandb, config_dict,
-                                                                             _run_name(self.storage_root))
+                                                                             _run_name(storage_root or str(self.run_dir)))
         self._started = time.monotonic()
         self._file = _open_for_append(self.metrics_path)
         self._bar = _progress_bar(total_steps, max(self.history, default=0))
@@ -305,7 +305,7 @@ def format_summary(run_dir: Path, history: dict[int, dict], total_steps: int, wa
         f"  learner step     {_mean_text(history, KEYS.learner_step_seconds, '{:.3f} s (mean)')}",
         f"  stale dropped    {_total_text(history, KEYS.stale_groups_dropped, '{:g} groups')}",
         f"  traces           {_trace_count(storage_root or run_dir)}",
-        f"  metrics          {run_dir / METRICS_FILE}",
+        f"  metrics          {f'{storage_root}/{METRICS_FILE}' if storage_root else run_dir / METRICS_FILE}",
     ]
     if plots:
         lines.append(f"  plots            {', '.join(str(p) for p in plots)}")
