@@ -88,7 +88,7 @@ class WarmStartConfig(SFTStage):
     @field_validator("cache_dir")
     @classmethod
     def _cache_location(cls, cache_dir: str) -> str:
-        return check_location(cache_dir, "warmstart.cache_dir")
+        return check_location(cache_dir)
 
 
 class SFTJobConfig(SFTStage):

@@ -39,18 +39,18 @@ def is_uri(location: str | os.PathLike) -> bool:
     return "://" in str(location)
 
 
-def check_location(location: str, key: str) -> str:
+def check_location(location: str) -> str:
     """``location`` if it is a local path or a URI of a known scheme with a bucket (or host); else
-    ValueError naming ``key``, the value and what would be valid. Nothing is opened or contacted."""
+    ValueError naming the value and what would be valid. Nothing is opened or contacted."""
     if not is_uri(location):
         return location
     parts = urlsplit(location)
     scheme = parts.scheme.lower()
     if scheme not in SCHEMES:
-        raise ValueError(f"{key}={location!r}: unknown storage scheme {parts.scheme!r}; use a local path or a URI "
+        raise ValueError(f"{location!r}: unknown storage scheme {parts.scheme!r}; use a local path or a URI "
                          f"of {', '.join(s + '://' for s in SCHEMES)} (e.g. s3://bucket/prefix)")
     if scheme != "file" and not parts.netloc:
-        raise ValueError(f"{key}={location!r} names no bucket or host; write {scheme}://BUCKET/prefix")
+        raise ValueError(f"{location!r} names no bucket or host; write {scheme}://BUCKET/prefix")
     return location
 
 
@@ -70,7 +70,7 @@ class Storage:
             self.location = str(self.root)
             self._query = ""
         else:
-            check_location(text, "storage")
+            check_location(text)
             self.fs, base = fs.FileSystem.from_uri(text)
             self.root = PurePosixPath(base.rstrip("/"))
             head, _, query = text.partition("?")

@@ -220,7 +220,7 @@ class TrainConfig(Section):
     @field_validator("run_dir")
     @classmethod
     def _storage_root(cls, run_dir: str) -> str:
-        return check_location(run_dir, "run_dir")
+        return check_location(run_dir)
 
     @model_validator(mode="before")
     @classmethod
