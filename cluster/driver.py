@@ -131,7 +131,7 @@ def _sessions(cfg: TrainConfig, plan: RunPlan, model: ModelFiles, pg, on_step: S
             finally:
                 session.close()
     finally:
-        plan.push_driver_files(final=True)
+        plan.finish()
 
 
 class Session:

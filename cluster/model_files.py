@@ -24,7 +24,7 @@ COPIES = "sliderl-models"
 
 @dataclass(frozen=True)
 class ModelFiles:
-    """A model folder as every actor can open it; built by ``ship`` or ``of``."""
+    """A model folder as every actor can open it (the driver's: ``ship``; the warm start's: from its actor)."""
 
     path: str  # the folder, on node ``node_id``
     node_id: str
@@ -37,16 +37,10 @@ class ModelFiles:
         import ray
 
         node = ray.get_runtime_context().get_node_id()
-        return cls.of(path, node, read_folder(path) if multi_node else None)
-
-    @classmethod
-    def of(cls, path: str, node_id: str, files: dict[str, bytes] | None) -> ModelFiles:
-        """The folder ``path`` on node ``node_id``, with its files (from ``read_folder``) when other nodes need them."""
-        import ray
-
-        if files is None:
-            return cls(str(path), node_id)
-        return cls(str(path), node_id, folder_digest(files), ray.put(files))
+        if not multi_node:
+            return cls(str(path), node)
+        files = read_folder(path)
+        return cls(str(path), node, folder_digest(files), ray.put(files))
 
     def local_path(self) -> str:
         """The folder on this process's node: ``path`` on the node that holds it, else a copy of the files."""

@@ -11,6 +11,7 @@ with nothing on its disk continues the run from the root alone.
 
 from __future__ import annotations
 
+import shutil
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -45,11 +46,11 @@ class RunPlan:
         """The root as users name it: a Path when local, else its URI."""
         return self.storage.root if self.storage.local else self.storage.location
 
-    def push_driver_files(self, final: bool = False) -> None:
+    def push_driver_files(self, final: bool = False) -> bool:
         """Copy the driver's own files to a remote root: metrics.jsonl, and when ``final`` also the summary,
-        plots and W&B's folder (nothing to do for a local root)."""
+        plots and W&B's folder (nothing to do for a local root). False when a copy failed (with a warning)."""
         if self.storage.local:
-            return
+            return True
         try:
             for name in DRIVER_FILES if final else DRIVER_FILES[:1]:
                 if (self.local_dir / name).is_file():
@@ -59,6 +60,13 @@ class RunPlan:
         except OSError as err:  # the checkpoints are what a resume needs; these files can wait for the next copy
             print(f"sliderl: warning: could not copy the driver's files from {self.local_dir} to "
                   f"{self.storage.location}: {err}", file=sys.stderr, flush=True)
+            return False
+        return True
+
+    def finish(self) -> None:
+        """The driver's last copy to a remote root; its temporary folder goes once everything is there."""
+        if self.push_driver_files(final=True) and not self.storage.local:
+            shutil.rmtree(self.local_dir, ignore_errors=True)
 
     def _pull_driver_files(self) -> None:
         for name in DRIVER_FILES:

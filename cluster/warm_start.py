@@ -22,7 +22,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from cluster.model_files import ModelFiles, local_folder, read_folder
+from cluster.model_files import ModelFiles, folder_digest, local_folder, read_folder
 from cluster.storage import Storage, is_uri
 from cluster.train_config import TrainConfig
 from trainer.learner_args import LearnerArgs
@@ -33,13 +33,13 @@ COPIES = "sliderl-warmstart"
 
 @dataclass
 class WarmStarted:
-    """The actor's answer: how the stage went, where its checkpoint is (on which node, and where it is
-    stored), and the checkpoint's files when other nodes need them."""
+    """The actor's answer: how the stage went, and where its checkpoint is (on which node, and where it
+    is stored)."""
 
     result: SFTResult
     node_id: str
     stored: str  # the cache folder: a path on node ``node_id``, or a URI
-    files: dict[str, bytes] | None
+    digest: str = ""  # of the checkpoint's files, when they were returned too
 
 
 class WarmStartActor:
@@ -51,14 +51,17 @@ class WarmStartActor:
         torch.set_num_threads(max(1, num_threads))
 
     def run(self, model: ModelFiles | str, cache_dir: str, train: list[SFTExample], held_out: list[SFTExample],
-            kv_policy: str, learner_args: LearnerArgs, sft_args: SFTArgs, ship: bool) -> WarmStarted:
-        """The stage from ``model`` under ``kv_policy``; ``ship``: return the checkpoint's files too."""
+            kv_policy: str, learner_args: LearnerArgs, sft_args: SFTArgs,
+            ship: bool) -> tuple[WarmStarted, dict[str, bytes] | None]:
+        """The stage from ``model`` under ``kv_policy``, and with ``ship`` the checkpoint's files (a second
+        return value: its object belongs to the caller and outlives this actor)."""
         import ray
 
         result, stored = cached_warm_start(cache_dir, local_folder(model), train, held_out, kv_policy, learner_args,
                                            sft_args)
-        return WarmStarted(result, ray.get_runtime_context().get_node_id(), stored,
-                           read_folder(result.path) if ship else None)
+        files = read_folder(result.path) if ship else None
+        node = ray.get_runtime_context().get_node_id()
+        return WarmStarted(result, node, stored, folder_digest(files) if files else ""), files
 
 
 def cached_warm_start(cache_dir: str, model_path: str, train: list[SFTExample], held_out: list[SFTExample],
@@ -101,11 +104,12 @@ def warm_start(cfg: TrainConfig, model: ModelFiles, examples: tuple[list[SFTExam
           f"{stage.cache_dir})", flush=True)
     actor = make_warm_start(cfg)
     try:
-        done: WarmStarted = ray.get(actor.run.remote(model, stage.cache_dir, *examples, cfg.engine.kv, stage.learner,
-                                                     stage.sft, multi_node))
+        done_ref, files = actor.run.options(num_returns=2).remote(model, stage.cache_dir, *examples, cfg.engine.kv,
+                                                                  stage.learner, stage.sft, multi_node)
+        done: WarmStarted = ray.get(done_ref)
     except (RayActorError, RayTaskError) as err:
         raise RunError(f"the warm start failed: {' '.join(str(err).split())[:2000]}") from None
     finally:
         ray.kill(actor, no_restart=True)
     print(f"sliderl: warm start {done.result.line()} -> {done.stored}", flush=True)
-    return ModelFiles.of(done.result.path, done.node_id, done.files)
+    return ModelFiles(done.result.path, done.node_id, done.digest, files if done.digest else None)

@@ -225,6 +225,46 @@ def test_the_warm_start_cache_in_a_bucket_is_whole_or_absent_and_reused(s3, tiny
     assert Path(again.path).parent == node / "sliderl-warmstart" and again.losses == result.losses
 
 
+# ----------------------------------------------------------------------------- bad roots
+
+
+@pytest.mark.parametrize("run_dir, message", [
+    ("foo://bucket/run", "run_dir: 'foo://bucket/run': unknown storage scheme 'foo'; use a local path or a URI of s3://"),
+    ("s3:///run", "run_dir: 's3:///run' names no bucket or host; write s3://BUCKET/prefix"),
+    ("s3://no-such-bucket/run", "run_dir 's3://no-such-bucket/run' cannot be written ("),
+])
+def test_a_bad_storage_root_is_exit_2_before_ray(s3, tiny_model_factory, tmp_path, run_dir, message, capsys):
+    # Catches: a run_dir URI that is malformed, of a scheme pyarrow does not open, or whose bucket does
+    # not exist, surfacing as a traceback after Ray started, or found only when the run first opens
+    # it. Planted: without the run_dir validator the malformed ones fail later, in Storage, without
+    # naming run_dir; without the OSError wrapper in _open_run the missing bucket's OSError escapes
+    # main() as a traceback.
+    import ray
+
+    args = tiny_overrides(tiny_model_factory("qwen3"), tmp_path / "unused")
+    capsys.readouterr()
+    was_running = ray.is_initialized()
+    assert main(["train", *args, f"run_dir={run_dir}"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+    assert ray.is_initialized() == was_running
+
+
+def test_custom_resources_reach_the_bundles_and_an_unknown_one_is_refused():
+    # Catches: learner.resources / rollout.resources / warmstart.resources accepted by the config but
+    # not asked of Ray (actors land anywhere), and a resource no node has failing after the placement
+    # group times out instead of before any actor. Planted by _bundle ignoring ``custom``, the
+    # bundles lack node_b and no error is raised for node_c.
+    cfg = load_config(TrainConfig, None, ["learner.resources={node_b: 1}", "rollout.resources={node_b: 0.5}",
+                                          "rollout.num_workers=2", "warmstart.num_cpus=1",
+                                          "warmstart.resources={node_c: 1}"])
+    assert bundles(cfg) == [{"CPU": 1.0, "node_b": 1.0}, {"CPU": 0.5, "node_b": 0.5}, {"CPU": 0.5, "node_b": 0.5}]
+    head, node_b = {"CPU": 2.0}, {"CPU": 2.0, "node_b": 4.0}
+    with pytest.raises(ResourceError, match=r"no node of the Ray cluster can hold one actor's bundle \{'CPU': 1.0, "
+                                            r"'node_c': 1.0\}"):
+        check_resources(cfg, {"CPU": 4.0, "node_b": 4.0}, [head, node_b])
+
+
 # ------------------------------------------------------------------------- the model on other nodes
 
 
@@ -251,44 +291,6 @@ def test_model_files_reach_another_node_as_a_copy_of_the_folder(ray_session, tin
         dataclasses.replace(ModelFiles.ship(str(model), multi_node=False), node_id="0" * 56).local_path()
 
 
-# ----------------------------------------------------------------------------- bad roots
-
-
-@pytest.mark.parametrize("run_dir, message", [
-    ("foo://bucket/run", "run_dir: 'foo://bucket/run': unknown storage scheme 'foo'; use a local path or a URI of s3://"),
-    ("s3:///run", "run_dir: 's3:///run' names no bucket or host; write s3://BUCKET/prefix"),
-    ("s3://no-such-bucket/run", "run_dir 's3://no-such-bucket/run' cannot be written ("),
-])
-def test_a_bad_storage_root_is_exit_2_before_ray(s3, tiny_model_factory, tmp_path, run_dir, message, capsys):
-    # Catches: a run_dir URI that is malformed, of a scheme pyarrow does not open, or whose bucket does
-    # not exist, surfacing as a traceback after Ray started, or found only when the run first opens
-    # it. Planted: without the run_dir validator the malformed ones fail later, in Storage, without
-    # naming run_dir; without the OSError wrapper in _open_run the missing bucket's OSError escapes
-    # main() as a traceback.
-    import ray
-
-    args = tiny_overrides(tiny_model_factory("qwen3"), tmp_path / "unused")
-    capsys.readouterr()
-    assert main(["train", *args, f"run_dir={run_dir}"]) == 2
-    err = capsys.readouterr().err
-    assert message in err and err.count("\n") == 1, err
-    assert not ray.is_initialized()
-
-
-def test_custom_resources_reach_the_bundles_and_an_unknown_one_is_refused():
-    # Catches: learner.resources / rollout.resources / warmstart.resources accepted by the config but
-    # not asked of Ray (actors land anywhere), and a resource no node has failing after the placement
-    # group times out instead of before any actor. Planted by _bundle ignoring ``custom``, the
-    # bundles lack node_b and no error is raised for node_c.
-    cfg = load_config(TrainConfig, None, ["learner.resources={node_b: 1}", "rollout.resources={node_b: 0.5}",
-                                          "rollout.num_workers=2", "warmstart.resources={node_c: 1}"])
-    assert bundles(cfg) == [{"CPU": 1.0, "node_b": 1.0}, {"CPU": 0.5, "node_b": 0.5}, {"CPU": 0.5, "node_b": 0.5}]
-    head, node_b = {"CPU": 2.0}, {"CPU": 2.0, "node_b": 4.0}
-    with pytest.raises(ResourceError, match=r"no node of the Ray cluster can hold one actor's bundle \{'CPU': 1.0, "
-                                            r"'node_c': 1.0\}"):
-        check_resources(cfg, {"CPU": 4.0, "node_b": 4.0}, [head, node_b])
-
-
 # ------------------------------------------------------------------------ two nodes, one bucket
 
 ISOLATE = ["unshare", "--user", "--map-root-user", "--net", "--pid", "--fork", "--mount-proc"]
@@ -312,7 +314,8 @@ def job(model: Path, steps: int, *extra: str) -> list[str]:
     return [*tiny_overrides(model, RUN), "train.mode=sync", f"train.steps={steps}", "checkpoint.every=1",
             "warmstart.enabled=true", f"warmstart.cache_dir=s3://{BUCKET}/warmstart", "warmstart.sft.steps=3",
             "warmstart.sft.batch_size=4", "warmstart.sft.log_every=1", "warmstart.data.held_out=2",
-            "warmstart.resources={node_a: 1}", "learner.resources={node_b: 1}", "rollout.resources={node_b: 1}",
+            "warmstart.num_cpus=1", "warmstart.resources={node_a: 1}", "learner.resources={node_b: 1}",
+            "rollout.resources={node_b: 1}",
             *extra]
 
 
@@ -350,6 +353,7 @@ def traces(out: Path, run: int) -> list[dict]:
     return [row for p in parts for row in pq.read_table(p, columns=["group_id", "policy_version"]).to_pylist()]
 
 
+@pytest.mark.slow
 def test_a_run_on_two_nodes_writes_checkpoints_traces_and_state_to_the_bucket(two_runs):
     # Catches: a run whose checkpoints, driver state or traces land on some node's disk instead of the
     # storage root, a checkpoint without its marker, and actors that open the model where another node
@@ -373,6 +377,7 @@ def test_a_run_on_two_nodes_writes_checkpoints_traces_and_state_to_the_bucket(tw
     assert any(p.startswith("./sliderl-models/") and p.endswith("/model.safetensors") for p in node_b), node_b
 
 
+@pytest.mark.slow
 def test_the_warm_start_runs_on_its_actor_and_is_cached_in_the_bucket(two_runs):
     # Catches: the warm start trained in the driver process (as it was), its checkpoint left on the
     # node that trained it, and a second run training it again although the bucket holds it.
@@ -388,6 +393,7 @@ def test_the_warm_start_runs_on_its_actor_and_is_cached_in_the_bucket(two_runs):
     assert again.read_bytes() == markers[0].read_bytes()
 
 
+@pytest.mark.slow
 def test_a_fresh_driver_resumes_from_the_bucket_alone(two_runs):
     # Catches: a resume that needs the first driver's disk (checkpoints, trace log, metrics or data
     # cursor read from a local folder), one that restarts the learner from the initial weights, or
