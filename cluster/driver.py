@@ -87,9 +87,9 @@ def train(cfg: TrainConfig, on_step: StepHook | None = None) -> RunResult:
     import ray
 
     plan = prepare(cfg)
-    owns_ray = connect(cfg)
-    pg = None
+    pg, owns_ray = None, False
     try:
+        owns_ray = connect(cfg)
         total, nodes = cluster_capacity()
         check_resources(cfg, total, nodes)
         model = initial_model(cfg, plan, multi_node=len(nodes) > 1)
@@ -98,6 +98,7 @@ def train(cfg: TrainConfig, on_step: StepHook | None = None) -> RunResult:
     finally:
         if pg is not None:
             release(pg)
+        plan.finish()
         if owns_ray:
             ray.shutdown()
 
@@ -114,24 +115,21 @@ def initial_model(cfg: TrainConfig, plan: RunPlan, multi_node: bool) -> ModelFil
 def _sessions(cfg: TrainConfig, plan: RunPlan, model: ModelFiles, pg, on_step: StepHook | None) -> RunResult:
     """Run sessions until one finishes; a lost learner resumes from the latest checkpoint."""
     restarts = 0
-    try:
-        while True:
-            session = Session(cfg, plan, model, pg, on_step, learner_restarts=restarts)
-            try:
-                return session.run()
-            except LearnerLost as err:
-                latest = Checkpoints(plan.storage, cfg.checkpoint.keep).latest()
-                if latest is None or restarts >= cfg.train.max_learner_restarts:
-                    why = "no intact checkpoint exists" if latest is None else "its restarts are used up"
-                    raise RunError(f"the learner died ({err}) and {why}; checkpoints and traces are in "
-                                   f"{plan.run_dir}") from None
-                restarts += 1
-                print(f"sliderl: the learner died ({err}); resuming from {plan.storage.uri(latest[0])}", flush=True)
-                plan = replace(plan, resume=latest)
-            finally:
-                session.close()
-    finally:
-        plan.finish()
+    while True:
+        session = Session(cfg, plan, model, pg, on_step, learner_restarts=restarts)
+        try:
+            return session.run()
+        except LearnerLost as err:
+            latest = Checkpoints(plan.storage, cfg.checkpoint.keep).latest()
+            if latest is None or restarts >= cfg.train.max_learner_restarts:
+                why = "no intact checkpoint exists" if latest is None else "its restarts are used up"
+                raise RunError(f"the learner died ({err}) and {why}; checkpoints and traces are in "
+                               f"{plan.run_dir}") from None
+            restarts += 1
+            print(f"sliderl: the learner died ({err}); resuming from {plan.storage.uri(latest[0])}", flush=True)
+            plan = replace(plan, resume=latest)
+        finally:
+            session.close()
 
 
 class Session:

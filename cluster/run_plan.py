@@ -5,8 +5,8 @@ Every mistake a user can make here is a ``ConfigError`` naming the bad value.
 The storage root (``cluster.storage``) holds the run's config, checkpoints, driver state and traces.
 A local root is also the driver's own folder. For a URI root the driver keeps its own files
 (task data, metrics.jsonl, W&B's offline folder, plots, summary) in a temporary folder and copies
-them to the root (``push_driver_files``); a resume starts by copying them back, so a fresh driver
-with nothing on its disk continues the run from the root alone.
+them to the root (``RunPlan.push_driver_files``, ``RunPlan.finish``); a resume starts by copying them
+back, so a fresh driver with nothing on its disk continues the run from the root alone.
 """
 
 from __future__ import annotations
@@ -68,34 +68,28 @@ class RunPlan:
         if self.push_driver_files(final=True) and not self.storage.local:
             shutil.rmtree(self.local_dir, ignore_errors=True)
 
-    def _pull_driver_files(self) -> None:
-        for name in DRIVER_FILES:
-            if self.storage.is_file(self.storage.path(name)):
-                (self.local_dir / name).write_bytes(self.storage.read_bytes(self.storage.path(name)))
-
 
 def prepare(cfg: TrainConfig) -> RunPlan:
     """Storage root, resolved config, data (fields checked), initial model and warm-start examples; no Ray yet."""
     check_devices(cfg)
     check_outlives_job(cfg.run_dir, "run_dir")
-    plan = _open_run(cfg)
-    train_source, eval_source = data_sources(cfg, plan.local_dir)
-    plan.train_problems = load_split(cfg, train_source)
+    storage, local_dir, resume = _open_run(cfg)
+    train_source, eval_source = data_sources(cfg, local_dir)
+    train_problems = load_split(cfg, train_source)
     wants_eval = cfg.eval.before or cfg.eval.after
     eval_problems = load_split(cfg, eval_source, cfg.eval.num_problems) if wants_eval else []
     # prompts are checked against the configured model's tokenizer and length first: a dataset nothing
     # of which fits is an error before the warm start (which keeps the tokenizer and the config)
-    plan.model_path = cfg.model.resolve()
-    plan.train_problems, plan.eval_problems = fitting_prompts(cfg, plan.model_path, plan.train_problems,
-                                                              eval_problems)
-    if cfg.warmstart.enabled:
-        plan.warm_start = stage_examples(cfg.warmstart, cfg.task)
-    return plan
+    model_path = cfg.model.resolve()
+    train_problems, eval_problems = fitting_prompts(cfg, model_path, train_problems, eval_problems)
+    warm_start = stage_examples(cfg.warmstart, cfg.task) if cfg.warmstart.enabled else None
+    return RunPlan(storage, local_dir, model_path, train_problems, eval_problems, resume, warm_start)
 
 
-def _open_run(cfg: TrainConfig) -> RunPlan:
-    """The storage root opened and checked (resume or a fresh run), config.yaml written, the driver's folder
-    ready; a root that cannot be reached or written is a ConfigError."""
+def _open_run(cfg: TrainConfig) -> tuple[Storage, Path, tuple[PurePath, DriverState] | None]:
+    """The storage root opened and checked (resume or a fresh run) with config.yaml written, the driver's own
+    folder (with a remote root's driver files when resuming), and the checkpoint to resume; a root that
+    cannot be reached or written is a ConfigError."""
     try:
         storage = Storage(cfg.run_dir)
         checkpoints = Checkpoints(storage, cfg.checkpoint.keep)
@@ -107,17 +101,19 @@ def _open_run(cfg: TrainConfig) -> RunPlan:
                               "to continue it, or choose another run_dir")
         storage.make_dir(storage.root)
         storage.write_bytes(storage.path(CONFIG_FILE), to_yaml(cfg).encode())
-        local_dir = Path(storage.root) if storage.local else Path(tempfile.mkdtemp(prefix="sliderl-run-"))
-        plan = RunPlan(storage, local_dir, "", [], [], resume)
-        if resume is not None and not storage.local:
-            plan._pull_driver_files()
+        if storage.local:
+            return storage, Path(storage.root), resume
+        local_dir = Path(tempfile.mkdtemp(prefix="sliderl-run-"))
+        for name in DRIVER_FILES if resume is not None else ():  # a resumed Monitor reads them back
+            if storage.is_file(storage.path(name)):
+                (local_dir / name).write_bytes(storage.read_bytes(storage.path(name)))
+        return storage, local_dir, resume
     except OSError as err:  # pyarrow's errors (unreachable endpoint, no bucket, no credentials) are OSErrors
         raise ConfigError(f"run_dir {cfg.run_dir!r} cannot be written ({err.strerror or ' '.join(str(err).split())}); "
                           "choose a writable folder, or check the storage URI, its bucket and credentials") from None
-    return plan
 
 
-def latest_checkpoint(checkpoints: Checkpoints) -> tuple[Path, DriverState] | None:
+def latest_checkpoint(checkpoints: Checkpoints) -> tuple[PurePath, DriverState] | None:
     """``checkpoints.latest()`` (damaged ones skipped with a warning); one it cannot judge is a ConfigError."""
     try:
         return checkpoints.latest()

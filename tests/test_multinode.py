@@ -104,10 +104,10 @@ def test_checkpoints_in_a_bucket_are_written_marker_last_checked_and_resumed(s3,
     # Catches: a checkpoint in object storage that a crash can leave looking complete (the marker
     # written before the learner's files, or before the state and manifest), one whose objects differ
     # from its manifest, a damaged newest one trusted on resume, and a learner that cannot resume from
-    # a URI. Planted: the marker written first in Checkpoints.save, the crashed step 3 is taken as
-    # complete and latest() raises (it has no manifest); _remote_damage without the sha256 pass, the
-    # flipped byte is trusted; LearnerActor.save_checkpoint writing to the local path it was given
-    # (no upload), the bucket holds no model.safetensors.
+    # a URI. Planted: the marker written first in Checkpoints.save, the crashed step_000003 holds a
+    # COMPLETE; _remote_damage without its sha256 pass, latest() returns the flipped step_000002;
+    # LearnerActor.save_checkpoint without its upload, the bucket lacks model.safetensors and
+    # trainer_state.pt.
     root = f"s3://{BUCKET}/ckpt"
     actor = LearnerActor(str(tiny_model_factory("qwen3")), LearnerArgs(algo=SFTOptions(), lr=1e-2), "object_store")
     checkpoints, weights = Checkpoints(root, keep=2), {}
@@ -158,7 +158,7 @@ def test_a_trace_log_in_a_bucket_appends_whole_parts_and_rolls_back(s3):
     # Catches: parts in object storage that a second driver overwrites (numbering restarted at 0 after
     # a resume), a failed append that leaves a partial object, and a rollback that loses rows of
     # the groups it keeps. Planted: TraceLog numbering from 0 on a URI root, the second driver's
-    # part replaces part-000000 and the first driver's traces are gone.
+    # part replaces part-000000 (two parts where three were appended).
     root = f"s3://{BUCKET}/traces-run"
     first = TraceLog(root)
     first.append([make_trace(0), make_trace(1)])
@@ -359,8 +359,8 @@ def test_a_run_on_two_nodes_writes_checkpoints_traces_and_state_to_the_bucket(tw
     # storage root, a checkpoint without its marker, and actors that open the model where another node
     # put it. Each node's TMPDIR is a tmpfs only that node's processes see. Planted: RolloutWorker
     # building its engine from ``model.path`` (the warm start's folder, on the head) instead of
-    # local_folder(model), run 1 fails on node b; prepare() opening run_dir as a local folder, nothing
-    # reaches the bucket.
+    # local_folder(model), run 1 fails on node b (FileNotFoundError: model path .../a/tmp/...);
+    # the warm start run in the driver process, the head has no copy of its checkpoint.
     out, _ = two_runs
     ckpt = bucket_file(out, 1, "run/checkpoints/step_000002")
     assert CKPT_FILES <= {p.name for p in ckpt.iterdir()}
@@ -380,9 +380,9 @@ def test_a_run_on_two_nodes_writes_checkpoints_traces_and_state_to_the_bucket(tw
 @pytest.mark.slow
 def test_the_warm_start_runs_on_its_actor_and_is_cached_in_the_bucket(two_runs):
     # Catches: the warm start trained in the driver process (as it was), its checkpoint left on the
-    # node that trained it, and a second run training it again although the bucket holds it.
-    # Planted: initial_model calling cached_warm_start in the driver, the SFT lines carry no
-    # "(WarmStartActor" prefix; a cache key that changes between runs, run 2 trains again.
+    # node that trained it, and a second run training it again although the bucket holds it (the
+    # head's copy is deleted between the runs). Planted: initial_model calling cached_warm_start in
+    # the driver, the SFT lines carry no "(WarmStartActor" prefix.
     out, logs = two_runs
     sft_lines = [line for line in logs[1].splitlines() if "sft step " in line]
     assert len(sft_lines) == 3 and all("(WarmStartActor" in line for line in sft_lines), logs[1][-3000:]
@@ -398,10 +398,9 @@ def test_a_fresh_driver_resumes_from_the_bucket_alone(two_runs):
     # Catches: a resume that needs the first driver's disk (checkpoints, trace log, metrics or data
     # cursor read from a local folder), one that restarts the learner from the initial weights, or
     # that rewrites the traces already logged. Everything local went between the runs (the
-    # driver's tmpfs, node b's TMPDIR). Planted: Checkpoints opened on a local folder in prepare(),
-    # run 2 exits 2 ("holds no complete, intact checkpoint"); LearnerActor ignoring a URI checkpoint
-    # (starting from the model), step 3's groups are sampled at version 0; TraceLog numbering from 0
-    # on a URI, run 1's part-000000 is overwritten.
+    # driver's tmpfs, each node's TMPDIR). Planted: resume=true looking for checkpoints in a local
+    # folder, run 2 exits 2 ("holds no complete, intact checkpoint"); LearnerActor ignoring a URI
+    # checkpoint (starting from the model), step 3's groups are sampled at version 0, not 2.
     out, _ = two_runs
     first = json.loads(bucket_file(out, 1, "run/driver_state.json").read_text())
     second = json.loads(bucket_file(out, 2, "run/driver_state.json").read_text())
