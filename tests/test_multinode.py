@@ -400,7 +400,9 @@ def test_a_fresh_driver_resumes_from_the_bucket_alone(two_runs):
     # that rewrites the traces already logged. Everything local went between the runs (the
     # driver's tmpfs, each node's TMPDIR). Planted: resume=true looking for checkpoints in a local
     # folder, run 2 exits 2 ("holds no complete, intact checkpoint"); LearnerActor ignoring a URI
-    # checkpoint (starting from the model), step 3's groups are sampled at version 0, not 2.
+    # checkpoint (starting from the model), step 3's groups are sampled at version 0, not 2; TraceLog
+    # numbering from 0 on a URI, run 1's part-000000 is overwritten; no metrics.jsonl copied back on
+    # resume, the bucket's metrics hold steps [3, 4].
     out, _ = two_runs
     first = json.loads(bucket_file(out, 1, "run/driver_state.json").read_text())
     second = json.loads(bucket_file(out, 2, "run/driver_state.json").read_text())
