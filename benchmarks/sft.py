@@ -36,9 +36,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 from cluster.config import load_config  # noqa: E402
-from cluster.run_plan import initial_model  # noqa: E402
 from cluster.sft_job import stage_examples  # noqa: E402
 from cluster.train_config import TrainConfig  # noqa: E402
+from cluster.warm_start import cached_warm_start  # noqa: E402
 from rewards.arith import ArithVerifier  # noqa: E402
 from rollout import LLM, SamplingParams  # noqa: E402
 from rollout.kv_policy import KVPolicy  # noqa: E402
@@ -143,7 +143,10 @@ def run(config: str, overrides: list[str], num_eval: int) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         cfg = load_config(TrainConfig, config, [*overrides, f"warmstart.cache_dir={tmp}"])
         t0, cpu0 = time.perf_counter(), time.process_time()
-        path = initial_model(cfg)
+        stage = cfg.warmstart
+        result, _ = cached_warm_start(stage.cache_dir, cfg.model.resolve(), *stage_examples(stage, cfg.task),
+                                      cfg.engine.kv, stage.learner, stage.sft)  # in this process: timed here
+        path = result.path
         sft = {"sft_seconds": round(time.perf_counter() - t0, 1),
                "sft_cpu_seconds": round(time.process_time() - cpu0, 1)}
         record = json.loads((Path(path) / MARKER).read_text())["result"]

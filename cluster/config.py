@@ -157,7 +157,7 @@ def check_outlives_job(folder: str, key: str) -> None:
     ``folder`` (the default ``runs/...`` too) would take the job's outputs with it.
     """
     job = os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR")  # set by Ray in a submitted job's entrypoint
-    if job is None or Path(folder).expanduser().is_absolute():
+    if job is None or Path(folder).expanduser().is_absolute() or "://" in folder:  # a URI is no folder of the job
         return
     try:
         copied = bool(json.loads(job).get("runtime_env", {}).get("working_dir"))

@@ -9,6 +9,11 @@ owns one set of actors (learner, rollout workers, trace queue) and runs the loop
   trains; a step takes the first ``groups_per_step`` ready groups that are at most
   ``max_staleness`` versions old and drops the others (counted, never trained).
 
+The initial model reaches every actor as ``ModelFiles`` (through the object store when the cluster
+has several nodes), after the warm start has run on its own actor. Checkpoints, the driver state and
+the trace log live under the run's storage root (``run_dir``: a local folder or a URI such as
+``s3://bucket/run``), so a fresh driver on any node resumes from the root alone.
+
 Every group that leaves the queue is appended to the Parquet trace log at once. A rollout worker
 that dies is restarted by Ray, given the current weights, and its groups are re-issued; the books
 (``GroupLedger``) guarantee no group is trained twice. A learner that dies is recreated from the
@@ -21,14 +26,15 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import TYPE_CHECKING
 
 from cluster.data import PromptGroup, PromptStream
 from cluster.evaluation import EvalResult, score
 from cluster.ledger import GroupLedger
+from cluster.model_files import ModelFiles
 from cluster.resources import check_resources, cluster_capacity, connect, make_learner, make_queue, release, reserve
-from cluster.run_checkpoints import STATE_FILE, Checkpoints, DriverState
+from cluster.run_checkpoints import Checkpoints, DriverState
 from cluster.run_plan import RunPlan, prepare
 from cluster.step_report import StepReport
 from cluster.train_config import TrainConfig
@@ -50,7 +56,7 @@ class LearnerLost(RuntimeError):
 class RunResult:
     """How a run ended."""
 
-    run_dir: Path
+    run_dir: Path | str  # the storage root: a Path when local, else its URI
     state: DriverState
     eval_before: EvalResult | None
     eval_after: EvalResult | None
@@ -81,34 +87,46 @@ def train(cfg: TrainConfig, on_step: StepHook | None = None) -> RunResult:
     import ray
 
     plan = prepare(cfg)
-    owns_ray = connect(cfg)
-    pg = None
+    pg, owns_ray = None, False
     try:
-        check_resources(cfg, *cluster_capacity())
+        owns_ray = connect(cfg)
+        total, nodes = cluster_capacity()
+        check_resources(cfg, total, nodes)
+        model = initial_model(cfg, plan, multi_node=len(nodes) > 1)
         pg = reserve(cfg)
-        return _sessions(cfg, plan, pg, on_step)
+        return _sessions(cfg, plan, model, pg, on_step)
     finally:
         if pg is not None:
             release(pg)
+        plan.finish()
         if owns_ray:
             ray.shutdown()
 
 
-def _sessions(cfg: TrainConfig, plan: RunPlan, pg, on_step: StepHook | None) -> RunResult:
+def initial_model(cfg: TrainConfig, plan: RunPlan, multi_node: bool) -> ModelFiles:
+    """The model the run's actors start from, as every node opens it: the configured one, warm-started on the
+    stage's own actor when enabled (trained now unless cached)."""
+    from cluster.warm_start import warm_start
+
+    model = ModelFiles.ship(plan.model_path, multi_node)
+    return warm_start(cfg, model, plan.warm_start, multi_node) if plan.warm_start is not None else model
+
+
+def _sessions(cfg: TrainConfig, plan: RunPlan, model: ModelFiles, pg, on_step: StepHook | None) -> RunResult:
     """Run sessions until one finishes; a lost learner resumes from the latest checkpoint."""
     restarts = 0
     while True:
-        session = Session(cfg, plan, pg, on_step, learner_restarts=restarts)
+        session = Session(cfg, plan, model, pg, on_step, learner_restarts=restarts)
         try:
             return session.run()
         except LearnerLost as err:
-            latest = Checkpoints(plan.run_dir, cfg.checkpoint.keep).latest()
+            latest = Checkpoints(plan.storage, cfg.checkpoint.keep).latest()
             if latest is None or restarts >= cfg.train.max_learner_restarts:
                 why = "no intact checkpoint exists" if latest is None else "its restarts are used up"
                 raise RunError(f"the learner died ({err}) and {why}; checkpoints and traces are in "
                                f"{plan.run_dir}") from None
             restarts += 1
-            print(f"sliderl: the learner died ({err}); resuming from {latest[0]}", flush=True)
+            print(f"sliderl: the learner died ({err}); resuming from {plan.storage.uri(latest[0])}", flush=True)
             plan = replace(plan, resume=latest)
         finally:
             session.close()
@@ -117,7 +135,8 @@ def _sessions(cfg: TrainConfig, plan: RunPlan, pg, on_step: StepHook | None) -> 
 class Session:
     """One set of actors and the loop that drives them."""
 
-    def __init__(self, cfg: TrainConfig, plan: RunPlan, pg, on_step: StepHook | None, learner_restarts: int = 0):
+    def __init__(self, cfg: TrainConfig, plan: RunPlan, model: ModelFiles, pg, on_step: StepHook | None,
+                 learner_restarts: int = 0):
         from cluster.trace_log import TraceLog
 
         self.cfg, self.plan, self.on_step = cfg, plan, on_step
@@ -127,19 +146,19 @@ class Session:
         self.stream = PromptStream(plan.train_problems, cfg.rollout.group_size, cfg.train.seed,
                                    cfg.data.shuffle, cursor=self.state.cursor)
         self.backlog: list[PromptGroup] = [self.stream.group(n) for n in self.state.outstanding]
-        self.trace_log = TraceLog(plan.run_dir)
+        self.trace_log = TraceLog(plan.storage)
         if plan.resume is not None:  # the log holds exactly the groups the checkpoint resolved
             ledger = plan.resume[1].ledger
             dropped = self.trace_log.keep_groups(set(ledger.trained) | set(ledger.stale))
             if dropped:
                 print(f"sliderl: rolled the trace log back to {plan.resume[0].name}: {dropped} traces of groups "
                       "it had not resolved will be generated again", flush=True)
-        self.checkpoints = Checkpoints(plan.run_dir, cfg.checkpoint.keep)
+        self.checkpoints = Checkpoints(plan.storage, cfg.checkpoint.keep)
         self.monitor = None
         self.queue = make_queue(cfg)
-        checkpoint = str(plan.resume[0]) if plan.resume else None
-        self.learner = make_learner(cfg, pg, plan.model_path, checkpoint)
-        self.pool = WorkerPool(cfg, pg, plan.model_path, 0, self.queue)
+        checkpoint = plan.storage.uri(plan.resume[0]) if plan.resume else None
+        self.learner = make_learner(cfg, pg, model, checkpoint)
+        self.pool = WorkerPool(cfg, pg, model, 0, self.queue)
         self.weight_sync = WeightSync(cfg.weight_sync.backend, cfg.weight_sync.broadcast_backend,
                                       cfg.learner.device, cfg.weight_sync.timeout_s)
         self.awaiting_weights: set[int] = set()
@@ -156,8 +175,9 @@ class Session:
 
         self.pool.start(self.cfg.ray.placement_timeout_s + 600)
         self.state.version = self._learner_call(self.learner.version.remote())
-        self.monitor = Monitor(self.plan.run_dir, self.cfg.monitor, self.cfg.train.steps,
-                               config_dict=self.cfg.model_dump(mode="json"), kv_policy=self.cfg.engine.kv)
+        self.monitor = Monitor(self.plan.local_dir, self.cfg.monitor, self.cfg.train.steps,
+                               config_dict=self.cfg.model_dump(mode="json"), kv_policy=self.cfg.engine.kv,
+                               storage_root=None if self.plan.storage.local else self.plan.storage.location)
         if self.plan.resume is not None:
             self._publish()  # workers start from the initial model: give them the checkpoint's weights
         if self.cfg.eval.before and self.state.step == 0:
@@ -166,9 +186,9 @@ class Session:
         while self.state.step < self.cfg.train.steps and not stopped:
             report = self._step()
             stopped = self.on_step is not None and self.on_step(self, self.state.step, report) is False
-        if not stopped and not (self.checkpoints.path(self.state.step) / "COMPLETE").is_file():
+        if not stopped and not self.checkpoints.is_complete(self.state.step):
             self._checkpoint()
-        (self.plan.run_dir / STATE_FILE).write_text(self._snapshot().to_json())
+        self.checkpoints.write_state(self._snapshot())
         summary = self.monitor.finish()
         return RunResult(self.plan.run_dir, self._snapshot(), self.eval_before, self.eval_after, summary, stopped,
                          self.state.version - start_version, dict(self._skipped))
@@ -327,9 +347,13 @@ class Session:
         return report.seconds
 
     # ---- checkpoints, eval, metrics ------------------------------------------------------------
-    def _checkpoint(self) -> Path:
-        return self.checkpoints.save(self.state.step, self._snapshot(),
-                                     lambda path: self._learner_call(self.learner.save_checkpoint.remote(path)))
+    def _checkpoint(self) -> PurePath:
+        """The learner writes its part to the storage root from its own node, then the driver its state and
+        the marker; metrics.jsonl follows to a remote root."""
+        path = self.checkpoints.save(self.state.step, self._snapshot(),
+                                     lambda where: self._learner_call(self.learner.save_checkpoint.remote(where)))
+        self.plan.push_driver_files()
+        return path
 
     def _snapshot(self) -> DriverState:
         undealt = [int(g.group_id[1:]) for g in self.backlog if g.group_id not in self.ledger.outstanding]

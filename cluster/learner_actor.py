@@ -2,13 +2,19 @@
 
 A plain class; ``cluster.resources`` makes it a Ray actor with the learner's resources. It runs
 one call at a time, so a checkpoint or a publish always sees the weights of a finished step.
+Checkpoints go from here straight to the run's storage root (``cluster.storage``), whichever node
+this actor runs on: into the folder when the root is local, else written to a temporary folder on
+this node and uploaded; a resume from a remote checkpoint downloads it the same way.
 """
 
 from __future__ import annotations
 
 import os
+import tempfile
 from typing import TYPE_CHECKING, Any
 
+from cluster.model_files import ModelFiles, local_folder
+from cluster.storage import Storage, is_uri
 from cluster.weight_sync import FlatLayout, WeightSender
 from rollout.trace import Trace
 from trainer.learner_args import LearnerArgs
@@ -21,21 +27,27 @@ if TYPE_CHECKING:
 class LearnerActor:
     """Trains on groups of traces; publishes and checkpoints its weights.
 
-    checkpoint: a directory written by ``Learner.save_checkpoint`` to resume from (then
-    ``model_path`` is ignored); else the learner starts from the HF directory ``model_path``.
+    checkpoint: a folder written by ``Learner.save_checkpoint`` to resume from, a local path or a
+    storage URI (then ``model`` is ignored); else the learner starts from ``model``, a ``ModelFiles``
+    (opened on this actor's node) or a local HF folder.
     """
 
-    def __init__(self, model_path: str, args: LearnerArgs, sync_backend: str, num_threads: int = 1,
+    def __init__(self, model: ModelFiles | str, args: LearnerArgs, sync_backend: str, num_threads: int = 1,
                  checkpoint: str | None = None):
         import torch
 
         from trainer.learner import Learner
 
         torch.set_num_threads(max(1, num_threads))
-        if checkpoint is not None:
+        if checkpoint is None:
+            self.learner = Learner(local_folder(model), args)
+        elif not is_uri(checkpoint):
             self.learner = Learner.from_checkpoint(checkpoint, args=args, verify=False)  # the driver checked it
-        else:
-            self.learner = Learner(model_path, args)
+        else:  # the learner keeps what it needs of the folder in memory, so the copy can go
+            storage = Storage(checkpoint)
+            with tempfile.TemporaryDirectory(prefix="sliderl-resume-") as copy:
+                storage.download(storage.root, copy)
+                self.learner = Learner.from_checkpoint(copy, args=args, verify=False)
         self.sender = WeightSender(sync_backend, args.device)
         self._ray_metrics = _ray_metrics()
 
@@ -74,9 +86,16 @@ class LearnerActor:
     def join_broadcast(self, address: str, world_size: int, name: str, backend: str, timeout_s: float) -> None:
         self.sender.join(address, world_size, name, backend, timeout_s)
 
-    def save_checkpoint(self, path: str) -> Manifest:
-        """``Learner.save_checkpoint(path)``: HF layout plus optimizer, version and RNG; the files' manifest."""
-        return self.learner.save_checkpoint(path)
+    def save_checkpoint(self, location: str) -> Manifest:
+        """``Learner.save_checkpoint`` into ``location`` (a local folder or a storage URI): HF layout plus
+        optimizer, version and RNG; returns the files' manifest once every file is in place."""
+        if not is_uri(location):
+            return self.learner.save_checkpoint(location)
+        storage = Storage(location)
+        with tempfile.TemporaryDirectory(prefix="sliderl-checkpoint-") as staging:
+            manifest = self.learner.save_checkpoint(staging)
+            storage.upload(staging, storage.root)
+        return manifest
 
     def record(self, staleness: float | None = None, weight_sync_seconds: float | None = None,
                queue_depth: float | None = None, reward: float | None = None) -> None:

@@ -30,7 +30,10 @@ RESERVED = ("step", "elapsed_s")  # written by the Monitor on every JSONL line
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.txt"
 WANDB_ID_FILE = "wandb_run_id"
+WANDB_DIR = "wandb"  # W&B's own folder under run_dir (offline runs)
 PLOTS = {KEYS.reward: ("reward.png", "reward"), KEYS.visible_kv: ("visible_kv.png", "visible KV tokens")}
+# the files a Monitor writes in run_dir, metrics first (a resumed Monitor reads the first two back)
+DRIVER_FILES = (METRICS_FILE, WANDB_ID_FILE, SUMMARY_FILE, *(name for name, _ in PLOTS.values()))
 
 
 # -------------------------------------------------------------------------------------- config
@@ -85,16 +88,19 @@ class Monitor:
     goes to W&B and moves a console progress bar with ETA; ``finish`` writes plots and a summary.
 
     Created again on the same ``run_dir`` (a resumed run) it keeps the earlier lines, reuses the
-    W&B run id and counts wall time on from where the last session stopped. Several ``log`` calls
+    W&B run id and counts wall time on from where the last session stopped. ``storage_root``: the
+    run's storage root when it is not ``run_dir`` (a URI; run_dir then holds only these files): the
+    summary names it and counts the traces there. Several ``log`` calls
     for one step (training metrics, then an evaluation; or a step replayed after a resume) merge
     into one row of the history, later values winning; metrics.jsonl keeps every call as a line.
     """
 
     def __init__(self, run_dir: str | os.PathLike, cfg: MonitorConfig, total_steps: int,
-                 config_dict: dict | None = None, kv_policy: str | None = None):
+                 config_dict: dict | None = None, kv_policy: str | None = None, storage_root: str | None = None):
         if total_steps < 1:
             raise ValueError(f"total_steps must be >= 1, got {total_steps}")
         self.run_dir = Path(run_dir)
+        self.storage_root = storage_root
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.cfg = cfg
         self.total_steps = total_steps
@@ -102,7 +108,8 @@ class Monitor:
         self.metrics_path = self.run_dir / METRICS_FILE
         self.history, self._elapsed_before = _read_history(self.metrics_path)
         # disabled: no W&B at all (not even the import), e.g. on machines without wandb installed
-        self._run = None if cfg.wandb.mode == "disabled" else _start_wandb(self.run_dir, cfg.wandb, config_dict)
+        self._run = None if cfg.wandb.mode == "disabled" else _start_wandb(self.run_dir, cfg.wandb, config_dict,
+                                                                             _run_name(storage_root or str(self.run_dir)))
         self._started = time.monotonic()
         self._file = _open_for_append(self.metrics_path)
         self._bar = _progress_bar(total_steps, max(self.history, default=0))
@@ -138,7 +145,7 @@ class Monitor:
             self._run.finish(exit_code=exit_code)
         plots = write_plots(self.history, self.run_dir, self.kv_policy) if self.cfg.plots else []
         self._summary = format_summary(self.run_dir, self.history, self.total_steps, wall_s, plots,
-                                       self._wandb_note())
+                                       self._wandb_note(), self.storage_root)
         (self.run_dir / SUMMARY_FILE).write_text(self._summary)
         return self._summary
 
@@ -207,7 +214,12 @@ def _open_for_append(path: Path):
     return file
 
 
-def _start_wandb(run_dir: Path, cfg: WandbConfig, config_dict: dict | None):
+def _run_name(root: str) -> str:
+    """The last part of a local path (resolved) or a URI."""
+    return root.split("?")[0].rstrip("/").rsplit("/", 1)[-1] if "://" in root else Path(root).resolve().name
+
+
+def _start_wandb(run_dir: Path, cfg: WandbConfig, config_dict: dict | None, name: str):
     """A W&B run writing under ``run_dir/wandb``; the id is kept in ``run_dir`` for resumes."""
     import wandb
 
@@ -216,7 +228,7 @@ def _start_wandb(run_dir: Path, cfg: WandbConfig, config_dict: dict | None):
         id_file.write_text(uuid.uuid4().hex[:12])
     try:
         return wandb.init(
-            project=cfg.project, entity=cfg.entity, name=cfg.name or run_dir.resolve().name,
+            project=cfg.project, entity=cfg.entity, name=cfg.name or name,
             tags=cfg.tags, mode=cfg.mode, dir=str(run_dir), config=config_dict,
             id=id_file.read_text().strip(), resume="allow", reinit="finish_previous",
             settings=wandb.Settings(console="off"),
@@ -346,11 +358,12 @@ def _series(history: dict[int, dict], key: str) -> tuple[list[int], list[float]]
 
 
 def format_summary(run_dir: Path, history: dict[int, dict], total_steps: int, wall_s: float,
-                   plots: list[Path], wandb_note: str | None) -> str:
-    """The one-screen end-of-run report."""
+                   plots: list[Path], wandb_note: str | None, storage_root: str | None = None) -> str:
+    """The one-screen end-of-run report; ``storage_root``: where the run's traces and checkpoints are, when
+    not in ``run_dir``."""
     last = max(history, default=0)
     lines = [
-        f"sliderl run {run_dir}",
+        f"sliderl run {storage_root or run_dir}",
         f"  steps            {last} / {total_steps}",
         f"  wall time        {_duration(wall_s)}",
         f"  reward           {_first_last_text(history, KEYS.reward)}",
@@ -360,8 +373,8 @@ def format_summary(run_dir: Path, history: dict[int, dict], total_steps: int, wa
         f"  rollout tok/s    {_mean_text(history, KEYS.rollout_tokens_per_s, '{:.1f} (mean over steps)')}",
         f"  learner step     {_mean_text(history, KEYS.learner_step_seconds, '{:.3f} s (mean)')}",
         f"  stale dropped    {_total_text(history, KEYS.stale_groups_dropped, '{:g} groups')}",
-        f"  traces           {_trace_count(run_dir)}",
-        f"  metrics          {run_dir / METRICS_FILE}",
+        f"  traces           {_trace_count(storage_root or run_dir)}",
+        f"  metrics          {f'{storage_root}/{METRICS_FILE}' if storage_root else run_dir / METRICS_FILE}",
     ]
     evals = [f"  {name.replace('_', ' '):<17}{_eval_text(history, name)}" for name in ("eval_before", "eval_after")
              if _eval_text(history, name)]
@@ -411,12 +424,14 @@ def _total_text(history: dict[int, dict], key: str, fmt: str) -> str:
     return fmt.format(sum(values)) if values else "n/a"
 
 
-def _trace_count(run_dir: Path) -> str:
+def _trace_count(root: str | os.PathLike) -> str:
+    from cluster.storage import Storage
     from cluster.trace_log import TraceLog
 
-    if not (run_dir / "traces").is_dir():
+    storage = Storage(root)
+    if not storage.is_dir(storage.path("traces")):
         return "0 (no trace log)"
-    return f"{TraceLog(run_dir).count()} in {run_dir / 'traces'}"
+    return f"{TraceLog(storage).count()} in {storage.uri(storage.path('traces'))}"
 
 
 def _duration(seconds: float) -> str:

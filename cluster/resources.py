@@ -4,6 +4,9 @@ The one place where resources from the config become Ray options: ``connect`` st
 cluster, ``check_resources`` compares the request with what the cluster has (a clear error before
 any actor starts), ``reserve`` places one bundle for the learner and one per rollout worker, and
 ``make_learner`` / ``make_worker`` / ``make_queue`` create the actors inside those bundles.
+``make_warm_start`` creates the warm start's actor before that, with its own resources. Custom
+resources (``learner.resources``, ``rollout.resources``, ``warmstart.resources``) pin actors to the
+nodes started with them (``ray start --resources='{"node_b": 4}'``).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from cluster.config import ConfigError
+from cluster.model_files import ModelFiles
 from cluster.train_config import TrainConfig
 
 WORKER_CONCURRENCY = 4  # submit/status/update_weights/evaluate may arrive while the worker generates
@@ -99,16 +103,22 @@ def check_reachable(address: str) -> None:
 
 def bundles(cfg: TrainConfig) -> list[dict[str, float]]:
     """Placement-group bundles: the learner's first, then one per rollout worker."""
-    learner = _bundle(cfg.learner.num_cpus, cfg.learner.num_gpus)
-    worker = _bundle(cfg.rollout.num_cpus, cfg.rollout.num_gpus)
+    learner = _bundle(cfg.learner.num_cpus, cfg.learner.num_gpus, cfg.learner.resources)
+    worker = _bundle(cfg.rollout.num_cpus, cfg.rollout.num_gpus, cfg.rollout.resources)
     return [learner] + [dict(worker) for _ in range(cfg.rollout.num_workers)]
 
 
-def _bundle(cpus: float, gpus: float) -> dict[str, float]:
+def _bundle(cpus: float, gpus: float, custom: dict[str, float]) -> dict[str, float]:
     bundle = {"CPU": max(cpus, MIN_BUNDLE_CPU)}
     if gpus > 0:
         bundle["GPU"] = gpus
-    return bundle
+    return {**bundle, **{k: v for k, v in custom.items() if v > 0}}
+
+
+def warm_start_request(cfg: TrainConfig) -> dict[str, float]:
+    """What the warm start's actor asks of one node."""
+    stage = cfg.warmstart
+    return _bundle(stage.num_cpus, stage.num_gpus, stage.resources)
 
 
 def check_resources(cfg: TrainConfig, total: dict[str, float], nodes: list[dict[str, float]]) -> None:
@@ -123,9 +133,9 @@ def check_resources(cfg: TrainConfig, total: dict[str, float], nodes: list[dict[
             raise ResourceError(
                 f"the job asks for {amount:g} {key} (learner {_amount(cfg.learner, key):g} + "
                 f"{cfg.rollout.num_workers} rollout workers x {_amount(cfg.rollout, key):g}) but the Ray cluster "
-                f"has {have:g}; lower learner.num_{key.lower()}s, rollout.num_{key.lower()}s or rollout.num_workers, "
-                f"or give the cluster more (ray.num_{key.lower()}s for a local instance)")
-    for bundle in bundles(cfg):
+                f"has {have:g}; {_lower_hint(key)}")
+    alone = bundles(cfg) + ([warm_start_request(cfg)] if cfg.warmstart.enabled else [])
+    for bundle in alone:
         if not any(all(node.get(k, 0.0) + 1e-9 >= v for k, v in bundle.items()) for node in nodes):
             raise ResourceError(f"no node of the Ray cluster can hold one actor's bundle {bundle}; "
                                 f"node resources: {[{k: node.get(k, 0) for k in bundle} for node in nodes]}")
@@ -135,7 +145,16 @@ def check_resources(cfg: TrainConfig, total: dict[str, float], nodes: list[dict[
 
 
 def _amount(section, key: str) -> float:
-    return section.num_cpus if key == "CPU" else section.num_gpus
+    return {"CPU": section.num_cpus, "GPU": section.num_gpus}.get(key, section.resources.get(key, 0.0))
+
+
+def _lower_hint(key: str) -> str:
+    if key in ("CPU", "GPU"):
+        name = f"num_{key.lower()}s"
+        return (f"lower learner.{name}, rollout.{name} or rollout.num_workers, or give the cluster more "
+                f"(ray.{name} for a local instance)")
+    return (f"lower learner.resources.{key} or rollout.resources.{key}, or start nodes with more "
+            f"(ray start --resources='{{\"{key}\": N}}')")
 
 
 def cluster_capacity() -> tuple[dict[str, float], list[dict[str, float]]]:
@@ -171,38 +190,51 @@ def release(pg) -> None:
 # ----------------------------------------------------------------------------------- actors
 
 
-def _options(cfg: TrainConfig, pg, index: int, cpus: float, gpus: float) -> dict[str, Any]:
+def _options(cfg: TrainConfig, request: dict[str, float], pg=None, index: int = 0) -> dict[str, Any]:
+    """Ray options of an actor asking for ``request`` (a bundle), inside bundle ``index`` of ``pg`` if given."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    return {
-        "num_cpus": max(cpus, MIN_BUNDLE_CPU), "num_gpus": gpus,
-        "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
-        "runtime_env": {"env_vars": dict(cfg.ray.env_vars)},
-    }
+    custom = {k: v for k, v in request.items() if k not in ("CPU", "GPU")}
+    options = {"num_cpus": request["CPU"], "num_gpus": request.get("GPU", 0), "resources": custom,
+               "runtime_env": {"env_vars": dict(cfg.ray.env_vars)}}
+    if pg is not None:
+        options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index)
+    return options
 
 
-def make_learner(cfg: TrainConfig, pg, model_path: str, checkpoint: str | None = None):
+def make_learner(cfg: TrainConfig, pg, model: ModelFiles | str, checkpoint: str | None = None):
     """The learner actor in bundle 0 (not restarted by Ray: the driver resumes it from a checkpoint)."""
     import ray
 
     from cluster.learner_actor import LearnerActor
 
-    options = _options(cfg, pg, 0, cfg.learner.num_cpus, cfg.learner.num_gpus)
+    options = _options(cfg, bundles(cfg)[0], pg, 0)
     return ray.remote(LearnerActor).options(max_restarts=0, **options).remote(
-        model_path, cfg.learner_args(), cfg.weight_sync.backend, _threads(cfg.learner.num_cpus), checkpoint)
+        model, cfg.learner_args(), cfg.weight_sync.backend, _threads(cfg.learner.num_cpus), checkpoint)
 
 
-def make_worker(cfg: TrainConfig, pg, worker_id: int, model_path: str, version: int, trace_queue):
+def make_worker(cfg: TrainConfig, pg, worker_id: int, model: ModelFiles | str, version: int, trace_queue):
     """Rollout worker ``worker_id`` in bundle 1 + worker_id; Ray restarts it when its process dies."""
     import ray
 
     from cluster.rollout_worker import RolloutWorker
 
-    options = _options(cfg, pg, 1 + worker_id, cfg.rollout.num_cpus, cfg.rollout.num_gpus)
+    options = _options(cfg, bundles(cfg)[1 + worker_id], pg, 1 + worker_id)
     return ray.remote(RolloutWorker).options(
         max_restarts=cfg.rollout.max_restarts, max_task_retries=0, max_concurrency=WORKER_CONCURRENCY, **options,
-    ).remote(worker_id, model_path, version, cfg.worker_engine_args(worker_id), cfg.sampling, cfg.reward,
+    ).remote(worker_id, model, version, cfg.worker_engine_args(worker_id), cfg.sampling, cfg.reward,
              cfg.task.type, trace_queue, _threads(cfg.rollout.num_cpus))
+
+
+def make_warm_start(cfg: TrainConfig):
+    """The warm start's actor, placed by ``warmstart.num_cpus/num_gpus/resources`` (before the placement
+    group exists, so it may use what the run's actors will hold later)."""
+    import ray
+
+    from cluster.warm_start import WarmStartActor
+
+    return ray.remote(WarmStartActor).options(max_restarts=0, **_options(cfg, warm_start_request(cfg))).remote(
+        _threads(cfg.warmstart.num_cpus))
 
 
 def make_queue(cfg: TrainConfig):

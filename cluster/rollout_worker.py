@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cluster.data import Problem, PromptGroup
+from cluster.model_files import ModelFiles, local_folder
 from cluster.weight_sync import WeightReceiver
 from rewards import RewardInput, RewardRecord, RewardSpec
 from rollout.engine_args import EngineArgs
@@ -88,9 +89,12 @@ class _EvalJob:
 
 
 class RolloutWorker:
-    """Generates groups with ``rollout.LLM`` and streams them, scored, into ``trace_queue``."""
+    """Generates groups with ``rollout.LLM`` and streams them, scored, into ``trace_queue``.
 
-    def __init__(self, worker_id: int, model_path: str, version: int, engine: EngineArgs, sampling: SamplingParams,
+    model: the initial weights, a ``ModelFiles`` (opened on this worker's node) or a local folder.
+    """
+
+    def __init__(self, worker_id: int, model: ModelFiles | str, version: int, engine: EngineArgs, sampling: SamplingParams,
                  reward: RewardSpec, task_type: str, trace_queue, num_threads: int = 1):
         import os
 
@@ -102,7 +106,7 @@ class RolloutWorker:
         self.worker_id = worker_id
         self.incarnation = uuid.uuid4().hex[:8]
         self.pid = os.getpid()
-        self.llm = LLM(model_path, args=engine)
+        self.llm = LLM(local_folder(model), args=engine)
         self.version = version
         self.sampling = sampling
         self.reward = reward.build(task_type)

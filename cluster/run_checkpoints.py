@@ -1,11 +1,14 @@
 """A run's checkpoints: ``run_dir/checkpoints/step_NNNNNN/`` = the learner's checkpoint + ``DriverState``.
 
-The learner writes its part (Hugging Face layout loadable by transformers and the engine, plus
-optimizer, version and RNG) with ``Learner.save_checkpoint``, which returns its files' manifest; the
-driver then writes ``driver_state.json``, ``manifest.json`` (every file's size and sha256) and, last,
-the empty marker ``COMPLETE``. Only a folder with the marker is a checkpoint: a crash mid-save leaves
-a folder that ``latest`` ignores and the next save replaces. ``latest`` checks a checkpoint against
-its manifest before trusting it, and falls back past damaged ones (``Checkpoints.latest``).
+``run_dir`` is a storage root (``cluster.storage``): a local folder, or a URI such as
+``s3://bucket/run`` that every node reaches. The learner writes its part (Hugging Face layout loadable
+by transformers and the engine, plus optimizer, version and RNG) with ``Learner.save_checkpoint`` —
+into the folder itself when it is local, else uploaded by the learner actor from whatever node it runs
+on — and returns its files' manifest; only then does the driver write ``driver_state.json``,
+``manifest.json`` (every file's size and sha256) and, last, the empty marker ``COMPLETE``. Only a
+folder with the marker is a checkpoint: a crash mid-save leaves a folder that ``latest`` ignores and
+the next save replaces. ``latest`` checks a checkpoint against its manifest before trusting it, and
+falls back past damaged ones (``Checkpoints.latest``).
 """
 
 from __future__ import annotations
@@ -13,15 +16,15 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
-from pathlib import Path
+from pathlib import Path, PurePath
 
 from cluster.ledger import LedgerState
+from cluster.storage import Storage
 from trainer.checkpoint import HF_CONFIG, MODEL_FILE, TRAINER_STATE
-from trainer.manifest import MANIFEST, Manifest, write_file
+from trainer.manifest import MANIFEST, Manifest
 
 MARKER = "COMPLETE"
 STATE_FILE = "driver_state.json"  # in every checkpoint, and the final state beside them
@@ -69,13 +72,15 @@ class DriverState:
                    ledger=LedgerState(**ledger))
 
     @classmethod
-    def read(cls, path: Path) -> DriverState:
-        """``from_json`` of the file ``path``; an unreadable or invalid file raises DamagedCheckpoint
-        naming it and the problem."""
+    def read(cls, path: PurePath, storage: Storage | None = None) -> DriverState:
+        """``from_json`` of the file ``path`` (local, or in ``storage``); an unreadable or invalid file raises
+        DamagedCheckpoint naming it and the problem."""
         try:
-            return cls.from_json(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as err:  # json's decode errors are ValueErrors
-            raise DamagedCheckpoint(f"{path} is not a valid driver state: {err}") from None
+            data = storage.read_bytes(path) if storage is not None else Path(path).read_bytes()
+            return cls.from_json(data.decode("utf-8"))
+        except (OSError, ValueError) as err:  # json's and utf-8's decode errors are ValueErrors
+            where = storage.uri(path) if storage is not None else path
+            raise DamagedCheckpoint(f"{where} is not a valid driver state: {err}") from None
 
 
 def _check_keys(data: dict, required: set[str]) -> None:
@@ -95,37 +100,44 @@ def _check_keys(data: dict, required: set[str]) -> None:
 
 
 class Checkpoints:
-    """The checkpoint folders of one run."""
+    """The checkpoint folders of one run, under its storage root (a local folder or a URI)."""
 
-    def __init__(self, run_dir: str | os.PathLike, keep: int = 2):
-        self.dir = Path(run_dir) / "checkpoints"
+    def __init__(self, run_dir: str | os.PathLike | Storage, keep: int = 2):
+        self.storage = run_dir if isinstance(run_dir, Storage) else Storage(run_dir)
+        self.dir = self.storage.path("checkpoints")
         self.keep = keep
 
-    def path(self, step: int) -> Path:
+    def path(self, step: int) -> PurePath:
         return self.dir / f"step_{step:06d}"
 
-    def save(self, step: int, state: DriverState, save_learner: Callable[[str], Manifest]) -> Path:
-        """Write checkpoint ``step``: the learner part via ``save_learner(path)``, which returns its
-        files' manifest; the state; ``manifest.json`` with every file (fsync'd); the marker last."""
+    def is_complete(self, step: int) -> bool:
+        return self.storage.is_file(self.path(step) / MARKER)
+
+    def save(self, step: int, state: DriverState, save_learner: Callable[[str], Manifest]) -> PurePath:
+        """Write checkpoint ``step``: the learner part via ``save_learner(location)`` (the folder's local path
+        or URI), which returns its files' manifest once they are all written; then the state,
+        ``manifest.json`` with every file, and the marker last (each file whole or absent)."""
         path = self.path(step)
-        if path.exists():
-            shutil.rmtree(path)  # an incomplete earlier attempt (a complete one is never re-saved)
-        path.mkdir(parents=True)
-        manifest = save_learner(str(path))
-        manifest.add(STATE_FILE, write_file(path / STATE_FILE, state.to_json().encode()))
-        manifest.write(path)
-        write_file(path / MARKER, b"")
+        self.storage.delete(path)  # an incomplete earlier attempt (a complete one is never re-saved)
+        self.storage.make_dir(path)
+        manifest = save_learner(self.storage.uri(path))
+        manifest.add(STATE_FILE, self.storage.write_bytes(path / STATE_FILE, state.to_json().encode()))
+        self.storage.write_bytes(path / MANIFEST, manifest.to_json().encode())
+        self.storage.write_bytes(path / MARKER, b"")
         self.prune()
         return path
 
-    def complete(self) -> list[Path]:
+    def write_state(self, state: DriverState) -> None:
+        """The driver state beside the checkpoints (``run_dir/driver_state.json``): where the run stopped."""
+        self.storage.write_bytes(self.storage.path(STATE_FILE), state.to_json().encode())
+
+    def complete(self) -> list[PurePath]:
         """Complete checkpoint folders, oldest first."""
-        if not self.dir.is_dir():
-            return []
-        found = [p for p in self.dir.iterdir() if _STEP_RE.fullmatch(p.name) and (p / MARKER).is_file()]
+        found = [p for p in self.storage.children(self.dir)
+                 if _STEP_RE.fullmatch(p.name) and self.storage.is_file(p / MARKER)]
         return sorted(found, key=lambda p: int(_STEP_RE.fullmatch(p.name).group(1)))
 
-    def latest(self) -> tuple[Path, DriverState] | None:
+    def latest(self) -> tuple[PurePath, DriverState] | None:
         """The newest complete checkpoint that passes ``load``, and its driver state; None when none does.
 
         Each newer one that fails is set aside (renamed ``step_NNNNNN.damaged``, so that neither a
@@ -137,14 +149,14 @@ class Checkpoints:
             try:
                 return path, self.load(path)
             except DamagedCheckpoint as err:
-                if not (path / MANIFEST).exists():
-                    raise DamagedCheckpoint(f"checkpoint {path} (written before checkpoints had a manifest) is damaged: "
-                                            f"{err}; remove that folder to resume from the one before it") from None
-                _set_aside(path, str(err))
+                if not self.storage.exists(path / MANIFEST):
+                    raise DamagedCheckpoint(f"checkpoint {self.storage.uri(path)} (written before checkpoints had a "
+                                            f"manifest) is damaged: {err}; remove that folder to resume from the one "
+                                            "before it") from None
+                _set_aside(self.storage, path, str(err))
         return None
 
-    @staticmethod
-    def load(path: Path) -> DriverState:
+    def load(self, path: PurePath) -> DriverState:
         """The driver state of checkpoint folder ``path`` once its files pass the checks; otherwise
         DamagedCheckpoint naming the file and what is wrong.
 
@@ -154,14 +166,28 @@ class Checkpoints:
         accepted when the files every checkpoint has are there (no sizes to compare them with) and its
         driver state reads.
         """
-        try:
-            manifest = Manifest.read(path)
-        except ValueError as err:
-            raise DamagedCheckpoint(str(err)) from None
-        problem = manifest.damage(path) if manifest is not None else _missing(path, _LEGACY_FILES)
+        manifest = self._manifest(path)
+        if manifest is None:
+            problem = _missing(self.storage, path, _LEGACY_FILES)
+        else:
+            problem = manifest.damage(path) if self.storage.local else _remote_damage(self.storage, path, manifest)
         if problem is not None:
             raise DamagedCheckpoint(problem)
-        return DriverState.read(path / STATE_FILE)
+        return DriverState.read(path / STATE_FILE, self.storage)
+
+    def _manifest(self, path: PurePath) -> Manifest | None:
+        """``Manifest.read`` of the folder, local or remote; DamagedCheckpoint when it does not read."""
+        try:
+            if self.storage.local:
+                return Manifest.read(path)
+            if not self.storage.exists(path / MANIFEST):
+                return None
+            try:
+                return Manifest.from_json(self.storage.read_bytes(path / MANIFEST).decode("utf-8"))
+            except (OSError, ValueError) as err:
+                raise ValueError(f"{self.storage.uri(path / MANIFEST)} is not a valid manifest: {err}") from None
+        except ValueError as err:
+            raise DamagedCheckpoint(str(err)) from None
 
     def prune(self) -> None:
         """Delete all but the newest ``keep`` complete checkpoints.
@@ -171,22 +197,47 @@ class Checkpoints:
         takes one of the ``keep`` places until a resume or a restart finds it.
         """
         for old in self.complete()[:-self.keep]:
-            shutil.rmtree(old, ignore_errors=True)
+            try:
+                self.storage.delete(old)
+            except OSError as err:  # left for the next prune
+                print(f"sliderl: warning: could not delete old checkpoint {self.storage.uri(old)}: {err}",
+                      file=sys.stderr, flush=True)
 
 
-def _missing(path: Path, names: tuple[str, ...]) -> str | None:
-    gone = [name for name in names if not (path / name).is_file()]
-    return f"{path} lacks {', '.join(gone)}" if gone else None
+def _missing(storage: Storage, path: PurePath, names: tuple[str, ...]) -> str | None:
+    gone = [name for name in names if not storage.is_file(path / name)]
+    return f"{storage.uri(path)} lacks {', '.join(gone)}" if gone else None
 
 
-def _set_aside(path: Path, why: str) -> None:
+def _remote_damage(storage: Storage, folder: PurePath, manifest: Manifest) -> str | None:
+    """``Manifest.damage`` for a folder in an object store: every listed file's size (a listing each) first,
+    then its sha256 (one read each); the message names the object's URI."""
+    for name, entry in manifest.files.items():
+        size = storage.size(folder / name)
+        if size is None:
+            return f"{storage.uri(folder / name)} is missing"
+        if size != entry.size:
+            return f"{storage.uri(folder / name)} has {size} bytes where the manifest says {entry.size}"
+    for name, entry in manifest.files.items():
+        try:
+            digest = storage.sha256(folder / name)
+        except OSError as err:
+            return f"{storage.uri(folder / name)} cannot be read ({err})"
+        if digest != entry.sha256:
+            return f"{storage.uri(folder / name)} does not match its sha256 in the manifest (its content changed)"
+    return None
+
+
+def _set_aside(storage: Storage, path: PurePath, why: str) -> None:
     """Rename a damaged checkpoint out of ``complete()``'s sight (replacing an earlier set-aside copy of
-    the same step), with a warning naming it and why."""
+    the same step), with a warning naming it and why. In an object store the marker goes first, so an
+    interrupted move leaves no complete folder behind."""
     aside = path.with_name(path.name + SET_ASIDE)
     try:
-        if aside.exists():
-            shutil.rmtree(aside)
-        path.rename(aside)
+        storage.delete(aside)
+        if not storage.local:
+            storage.move(path / MARKER, aside / MARKER)
+        storage.move(path, aside)
         where = f"set aside as {aside.name}"
     except OSError as err:
         where = f"could not be set aside ({err.strerror or err})"

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, NonNegativeFloat, field_validator, model_validator
 
 from cluster.config import ModelSource, Section, TinyModel, run_folder
 from cluster.data import check_source
 from cluster.prompts import PromptSettings
+from cluster.storage import check_location
 from cluster.task_config import GENERATED_TASKS, ArithTaskConfig, TaskSource
 from rollout.kv_policy import KVPolicy
 from trainer.algorithms import SFTOptions
@@ -87,13 +88,26 @@ class SFTStage(Section):
 
 
 class WarmStartConfig(SFTStage):
-    """An SFT stage on ``model`` before RL, its checkpoint cached by everything that shapes its weights; its
-    prompts are written as the rollouts' are (data.template, data.chat_template, ...)."""
+    """An SFT stage on ``model`` before RL, on its own Ray actor, its checkpoint cached by everything that
+    shapes its weights; its prompts are written as the rollouts' are (data.template, data.chat_template, ...)."""
 
     enabled: bool = False
     """Run the stage (or reuse its cached checkpoint) and start RL from it; its visibility is engine.kv."""
     cache_dir: str = f"{DEFAULT_CACHE}/warmstart"
-    """Folder of warm-started checkpoints, one subfolder per fingerprint, reused when present."""
+    """Folder of warm-started checkpoints, one subfolder per fingerprint, reused when present: a local
+    folder on the node the stage's actor runs on, or a storage URI every node reads (s3://bucket/cache)."""
+    num_cpus: float = Field(1.0, ge=0)
+    """CPUs reserved for the stage's actor; also its torch thread count (at least 1)."""
+    num_gpus: float = Field(0, ge=0)
+    """GPUs reserved for the stage's actor; > 0 needs warmstart.learner.device=cuda."""
+    resources: dict[str, NonNegativeFloat] = {}
+    """Custom Ray resources of the stage's actor, e.g. {node_b: 1} (a node started with
+    ``ray start --resources='{"node_b": 4}'``)."""
+
+    @field_validator("cache_dir")
+    @classmethod
+    def _cache_location(cls, cache_dir: str) -> str:
+        return check_location(cache_dir)
 
 
 class SFTJobConfig(SFTStage):

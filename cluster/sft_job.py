@@ -3,9 +3,10 @@
 Both turn an ``SFTStage`` (data, learner settings, steps) into ``trainer.sft`` examples — a generated
 task's reference solutions (arith, regmachine, pasta), a user's file of prompt/completion pairs, or a file of chat
 conversations — their prompts written by a ``cluster.prompts.PromptFormat`` exactly as the engine will
-receive them, and train them with the one trainer, ``trainer.Learner`` with the SFT algorithm, under one KV policy (the job's ``kv``; for
-the warm start, the rollouts' ``engine.kv``). The warm start's checkpoint is cached by everything
-that shapes its weights; ``sliderl sft`` writes its checkpoint to ``output_dir/model``.
+receive them, and train them with the one trainer, ``trainer.Learner`` with the SFT algorithm, under one KV policy
+(the job's ``kv``; for the warm start, the rollouts' ``engine.kv``). The warm start runs on its own actor and its
+checkpoint is cached by everything that shapes its weights (``cluster.warm_start``); ``sliderl sft`` writes its
+checkpoint to ``output_dir/model``.
 """
 
 from __future__ import annotations
@@ -17,8 +18,7 @@ from cluster.data import open_dataset
 from cluster.prompts import PromptFormat, prompt_format
 from cluster.sft_config import SFTJobConfig, SFTStage
 from cluster.task_config import GENERATED_TASKS
-from cluster.train_config import TrainConfig
-from trainer.sft import SFTExample, cached_sft, run_sft
+from trainer.sft import SFTExample, run_sft
 
 
 Prompt = str | list[dict]  # a problem's text, or the chat messages before the completion
@@ -97,20 +97,6 @@ def written(prompts: PromptFormat | None, pairs: list[tuple[Prompt, str]], sourc
                               "prompts here are raw (data.template is set, data.chat_template=false, or the train "
                               "job's rollouts resolve to raw prompts: set data.chat_template=true)")
     return examples
-
-
-def warm_start(cfg: TrainConfig, model_path: str) -> str:
-    """The warm-started checkpoint of ``cfg`` from ``model_path`` (trained now unless cached); its prompts are
-    written as the rollouts' are (``cfg.data``)."""
-    from rollout.loader import load_tokenizer
-
-    stage = cfg.warmstart
-    train, held_out = stage_examples(stage, cfg.task, prompt_format(cfg.data, cfg.model, load_tokenizer(model_path)))
-    print(f"sliderl: warm start from {model_path} (at most {stage.sft.steps} SFT steps under {cfg.engine.kv}, "
-          f"cached in {stage.cache_dir})", flush=True)
-    result = cached_sft(stage.cache_dir, model_path, train, held_out, cfg.engine.kv, stage.learner, stage.sft)
-    print(f"sliderl: warm start {result.line()} -> {result.path}", flush=True)
-    return result.path
 
 
 def run_sft_job(cfg: SFTJobConfig, train: list[SFTExample], held_out: list[SFTExample]):

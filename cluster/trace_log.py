@@ -1,7 +1,9 @@
 """The trace log: every sampled trace, appended to Parquet part files in ``run_dir/traces/``.
 
-The log is the durable record of what was sampled. Each ``append`` writes one new, complete part
-file ``part-NNNNNN.parquet`` (one row per trace, ``rollout.trace.TRACE_SCHEMA``):
+The log is the durable record of what was sampled. ``run_dir`` is a storage root
+(``cluster.storage``): a local folder or a URI such as ``s3://bucket/run``. Each ``append`` writes one
+new, complete part file ``part-NNNNNN.parquet`` (one row per trace, ``rollout.trace.TRACE_SCHEMA``).
+In a local folder:
 
     convert -> write ``.part-NNNNNN.parquet.tmp-PID`` -> fsync -> link to its final name -> fsync dir
 
@@ -10,17 +12,21 @@ touched again. Names starting with ``.`` are invisible to readers (``pyarrow.dat
 by default), so a temp file left by a killed process is ignored. Numbering continues after the
 highest existing part, so a resumed run keeps appending to the same folder; linking (not renaming)
 refuses to overwrite, so two writers on one folder never clobber each other's parts.
+
+In an object store the part is serialised in memory and uploaded as one object, which appears whole
+or not at all; there is no link, so a remote log has one writer (the driver).
 """
 
 from __future__ import annotations
 
 import os
 import re
-from pathlib import Path
+from pathlib import Path, PurePath
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from cluster.storage import Storage
 from rollout.trace import TRACE_SCHEMA, Trace, traces_to_table
 
 PART_NAME = "part-{:06d}.parquet"
@@ -30,14 +36,15 @@ _PART_RE = re.compile(r"part-(\d+)\.parquet")
 class TraceLog:
     """Append-only Parquet log of ``Trace`` records under ``run_dir/traces/``."""
 
-    def __init__(self, run_dir: str | os.PathLike):
-        self.dir = Path(run_dir) / "traces"
-        self.dir.mkdir(parents=True, exist_ok=True)
+    def __init__(self, run_dir: str | os.PathLike | Storage):
+        self.storage = run_dir if isinstance(run_dir, Storage) else Storage(run_dir)
+        self.dir = self.storage.path("traces")
+        self.storage.make_dir(self.dir)
         self._rows: dict[str, int] = {}  # part name -> rows; parts are immutable once named
         parts = self.parts()
         self._next = _part_number(parts[-1]) + 1 if parts else 0
 
-    def append(self, traces: list[Trace]) -> Path | None:
+    def append(self, traces: list[Trace]) -> PurePath | None:
         """Write ``traces`` as one new part file; returns its path (None for an empty list).
 
         A trace that does not fit the schema raises before anything reaches the disk; an error
@@ -46,6 +53,12 @@ class TraceLog:
         if not traces:
             return None
         table = traces_to_table(traces)  # raises (ArrowInvalid/ArrowTypeError/...) on a bad row
+        if not self.storage.local:
+            path = self.dir / PART_NAME.format(self._next)
+            self.storage.write_bytes(path, _parquet_bytes(table))
+            self._next += 1
+            self._rows[path.name] = table.num_rows
+            return path
         temp = self.dir / f".{PART_NAME.format(self._next)}.tmp-{os.getpid()}"
         try:
             _write_synced(table, temp)
@@ -55,9 +68,9 @@ class TraceLog:
         self._rows[path.name] = table.num_rows
         return path
 
-    def parts(self) -> list[Path]:
+    def parts(self) -> list[PurePath]:
         """The complete part files, in append order."""
-        found = [p for p in self.dir.iterdir() if _PART_RE.fullmatch(p.name)]
+        found = [p for p in self.storage.children(self.dir) if _PART_RE.fullmatch(p.name)]
         return sorted(found, key=_part_number)
 
     def read(self, columns: list[str] | None = None) -> pa.Table:
@@ -66,14 +79,15 @@ class TraceLog:
         if not parts:
             empty = TRACE_SCHEMA.empty_table()
             return empty.select(columns) if columns is not None else empty
-        return pa.concat_tables([pq.read_table(p, columns=columns, schema=TRACE_SCHEMA) for p in parts])
+        return pa.concat_tables([self._read_part(p, columns) for p in parts])
 
     def count(self) -> int:
         """Number of traces in the log (row counts from each part's footer, cached)."""
         total = 0
         for part in self.parts():
             if part.name not in self._rows:
-                self._rows[part.name] = pq.ParquetFile(part).metadata.num_rows
+                with self.storage.open_input(part) as file:
+                    self._rows[part.name] = pq.ParquetFile(file).metadata.num_rows
             total += self._rows[part.name]
         return total
 
@@ -87,7 +101,7 @@ class TraceLog:
         """
         dropped = 0
         for part in self.parts():
-            table = pq.read_table(part, schema=TRACE_SCHEMA)
+            table = self._read_part(part)
             keep = pa.array([g in group_ids for g in table.column("group_id").to_pylist()], type=pa.bool_())
             kept = table.filter(keep)
             if kept.num_rows == table.num_rows:
@@ -95,13 +109,19 @@ class TraceLog:
             dropped += table.num_rows - kept.num_rows
             self._rows.pop(part.name, None)
             if kept.num_rows == 0:
-                part.unlink()
-                continue
-            temp = self.dir / f".{part.name}.rollback-{os.getpid()}"
-            _write_synced(kept, temp)
-            os.replace(temp, part)
-        _fsync_dir(self.dir)
+                self.storage.delete(part)
+            elif self.storage.local:
+                temp = self.dir / f".{part.name}.rollback-{os.getpid()}"
+                _write_synced(kept, temp)
+                os.replace(temp, part)
+            else:
+                self.storage.write_bytes(part, _parquet_bytes(kept))  # replaces the object whole
+        if self.storage.local:
+            _fsync_dir(self.dir)
         return dropped
+
+    def _read_part(self, part: PurePath, columns: list[str] | None = None) -> pa.Table:
+        return pq.read_table(str(part), columns=columns, schema=TRACE_SCHEMA, filesystem=self.storage.fs)
 
     def _move_into_place(self, temp: Path) -> Path:
         """Give ``temp`` the next free part name without ever replacing an existing part."""
@@ -122,6 +142,13 @@ class TraceLog:
 
 def _part_number(path: Path) -> int:
     return int(_PART_RE.fullmatch(path.name).group(1))
+
+
+def _parquet_bytes(table: pa.Table) -> bytes:
+    """``table`` as the bytes of one Parquet file."""
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink)
+    return sink.getvalue().to_pybytes()
 
 
 def _write_synced(table: pa.Table, path: Path) -> None:

@@ -13,12 +13,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, NonNegativeFloat, field_validator, model_validator
 
 from cluster.comparison import CompareConfig
 from cluster.config import ModelSource, Section, TinyModel, base_record, run_folder
 from cluster.monitor import MonitorConfig
 from cluster.sft_config import WarmStartConfig
+from cluster.storage import check_location
 from cluster.task_config import GENERATED_TASKS, ArithTaskConfig, DataConfig, TaskSource
 from rewards.spec import CorrectnessTerm, RewardSpec
 from rollout.engine_args import EngineArgs
@@ -43,6 +44,9 @@ class RolloutConfig(Section):
     """GPUs reserved per worker; > 0 needs engine.device=cuda."""
     max_restarts: int = Field(3, ge=0)
     """Times Ray restarts a worker whose process died (then its prompts go to the others)."""
+    resources: dict[str, NonNegativeFloat] = {}
+    """Custom Ray resources per worker bundle, e.g. {node_b: 1} to place workers on nodes started with
+    ``ray start --resources='{"node_b": 4}'``."""
 
 
 # ------------------------------------------------------------------------------- actors and loop
@@ -56,12 +60,17 @@ class LearnerSection(LearnerArgs):
     """CPUs reserved for the learner (its placement-group bundle); also its torch thread count."""
     num_gpus: float = 0.0
     """GPUs reserved for the learner; > 0 needs learner.device=cuda."""
+    resources: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Custom Ray resources of the learner's bundle, e.g. {node_b: 1} (a node started with
+    ``ray start --resources='{"node_b": 4}'``)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
         for name in ("num_cpus", "num_gpus"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if any(not amount >= 0 for amount in self.resources.values()):
+            raise ValueError(f"resources must be >= 0, got {self.resources}")
 
     def args(self) -> LearnerArgs:
         """The ``LearnerArgs`` part."""
@@ -201,10 +210,17 @@ class TrainConfig(Section):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     """Before/after evaluation."""
     run_dir: str = Field(default_factory=run_folder("train"))
-    """Where config.yaml, traces/, checkpoints/, metrics.jsonl and plots are written (use an absolute
-    path under ``ray job submit``: the job's working directory is a temporary copy)."""
+    """The run's storage root: config.yaml, traces/, checkpoints/, driver_state.json, metrics.jsonl and
+    plots. A local folder (one node, or a folder every node mounts; use an absolute path under ``ray
+    job submit``: the job's working directory is a temporary copy) or a URI every node can reach:
+    s3://bucket/prefix, gs://bucket/prefix, abfs://…, hdfs://… (see README: storage root)."""
     resume: bool = False
     """Continue from the latest complete checkpoint in run_dir (its step, data cursor, weights)."""
+
+    @field_validator("run_dir")
+    @classmethod
+    def _storage_root(cls, run_dir: str) -> str:
+        return check_location(run_dir)
 
     @model_validator(mode="before")
     @classmethod
@@ -260,6 +276,9 @@ class TrainConfig(Section):
         if self.rollout.num_gpus > 0 and not self.engine.device.startswith("cuda"):
             raise ValueError(f"rollout.num_gpus={self.rollout.num_gpus} reserves GPUs but engine.device is "
                              f"{self.engine.device!r}; set engine.device=cuda")
+        if self.warmstart.enabled and self.warmstart.num_gpus > 0 and not self.warmstart.learner.device.startswith("cuda"):
+            raise ValueError(f"warmstart.num_gpus={self.warmstart.num_gpus} reserves GPUs but warmstart.learner.device "
+                             f"is {self.warmstart.learner.device!r}; set warmstart.learner.device=cuda")
         if self.learner.num_gpus > 0 and not self.learner.device.startswith("cuda"):
             raise ValueError(f"learner.num_gpus={self.learner.num_gpus} reserves GPUs but learner.device is "
                              f"{self.learner.device!r}; set learner.device=cuda")

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 
 from cluster.data import PromptGroup
+from cluster.model_files import ModelFiles
 from cluster.resources import make_worker
 from cluster.train_config import TrainConfig
 
@@ -33,9 +34,9 @@ class Health:
 class WorkerPool:
     """Creates the rollout workers and tracks which of them are alive and who they are."""
 
-    def __init__(self, cfg: TrainConfig, pg, model_path: str, version: int, trace_queue):
+    def __init__(self, cfg: TrainConfig, pg, model: ModelFiles | str, version: int, trace_queue):
         self.cfg = cfg
-        self.handles = {wid: make_worker(cfg, pg, wid, model_path, version, trace_queue)
+        self.handles = {wid: make_worker(cfg, pg, wid, model, version, trace_queue)
                         for wid in range(cfg.rollout.num_workers)}
         self.incarnations: dict[int, str] = {}
         self.pids: dict[int, int] = {}
