@@ -366,7 +366,7 @@ def run_compare(config_path: str, overrides: list[str]) -> int:
     save_config(cfg, out_dir / "config.yaml")
     results = run_comparison(cfg, checkpoints, problems, cfg.verifier(), report=lambda r: print(
         f"sliderl eval: {r.label} ({r.kv}): avg@k {r.mean('avg_at_k'):.3f}, mean live KV "
-        f"{r.mean('mean_live_kv'):.1f}", flush=True))
+        f"{r.mean('mean_live_kv'):.1f}, mean critical path {r.mean('mean_critical_path'):.1f} tokens", flush=True))
     written = write_report(results, out_dir)
     print(f"\n{len(problems)} problems x k={compare.k}, seeds {list(compare.seeds)}, temperature "
           f"{compare.temperature}, top-p {compare.top_p}\n")

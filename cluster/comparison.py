@@ -14,6 +14,11 @@ Every entry samples the same problems with the same per-request seeds (seed s, p
 j: ``s * 2**32 + i * k + j``), so entries differ only by weights and KV policy. Each seed's samples
 are one ``generate`` call, timed: its wall seconds are the decode time, generated tokens over them
 the aggregate throughput; each engine first completes one short untimed request.
+
+With ``speedup_of`` (Pasta's evaluation) every entry also gets the theoretical speedup over that entry:
+per sample, the baseline's mean response length on the problem (same seed) over the sample's critical
+path — a ``kv=pasta`` response's longest sequential chain (``rollout.pasta.PastaLayout``), any other's
+length — and the geometric mean over samples (thesis §3.5; ``SampledEval.with_speedup``).
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from typing import Annotated
 from pydantic import Field, model_validator
 
 from cluster.config import Section, run_folder
-from cluster.evaluation import SampledEval, score_samples
+from cluster.evaluation import SampledEval, pasta_critical_path, response_length, score_samples
 from rollout.kv_policy import KVPolicy
 
 BUDGET = re.compile(r"\{budget(?:-(\d+))?\}")
@@ -98,6 +103,9 @@ class CompareConfig(Section):
     """Sampling seeds: every entry runs once per seed; more than one reports mean ± std over seeds."""
     max_tokens: int | None = Field(None, ge=1)
     """Longest completion; None uses eval.max_tokens, then sampling.max_tokens."""
+    speedup_of: str | None = None
+    """Label of the sequential baseline entry (Pasta: Baseline-SFT): adds every entry's geometric-mean theoretical
+    speedup over it (its mean length on the problem / the sample's critical path) and a quality-vs-speedup plot."""
     output_dir: str = Field(default_factory=run_folder("eval"))
     """Where results.md, results.jsonl, config.yaml and the Pareto plots (PNG) are written."""
 
@@ -106,6 +114,9 @@ class CompareConfig(Section):
         if len(set(self.seeds)) != len(self.seeds):
             raise ValueError(f"seeds must be distinct, got {self.seeds}")
         plain = {e.label for e in self.entries if e.budget_of is None}
+        if self.speedup_of is not None and self.speedup_of not in plain:
+            raise ValueError(f"speedup_of {self.speedup_of!r} names no entry without a budget; plain entries: "
+                             f"{', '.join(sorted(plain)) or 'none'}")
         for entry in self.entries:
             if entry.budget_of is not None and entry.budget_of not in plain:
                 templated = any(e.label == entry.budget_of for e in self.entries)
@@ -189,6 +200,11 @@ def run_comparison(cfg, checkpoints: dict[str, str], problems: list, verifier, r
         for planned in expand(entry, checkpoints[entry.label], results[entry.budget_of]):
             results[planned.label] = run_entry(cfg, planned, problems, verifier)
             report(results[planned.label])
+    if compare.speedup_of is not None:
+        baseline = results[compare.speedup_of]
+        results = {label: dataclasses.replace(r, runs=tuple(run.with_speedup(base) for run, base in
+                                                            zip(r.runs, baseline.runs)))
+                   for label, r in results.items()}
     return list(results.values())
 
 
@@ -203,12 +219,14 @@ def run_entry(cfg, planned: PlannedEntry, problems: list, verifier) -> EntryResu
     with LLM(planned.checkpoint, args=dataclasses.replace(cfg.engine, kv=planned.kv)) as llm:
         written = prompt_format(cfg.data, cfg.model, llm.tokenizer).apply(problems)
         prompts = [p.engine_prompt for p in written for _ in range(compare.k)]
+        critical_path = pasta_critical_path(llm.tokenizer) if planned.kv == "pasta" else response_length
         llm.generate(prompts[:1], dataclasses.replace(sample_params(cfg), max_tokens=WARMUP_TOKENS))  # untimed
         for seed in compare.seeds:
             params = [sample_params(cfg).for_sample(i, base_seed=seed * SEED_STRIDE) for i in range(len(prompts))]
             start = time.perf_counter()
             outputs = llm.generate(prompts, params)
-            runs.append(score_samples(outputs, problems, compare.k, verifier, time.perf_counter() - start))
+            runs.append(score_samples(outputs, problems, compare.k, verifier, time.perf_counter() - start,
+                                      critical_path))
     return EntryResult(planned.label, planned.checkpoint, planned.kv, tuple(runs), tuple(compare.seeds),
                        planned.budget_of, planned.fraction, planned.budget)
 

@@ -1,8 +1,11 @@
-"""The comparison's outputs: a table (stdout, results.md), results.jsonl and three Pareto plots.
+"""The comparison's outputs: a table (stdout, results.md), results.jsonl and three Pareto plots (four with
+Pasta's speedup).
 
 Each plot puts one point per entry at (cost, avg@k) — cost being mean live KV, aggregate throughput
 or total decode time — labels it, and draws the Pareto frontier: the entries no other entry beats on
-both accuracy and that cost. Lower is better for live KV and decode time, higher for throughput.
+both accuracy and that cost. Lower is better for live KV and decode time, higher for throughput. With
+``eval.compare.speedup_of`` the table has a speedup column and ``pareto_speedup.png`` plots quality
+(avg@k) against the geometric-mean theoretical speedup (higher is better).
 """
 
 from __future__ import annotations
@@ -21,14 +24,22 @@ COLUMNS = (
     ("generated_tokens", "tokens", "{:.0f}"),
     ("tokens_per_second", "tok/s", "{:.1f}"),
     ("decode_seconds", "decode s", "{:.2f}"),
+    ("speedup", "speedup", "{:.3f}"),  # only with eval.compare.speedup_of
 )
+OPTIONAL = ("speedup",)  # columns and plots left out when no entry has the metric
 # filename, x metric, x axis label, whether a lower x is better
 PLOTS = (
     ("pareto_live_kv.png", "mean_live_kv", "mean live KV tokens", True),
     ("pareto_throughput.png", "tokens_per_second", "aggregate throughput (tokens/s)", False),
     ("pareto_decode_time.png", "decode_seconds", "total decode time (s)", True),
+    ("pareto_speedup.png", "speedup", "geometric-mean theoretical speedup", False),
 )
 ACCURACY = "avg_at_k"
+
+
+def present(results: list[EntryResult], metric: str) -> bool:
+    """Whether ``metric`` has a value in every run (an optional metric is left out otherwise)."""
+    return metric not in OPTIONAL or all(getattr(run, metric) is not None for r in results for run in r.runs)
 
 
 def cell(result: EntryResult, metric: str, fmt: str) -> str:
@@ -38,9 +49,10 @@ def cell(result: EntryResult, metric: str, fmt: str) -> str:
 
 def table_rows(results: list[EntryResult]) -> list[list[str]]:
     """Header row, then one row per entry."""
-    header = ["entry", "kv", "budget", *(name for _, name, _ in COLUMNS)]
+    columns = [c for c in COLUMNS if present(results, c[0])]
+    header = ["entry", "kv", "budget", *(name for _, name, _ in columns)]
     rows = [[r.label, r.kv, "" if r.budget is None else f"{r.budget} ({r.fraction:g} x {r.budget_of})",
-             *(cell(r, metric, fmt) for metric, _, fmt in COLUMNS)] for r in results]
+             *(cell(r, metric, fmt) for metric, _, fmt in columns)] for r in results]
     return [header, *rows]
 
 
@@ -62,9 +74,10 @@ def result_record(result: EntryResult) -> dict:
               "fraction": result.fraction, "budget": result.budget, "seeds": list(result.seeds),
               "num_problems": result.runs[0].num_problems, "k": result.runs[0].k}
     for metric, _, _ in COLUMNS:
-        record[metric] = result.mean(metric)
-        record[f"{metric}_std"] = result.std(metric)
-    record["runs"] = [{"seed": s, **vars(r)} for s, r in zip(result.seeds, result.runs)]
+        if present([result], metric):
+            record[metric] = result.mean(metric)
+            record[f"{metric}_std"] = result.std(metric)
+    record["runs"] = [{"seed": s, **r.summary()} for s, r in zip(result.seeds, result.runs)]
     return record
 
 
@@ -81,7 +94,7 @@ def pareto_front(points: list[tuple[float, float]], lower_x_is_better: bool) -> 
 
 
 def write_plots(results: list[EntryResult], out_dir: Path) -> list[Path]:
-    """The three Pareto plots (Agg backend: no display needed); returns their paths."""
+    """The Pareto plots (Agg backend: no display needed); returns their paths."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -89,6 +102,8 @@ def write_plots(results: list[EntryResult], out_dir: Path) -> list[Path]:
     y = [r.mean(ACCURACY) for r in results]
     y_err = [r.std(ACCURACY) for r in results]
     for filename, metric, xlabel, lower_better in PLOTS:
+        if not present(results, metric):
+            continue
         x = [r.mean(metric) for r in results]
         fig = Figure(figsize=(6.5, 4.5), dpi=100)
         FigureCanvasAgg(fig)

@@ -28,6 +28,7 @@ class Problem:
     prompt: str
     answer: str
     prompt_token_ids: tuple[int, ...] | None = None  # the formatted prompt's ids; None: the engine tokenizes prompt
+    baseline_tokens: int | None = None  # Baseline-SFT's response length (reward.speedup; cluster.baseline_lengths)
 
     @property
     def engine_prompt(self) -> list[int] | str:

@@ -23,12 +23,14 @@ latest checkpoint (``train.max_learner_restarts`` times); a run that cannot cont
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePath
 from typing import TYPE_CHECKING
 
+from cluster.baseline_lengths import baseline_lengths
 from cluster.data import PromptGroup, PromptStream
 from cluster.evaluation import EvalResult, score
 from cluster.ledger import GroupLedger
@@ -93,6 +95,8 @@ def train(cfg: TrainConfig, on_step: StepHook | None = None) -> RunResult:
         total, nodes = cluster_capacity()
         check_resources(cfg, total, nodes)
         model = initial_model(cfg, plan, multi_node=len(nodes) > 1)
+        if plan.baseline_model is not None:  # reward.speedup: Baseline-SFT's length of every training prompt
+            plan = replace(plan, train_problems=baseline_lengths(cfg, plan, multi_node=len(nodes) > 1))
         pg = reserve(cfg)
         return _sessions(cfg, plan, model, pg, on_step)
     finally:
@@ -392,6 +396,7 @@ class Session:
             peak_visible_kv=_mean(t.peak_visible_kv for t in traces),
             completion_tokens=_mean(t.num_tokens for t in traces),
             prompt_tokens=_mean(len(t.prompt_token_ids) for t in traces),
+            speedup=_geomean(t.reward_components.get("speedup") for t in traces),
             rollout_tokens_per_s=counters.tokens / max(time.monotonic() - counters.since, 1e-9),
             stale_groups_dropped=counters.stale,
             staleness_mean=_mean(ages),
@@ -430,6 +435,14 @@ def _learner_part(metrics: StepMetrics) -> tuple[int, float, dict[str, float]]:
 def _mean(values) -> float:
     values = list(values)
     return sum(values) / len(values) if values else 0.0
+
+
+def _geomean(values) -> float | None:
+    """Geometric mean of positive finite values; None when any is missing (or none is given)."""
+    values = list(values)
+    if not values or not all(_is_number(v) and 0 < v < math.inf for v in values):
+        return None
+    return math.exp(sum(math.log(v) for v in values) / len(values))
 
 
 def _is_number(value) -> bool:

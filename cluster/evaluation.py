@@ -3,13 +3,17 @@
 ``score`` turns one completion per problem into an ``EvalResult``; the driver gets outputs from a
 rollout worker (before and after training), ``sliderl eval CHECKPOINT`` from an engine in its own
 process. ``score_samples`` turns k sampled completions per problem into a ``SampledEval`` — avg@k,
-pass@k and what the samples cost — for ``sliderl eval COMPARE.yaml`` (``cluster.comparison``).
+pass@k, what the samples cost and each one's critical path — for ``sliderl eval COMPARE.yaml``
+(``cluster.comparison``), which turns critical paths into Pasta's theoretical speedup over a baseline entry
+(``geomean_speedup``).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+import statistics
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
 
 from cluster.data import Problem
 from rewards import RewardInput
@@ -86,10 +90,50 @@ class SampledEval:
     generated_tokens: int  # all completions together
     decode_seconds: float  # wall seconds of the one generate call that produced every completion
     tokens_per_second: float  # generated_tokens / decode_seconds: the batch's aggregate throughput
+    lengths: tuple[int, ...] = field(default=(), repr=False)  # each sample's completion tokens (i * k + j)
+    critical_paths: tuple[int, ...] = field(default=(), repr=False)  # each sample's longest sequential chain
+    speedup: float | None = None  # geometric mean theoretical speedup over a baseline entry (``with_speedup``)
+
+    @property
+    def mean_critical_path(self) -> float:
+        """Mean over samples of their critical paths (tokens)."""
+        return statistics.fmean(self.critical_paths) if self.critical_paths else 0.0
+
+    def summary(self) -> dict:
+        """The scalar fields (the per-sample tuples left out)."""
+        return {k: v for k, v in asdict(self).items() if not isinstance(v, (tuple, list))}
+
+    def with_speedup(self, baseline: SampledEval) -> SampledEval:
+        """This run with Pasta's theoretical speedup over ``baseline`` (the same problems, k and seed): each
+        sample's speedup is the baseline's mean response length on its problem over the sample's critical
+        path; their geometric mean (thesis §3.5)."""
+        if baseline.num_problems != self.num_problems or not baseline.lengths or not self.critical_paths:
+            raise ValueError(f"a speedup needs the baseline's lengths on the same {self.num_problems} problems")
+        per_problem = [statistics.fmean(baseline.lengths[i * baseline.k:(i + 1) * baseline.k])
+                       for i in range(baseline.num_problems)]
+        ratios = [per_problem[n // self.k] / cp for n, cp in enumerate(self.critical_paths)]
+        return replace(self, speedup=math.exp(statistics.fmean(math.log(r) for r in ratios)))
 
 
-def score_samples(outputs: list, problems: list[Problem], k: int, verifier, decode_seconds: float) -> SampledEval:
-    """``outputs[i * k + j]`` (a RequestOutput) is sample j of ``problems[i]``; ``verifier.score(RewardInput)``."""
+def response_length(output) -> int:
+    """A response's critical path when nothing runs in parallel: its length."""
+    return len(output.token_ids)
+
+
+def pasta_critical_path(tokenizer) -> Callable[[object], int]:
+    """A kv=pasta response's critical path (``rollout.pasta.PastaLayout`` of its flattened token ids and forced
+    flags: the structure the runtime decoded)."""
+    from rollout.pasta import PastaLayout, PastaTokenIds
+
+    tags = PastaTokenIds.from_tokenizer(tokenizer)
+    return lambda out: PastaLayout.parse(len(out.prompt_token_ids), out.token_ids, tags, tokenizer.decode,
+                                         out.forced).critical_path
+
+
+def score_samples(outputs: list, problems: list[Problem], k: int, verifier, decode_seconds: float,
+                  critical_path: Callable[[object], int] = response_length) -> SampledEval:
+    """``outputs[i * k + j]`` (a RequestOutput) is sample j of ``problems[i]``; ``verifier.score(RewardInput)``;
+    ``critical_path(output)`` in tokens (``pasta_critical_path`` for kv=pasta, else the length)."""
     if not problems or k < 1 or len(outputs) != k * len(problems):
         raise ValueError(f"got {len(outputs)} outputs for {len(problems)} problems x k={k}; need k >= 1 per "
                          "problem, at least one problem")
@@ -106,4 +150,6 @@ def score_samples(outputs: list, problems: list[Problem], k: int, verifier, deco
         generated_tokens=tokens,
         decode_seconds=decode_seconds,
         tokens_per_second=tokens / decode_seconds if decode_seconds > 0 else 0.0,
+        lengths=tuple(len(o.token_ids) for o in outputs),
+        critical_paths=tuple(critical_path(o) for o in outputs),
     )

@@ -237,6 +237,17 @@ def make_warm_start(cfg: TrainConfig):
         _threads(cfg.warmstart.num_cpus))
 
 
+def make_baseline_task(cfg: TrainConfig):
+    """Baseline-SFT's greedy lengths (``cluster.baseline_lengths.greedy_lengths``) as a Ray task placed as a rollout
+    worker is (before the placement group exists), and its torch thread count."""
+    import ray
+
+    from cluster.baseline_lengths import greedy_lengths
+
+    request = bundles(cfg)[1]
+    return ray.remote(greedy_lengths).options(max_retries=0, **_options(cfg, request)), _threads(cfg.rollout.num_cpus)
+
+
 def make_queue(cfg: TrainConfig):
     """The bounded trace queue (an actor that reserves no CPU)."""
     from ray.util.queue import Queue

@@ -109,7 +109,7 @@ class RolloutWorker:
         self.llm = LLM(local_folder(model), args=engine)
         self.version = version
         self.sampling = sampling
-        self.reward = reward.build(task_type)
+        self.reward = reward.build(task_type, self.llm.tokenizer)
         self.receiver = WeightReceiver(self.llm.device)
         self.trace_queue = trace_queue
         self._fenced = _restarted()  # a restarted process has stale weights: no work until it gets new ones
@@ -304,7 +304,9 @@ class RolloutWorker:
         """The trace's reward; a term that raises gives a NaN reward (``reward_error`` 1), which makes the
         learner skip the trace's whole group and count it (``skipped_groups_nonfinite_reward``)."""
         try:
-            return self.reward.score(RewardInput(out.text, problem.answer, out.kv.mean_visible_tokens))
+            return self.reward.score(RewardInput(
+                out.text, problem.answer, out.kv.mean_visible_tokens, prompt_token_ids=out.prompt_token_ids,
+                completion_token_ids=out.token_ids, forced=out.forced, baseline_tokens=problem.baseline_tokens))
         except Exception as err:  # any term's failure: the run goes on, the group is not trained
             print(f"rollout worker {self.worker_id}: the reward failed on trace {trace_id}, its group will be "
                   f"skipped: {type(err).__name__}: {' '.join(str(err).split())}", file=sys.stderr, flush=True)

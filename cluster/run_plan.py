@@ -1,5 +1,6 @@
 """What a run starts from, settled before any actor exists: the storage root (run_dir), resolved config,
-data (fields checked), the initial model, the warm start's examples and the checkpoint to resume.
+data (fields checked), the initial model, the warm start's examples, the checkpoint to resume and, with
+``reward.speedup``, the Baseline-SFT checkpoint.
 Every mistake a user can make here is a ``ConfigError`` naming the bad value.
 
 The storage root (``cluster.storage``) holds the run's config, checkpoints, driver state and traces.
@@ -17,6 +18,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path, PurePath
 
+from cluster.baseline_lengths import baseline_model_path
 from cluster.config import ConfigError, check_device, check_outlives_job, to_yaml
 from cluster.data import Problem, data_sources, keep_fitting, load_split
 from cluster.monitor import DRIVER_FILES, WANDB_DIR
@@ -41,6 +43,7 @@ class RunPlan:
     eval_problems: list[Problem]
     resume: tuple[PurePath, DriverState] | None
     warm_start: tuple[list[SFTExample], list[SFTExample]] | None = None  # the stage's (train, held-out) examples
+    baseline_model: str | None = None  # reward.speedup's Baseline-SFT checkpoint (cluster.baseline_lengths)
 
     @property
     def run_dir(self) -> Path | str:
@@ -74,6 +77,7 @@ def prepare(cfg: TrainConfig) -> RunPlan:
     """Storage root, resolved config, data (fields checked), initial model and warm-start examples; no Ray yet."""
     check_devices(cfg)
     check_outlives_job(cfg.run_dir, "run_dir")
+    baseline = baseline_model_path(cfg) if cfg.reward.speedup is not None else None
     storage, local_dir, resume = _open_run(cfg)
     train_source, eval_source = data_sources(cfg, local_dir)
     train_problems = load_split(cfg, train_source)
@@ -86,7 +90,7 @@ def prepare(cfg: TrainConfig) -> RunPlan:
     prompts = prompt_format_of(cfg, model_path)
     train_problems, eval_problems = engine_prompts(cfg, model_path, prompts, train_problems, eval_problems)
     warm_start = stage_examples(cfg.warmstart, cfg.task, prompts) if cfg.warmstart.enabled else None
-    return RunPlan(storage, local_dir, model_path, train_problems, eval_problems, resume, warm_start)
+    return RunPlan(storage, local_dir, model_path, train_problems, eval_problems, resume, warm_start, baseline)
 
 
 def _open_run(cfg: TrainConfig) -> tuple[Storage, Path, tuple[PurePath, DriverState] | None]:

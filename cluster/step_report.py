@@ -52,6 +52,8 @@ class StepReport:
     """wall seconds of the weight sync after the step; None when no sync was due"""
     prompt_tokens: float | None = None
     """mean prompt tokens of the trained traces (the reference line of visible_kv.png)"""
+    speedup: float | None = None
+    """geometric mean of the trained traces' theoretical speedup (reward.speedup); None without that term"""
     learner: dict[str, float] = field(default_factory=dict)
     """the learner's own metrics (loss, grad_norm, ...), logged as learner/<name>"""
     eval_before: EvalResult | None = None

@@ -238,6 +238,7 @@ class TrainConfig(Section):
     def _consistent(self) -> TrainConfig:
         self._check_loop()
         self._check_task()
+        self._check_reward()
         self._check_devices()
         self._resolve_learner()
         return self
@@ -271,6 +272,11 @@ class TrainConfig(Section):
                 and self.eval.num_problems > self.task.eval_size:
             raise ValueError(f"eval.num_problems={self.eval.num_problems} but the task writes only "
                              f"task.eval_size={self.task.eval_size} eval problems; raise task.eval_size")
+
+    def _check_reward(self) -> None:
+        if self.reward.speedup is not None and self.engine.kv != "pasta":
+            raise ValueError(f"reward.speedup is the critical path of a Pasta-Lang response as the Pasta runtime decodes "
+                             f"it: it needs engine.kv=pasta, got engine.kv={self.engine.kv}")
 
     def _check_devices(self) -> None:
         if self.rollout.num_gpus > 0 and not self.engine.device.startswith("cuda"):

@@ -1,9 +1,10 @@
 """Rewards: verifiers and reward terms that score one completion into a ``RewardRecord``.
 
 Owns math correctness (``MathReward``, math_verify), TIP's KV-cache penalty (``KVPenalty``), a
-thinking-length penalty, Pasta's theoretical speedup (``SpeedupReward`` over Pasta-Lang, parsed
-in ``pasta_lang``) and their weighted sum (``CompositeReward``, built from the typed ``RewardSpec``). Plain Python: no Ray,
-no torch; math_verify is imported on first verification.
+thinking-length penalty, Pasta's theoretical speedup (``SpeedupReward``: Baseline-SFT's length over the
+critical path of ``rollout.pasta.PastaLayout``) and their weighted sum (``CompositeReward``, built from the
+typed ``RewardSpec``). Plain Python: no Ray; math_verify is imported on first verification, torch
+(``rollout.pasta``) by the speedup term when it is built.
 """
 
 from rewards.composite import CompositeReward

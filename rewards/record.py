@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -14,12 +15,19 @@ class RewardInput:
     answer: the task's reference answer (math tasks), else None.
     mean_visible_kv: the trace's mean number of KV tokens visible per decode step (engine stats).
     num_thinking_tokens: tokens before the end-of-thinking marker, when the engine counted them.
+    prompt_token_ids, completion_token_ids, forced: the engine's prompt, completion (under ``kv=pasta`` the
+        flattened response) and forced flags, for terms that read tokens (Pasta's speedup).
+    baseline_tokens: Baseline-SFT's response length for this prompt (Pasta's speedup), else None.
     """
 
     completion_text: str
     answer: str | None = None
     mean_visible_kv: float | None = None
     num_thinking_tokens: int | None = None
+    prompt_token_ids: Sequence[int] | None = None
+    completion_token_ids: Sequence[int] | None = None
+    forced: Sequence[bool] | None = None
+    baseline_tokens: int | None = None
 
 
 @dataclass(frozen=True)

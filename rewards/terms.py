@@ -1,4 +1,4 @@
-"""Cost-side reward terms: TIP's KV-cache penalty, a thinking-length penalty and Pasta's speedup.
+"""Cost-side reward terms: TIP's KV-cache penalty, a thinking-length penalty and Pasta's theoretical speedup.
 
 The two penalties share one form, a relative overshoot of a budget:
 ``-coef * max(0, x - budget) / budget`` (0 within budget, -coef at twice the budget). The TIP
@@ -9,11 +9,15 @@ thesis' "live KV cache" metric).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from rewards.math import END_THINK
-from rewards.pasta_lang import schedule, whitespace_tokens
 from rewards.record import RewardInput, RewardRecord
+
+
+def whitespace_tokens(text: str) -> int:
+    """Default token count: whitespace-separated words."""
+    return len(text.split())
 
 
 def budget_overshoot_penalty(value: float, budget: float, coef: float) -> float:
@@ -83,27 +87,43 @@ class ThinkingPenalty:
 
 
 class SpeedupReward:
-    """Pasta's theoretical speedup: generated tokens / critical path (``rewards.pasta_lang``).
+    """Pasta's theoretical speedup (thesis §3.4): ``baseline_tokens / critical path``.
 
-    A response without Pasta-Lang tags scores exactly 1.0. ``count_tokens`` maps a text span to
-    its token count (pass the policy tokenizer's; the default counts whitespace-separated words).
+    ``baseline_tokens`` is Baseline-SFT's response length for the same prompt (``RewardInput.baseline_tokens``;
+    ``cluster.baseline_lengths`` generates them); the critical path is the response's longest sequential chain
+    of decode steps, in tokens, read by ``rollout.pasta.PastaLayout`` from the flattened token ids and the
+    runtime's forced flags — the structure the engine decoded and the trainer trains. A response without
+    forks has its own length as critical path. ``tokenizer`` gives the Pasta-Lang tag ids and decodes a
+    promise's ``tokens="N"``; ``rollout.pasta`` (torch) is imported here, on first use.
     """
 
     name = "speedup"
 
-    def __init__(self, count_tokens: Callable[[str], int] = whitespace_tokens):
-        self.count_tokens = count_tokens
+    def __init__(self, tokenizer):
+        from rollout.pasta import PastaTokenIds
 
-    def __call__(self, completion_text: str) -> RewardRecord:
-        plan = schedule(completion_text, self.count_tokens)
+        self.tags = PastaTokenIds.from_tokenizer(tokenizer)
+        self.decode = tokenizer.decode
+
+    def __call__(self, prompt_len: int, completion_ids: Sequence[int], baseline_tokens: int,
+                 forced: Sequence[bool] | None = None) -> RewardRecord:
+        from rollout.pasta import PastaLayout
+
+        layout = PastaLayout.parse(prompt_len, completion_ids, self.tags, self.decode, forced)
+        speedup = layout.speedup(baseline_tokens)
         info = {
-            "critical_path": float(plan.critical_path),
-            "num_tokens": float(plan.num_tokens),
-            "parallelism": plan.parallelism,
-            "num_forks": float(plan.num_forks),
-            "num_malformed": float(plan.num_malformed),
+            "critical_path": float(layout.critical_path),
+            "num_tokens": float(layout.num_generated),
+            "baseline_tokens": float(baseline_tokens),
+            "num_forks": float(len(layout.forks)),
+            "num_malformed": float(layout.malformed.total),
         }
-        return RewardRecord(plan.speedup, {self.name: plan.speedup}, info=info)
+        return RewardRecord(speedup, {self.name: speedup}, info=info)
 
     def score(self, sample: RewardInput) -> RewardRecord:
-        return self(sample.completion_text)
+        missing = [name for name in ("prompt_token_ids", "completion_token_ids", "baseline_tokens")
+                   if getattr(sample, name) is None]
+        if missing:
+            raise ValueError(f"SpeedupReward needs the response's token ids and Baseline-SFT's length for its prompt; "
+                             f"RewardInput.{', '.join(missing)} is None")
+        return self(len(sample.prompt_token_ids), sample.completion_token_ids, sample.baseline_tokens, sample.forced)

@@ -52,10 +52,17 @@ its thread; a fork starts when its ``/>`` is decoded and takes one step per bloc
 costs a step, then waits for the forks it joins; the response ends when the main thread and every
 fork have. Speedup = a baseline's response length / this critical path.
 
+Which ``<async>`` opens a fork. In a runtime's response the fork's ``<async>`` is inserted by the
+runtime (forced), so with the response's forced flags (``PastaLayout.parse(..., forced=...)``) only a
+forced ``<async>`` right after a promise opens a fork: an ``<async>`` the main thread *sampled* right
+after a ``/>`` that forked nothing (past ``pasta_max_forks``, or no room under ``max_model_len``) is a
+stray main-thread token, as the runtime read it. Without forced flags (SFT data written as text) every
+``<async>`` right after a promise opens its fork.
+
 Malformed pieces are plain tokens of the thread they stand in, counted in ``PastaMalformed``:
 a ``<promise`` not closed by ``/>`` before another tag or the end; a promise not followed by
-``<async>`` (it forks nothing and shifts no position); a fork whose promise has no valid
-``tokens="N"`` (it gets ``DEFAULT_PROMISE_UNITS``); a tag token that means nothing where it
+``<async>`` (with forced flags: by a forced one; it forks nothing and shifts no position); a fork whose
+promise has no valid ``tokens="N"`` (it gets ``DEFAULT_PROMISE_UNITS``); a tag token that means nothing where it
 stands (``<async>`` not right after a promise, ``</async>`` or ``/>`` on the main thread outside
 a promise, ``<promise``/``/>``/``<async>`` inside a fork; one count per token); a fork never closed
 (it ends at the end of the text and is never joined). A ``<sync/>`` with no fork to join is an
@@ -167,16 +174,21 @@ class PastaLayout:
 
     @classmethod
     def parse(cls, prompt_len: int, completion_ids: Sequence[int] | Tensor, tags: PastaTokenIds,
-              decode: Callable[[list[int]], str]) -> PastaLayout:
+              decode: Callable[[list[int]], str], forced: Sequence[bool] | None = None) -> PastaLayout:
         """Read ``completion_ids`` after a prompt of ``prompt_len`` tokens, in one pass.
 
         tags: the tokenizer's tag ids. decode: token ids -> text (``tokenizer.decode``), used on each
-        promise's attribute tokens to read ``tokens="N"``.
+        promise's attribute tokens to read ``tokens="N"``. forced: the runtime's forced flags of the
+        completion (``RequestOutput.forced``, ``Trace.forced``); given (non-empty), only a forced ``<async>``
+        opens a fork (module docstring); None or empty: SFT text, any ``<async>`` after a promise does.
         """
         if isinstance(prompt_len, bool) or not isinstance(prompt_len, int) or prompt_len < 1:
             raise ValueError(f"prompt_len must be an int >= 1 (a response follows its prompt), got {prompt_len!r}")
         ids = completion_ids.tolist() if isinstance(completion_ids, Tensor) else list(completion_ids)
-        return _LayoutParser(prompt_len, ids, tags, decode).run()
+        flags = [bool(f) for f in forced] if forced is not None else []
+        if flags and len(flags) != len(ids):
+            raise ValueError(f"forced has {len(flags)} flags for {len(ids)} completion tokens")
+        return _LayoutParser(prompt_len, ids, tags, decode, flags or None).run()
 
     def __len__(self) -> int:
         return self.thread.shape[0]
@@ -282,8 +294,9 @@ class _LayoutParser:
     """One pass over a completion for ``PastaLayout.parse``: the main thread reads tags, a fork only waits
     for its ``</async>``."""
 
-    def __init__(self, prompt_len: int, ids: list[int], tags: PastaTokenIds, decode: Callable[[list[int]], str]):
-        self.prompt_len, self.ids, self.tags, self.decode = prompt_len, ids, tags, decode
+    def __init__(self, prompt_len: int, ids: list[int], tags: PastaTokenIds, decode: Callable[[list[int]], str],
+                 forced: list[bool] | None = None):
+        self.prompt_len, self.ids, self.tags, self.decode, self.forced = prompt_len, ids, tags, decode, forced
         self.tag_ids = set(astuple(tags))
         self.thread, self.positions = [0] * prompt_len, list(range(prompt_len))
         self.main_next = prompt_len  # position of the main thread's next token
@@ -309,7 +322,7 @@ class _LayoutParser:
     def _main(self, i: int, tok: int) -> None:
         promised, self.promised = self.promised, None
         if promised is not None:
-            if tok == self.tags.async_open:
+            if tok == self.tags.async_open and (self.forced is None or self.forced[i - self.prompt_len]):
                 return self._start_fork(i, *promised)
             self.counts["promises_without_block"] += 1
         if self.tag_start is not None:

@@ -22,8 +22,9 @@ What the runtime does (thesis, Pasta chapter; the tags are ``rollout.pasta``'s):
   interrupted by another tag (which then acts as itself), a ``/>``, ``<async>`` or ``</async>`` on the
   main thread outside a promise, a tag in a fork. A promise without a valid ``tokens="N"`` forks with
   ``DEFAULT_PROMISE_UNITS``. A ``/>`` on which the main thread stops, or that leaves no room for a
-  fork under ``max_model_len``, forks nothing (and shifts no position), so the flattened response
-  reads the same to ``rollout.pasta``'s parser.
+  fork under ``max_model_len``, forks nothing (and shifts no position), as one past ``max_forks``; an
+  ``<async>`` the main thread samples right after it is plain text. ``rollout.pasta``'s parser reads
+  the flattened response the same when given its forced flags (only the runtime's ``<async>`` forks).
 
 Visibility by write order (DESIGN.md, "Pasta threads"). Each thread's block table lists exactly the keys
 it may see, each before the queries that see it: at a promise both threads continue in fresh blocks

@@ -166,8 +166,8 @@ def test_async_bonbon_run(ray_session, model_dir, tmp_path):
     from cluster.driver import train
 
     cfg = tiny_job(model_dir, tmp_path / "run", "train.mode=async", "train.steps=2",
-                   "reward={correctness: 1.0, speedup: 1.0, kv_penalty: {budget: 1, coef: 0.01}}",
-                   "learner.algo={type: bonbon, quality_key: kv_penalty}", "train.max_staleness=1")
+                   "reward={correctness: 1.0, kv_penalty: {budget: 1, coef: 0.01}}",
+                   "learner.algo={type: bonbon, quality_key: kv_penalty, speedup_key: null}", "train.max_staleness=1")
     result = train(cfg)
     rows = metric_rows(result.run_dir)
     assert sorted(rows) == [1, 2] and result.state.version == stepped_versions(rows)[-1] >= 1

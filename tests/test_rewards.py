@@ -8,9 +8,8 @@ from pathlib import Path
 import pytest
 
 from rewards import (CorrectnessTerm, KVPenalty, KVPenaltyTerm, MathReward, RewardInput, RewardRecord, RewardSpec,
-                     SpeedupReward, SpeedupTerm, ThinkingPenalty)
+                     ThinkingPenalty, ThinkingPenaltyTerm)
 from rewards.math import last_boxed
-from rewards.pasta_lang import schedule
 
 MATH500 = Path(__file__).resolve().parents[2] / "shared" / "data" / "math500-dev.jsonl"  # ../shared beside the repo
 
@@ -112,59 +111,7 @@ def test_thinking_penalty_counts_tokens_before_think_end():
     assert penalty("a b c d e f g h").total == pytest.approx(-1.0)  # never ended: all 8 count
 
 
-# --------------------------------------------------------------------------- Pasta speedup
-# Whitespace tokens; a tag costs its own word count (<promise topic="..."/> is 2, the others 1).
-
-
-def test_speedup_of_a_plain_response_is_one():
-    record = SpeedupReward()("one two three")
-    assert record.total == 1.0 and record.info["critical_path"] == 3.0
-    assert SpeedupReward()("").total == 1.0
-
-
-TWO_FORKS = (
-    'Find the distance <promise topic="coords"/> <promise topic="formula"/> '
-    "<async> A is (1,2) and B is (4,6) </async> "
-    "<async> d equals root of dx squared plus dy squared </async> "
-    "meanwhile <sync/> so d is 5"
-)
-
-
-def test_speedup_of_two_forks_by_hand():
-    # main: "Find the distance" t=3; promise 1 t=5 (fork 1 starts); promise 2 t=7 (fork 2 starts)
-    # fork 1: <async> + 7 words + </async> = 9 -> ends 5 + 9 = 14
-    # fork 2: <async> + 9 words + </async> = 11 -> ends 7 + 11 = 18
-    # main: "meanwhile" t=8; <sync/> t=9, waits -> max(9, 14, 18) = 18; "so d is 5" -> 22
-    # tokens: 3 + 2 + 2 + 9 + 11 + 1 + 1 + 4 = 33 -> speedup 33 / 22 = 1.5
-    # control tokens: 2 + 2 + 2 + 2 + 1 = 9 -> parallelism (33 - 9) / 22
-    record = SpeedupReward()(TWO_FORKS)
-    assert record.info["critical_path"] == 22.0 and record.info["num_tokens"] == 33.0
-    assert record.total == pytest.approx(1.5)
-    assert record.info["parallelism"] == pytest.approx(24 / 22)
-    assert record.info["num_forks"] == 2.0 and record.info["num_malformed"] == 0.0
-
-
-def test_speedup_of_nested_forks_by_hand():
-    text = "a <promise/> <async> b <promise/> <async> c d e f </async> g <sync/> </async> h <sync/> i"
-    # main: a t=1; promise t=2 -> fork F starts at 2
-    # F: <async> 3; b 4; promise 5 -> fork G starts at 5; G: <async> 6, c d e f 10, </async> 11
-    # F: g 6; <sync/> 7 -> max(7, 11) = 11; </async> 12 -> F ends 12
-    # main: h 3; <sync/> 4 -> max(4, 12) = 12; i 13
-    # tokens: a, promise, async, b, promise, async, c d e f, /async, g, sync, /async, h, sync, i = 17
-    plan = schedule(text)
-    assert (plan.critical_path, plan.num_tokens, plan.num_forks, plan.num_malformed) == (13, 17, 2, 0)
-    assert plan.speedup == pytest.approx(17 / 13)
-
-
-def test_malformed_pasta_is_scored_leniently_and_counted():
-    # a block with no promise forks where it stands; an unclosed block closes at the end
-    plan = schedule("x <async> y z </async> w <sync/> v <promise/> <async> u")
-    # main: x 1; block forks at 1: <async> y z </async> = 4 -> ends 5; w 2; <sync/> 3 -> 5; v 6; promise 7
-    # second block starts at 7: <async> u = 2 -> ends 9; end of text joins -> 9
-    assert plan.critical_path == 9 and plan.num_malformed == 2
-    assert schedule("a </async> b").num_malformed == 1  # stray close: a plain token
-    deep = schedule("<async> " * 5000)  # degenerate output: nesting is capped, nothing recurses 5000 deep
-    assert deep.num_tokens == 5000 and deep.num_malformed > 0
+# Pasta's speedup (Baseline-SFT's length / the critical path of rollout.pasta.PastaLayout): tests/test_pasta_bonbon.py
 
 
 # --------------------------------------------------------------------------- composite
@@ -172,15 +119,16 @@ def test_malformed_pasta_is_scored_leniently_and_counted():
 
 def test_reward_spec_weights_terms_and_keeps_components():
     # Catches: a term's weight applied twice or not at all, or a component stored after weighting.
-    spec = RewardSpec(kv_penalty=KVPenaltyTerm(budget=1000, coef=0.5, weight=2.0), speedup=SpeedupTerm(weight=0.1))
+    spec = RewardSpec(kv_penalty=KVPenaltyTerm(budget=1000, coef=0.5, weight=2.0),
+                      thinking_penalty=ThinkingPenaltyTerm(budget=1, coef=1.0, weight=0.1))
     reward = spec.build("math")
-    record = reward(RewardInput("<think>hmm</think> so \\boxed{42}", answer="42", mean_visible_kv=1500.0))
-    # 1.0 * 1 + 2.0 * (-0.5 * 500 / 1000) + 0.1 * 1.0 (no Pasta tags) = 1 - 0.5 + 0.1 = 0.6
-    assert record.total == pytest.approx(0.6)
-    assert record.components == pytest.approx({"correctness": 1.0, "kv_penalty": -0.25, "speedup": 1.0})
+    record = reward(RewardInput("<think>a b c</think> so \\boxed{42}", answer="42", mean_visible_kv=1500.0))
+    # 1.0 * 1 + 2.0 * (-0.5 * 500 / 1000) + 0.1 * (-(3 - 1) / 1) (three words of thinking) = 1 - 0.5 - 0.2 = 0.3
+    assert record.total == pytest.approx(0.3)
+    assert record.components == pytest.approx({"correctness": 1.0, "kv_penalty": -0.25, "thinking_penalty": -2.0})
     assert record.parsed == "42"
     metrics = record.as_metrics("train/reward")
-    assert metrics["train/reward/total"] == pytest.approx(0.6)
+    assert metrics["train/reward/total"] == pytest.approx(0.3)
     assert metrics["train/reward/kv_penalty"] == pytest.approx(-0.25)
     assert metrics["train/reward/kv_penalty/mean_visible_kv"] == 1500.0
     assert all(isinstance(v, float) for v in metrics.values())

@@ -21,8 +21,8 @@ import torch
 from torch import Tensor
 
 from rollout.trace import Trace
-from trainer.losses import (AGGREGATIONS, BONBON_NUM_SAMPLES, LossOutput, bonbon_beta, bonbon_loss,
-                            group_advantages, grpo_loss, latency_aware_score, preference_pairs, sft_loss)
+from trainer.losses import (AGGREGATIONS, LossOutput, bonbon_beta, bonbon_loss, group_advantages, grpo_loss,
+                            latency_aware_score, preference_pairs, sft_loss)
 
 OLD_LOGPROBS = ("sampler", "recomputed")
 RECORD_CONFIG: dict[str, Any] = {"extra": "forbid", "use_attribute_docstrings": True}
@@ -81,10 +81,12 @@ class BoNBoNOptions:
     """The algorithm: bonbon."""
     alpha: float = 0.005
     """Weight of the SFT term on the best sample, in [0, 1]; the IPO term gets 1 - alpha."""
-    beta: float = bonbon_beta(BONBON_NUM_SAMPLES)
-    """IPO's beta (> 0): the margin target is 1 / (2 beta); default bonbon_beta(10)."""
+    beta: float | None = None
+    """IPO's beta (> 0): the margin target is 1 / (2 beta); None: bonbon_beta(n), n the number of samples the
+    pair was picked from (its group: rollout.group_size), the best-vs-worst margin of n samples."""
     quality_weight: float = 1.0
-    """λ of the latency-aware score speedup + λ·quality (>= 0)."""
+    """λ of the latency-aware score speedup + λ·quality (>= 0; lower ranks more for speed). Quality is the
+    quality_key component: correctness, the task's verifier (no LLM judge, unlike the thesis)."""
     speedup_key: str | None = "speedup"
     """Reward component holding the speedup; None scores by quality alone."""
     quality_key: str = "correctness"
@@ -93,7 +95,7 @@ class BoNBoNOptions:
     def __post_init__(self) -> None:
         _check_type(self, "bonbon")
         require_field(self, "alpha", 0 <= self.alpha <= 1, "in [0, 1]")
-        require_field(self, "beta", self.beta > 0, "> 0")
+        require_field(self, "beta", self.beta is None or self.beta > 0, "> 0 or None")
         require_field(self, "quality_weight", self.quality_weight >= 0, ">= 0")
         require_field(self, "quality_key", bool(self.quality_key), "a reward component name")
 
@@ -132,11 +134,13 @@ class Selection:
     roles: list[str] = field(default_factory=list)  # "" | "chosen" | "rejected"
     units: list[list[int]] = field(default_factory=list)  # indices into traces that share a micro-batch
     metrics: dict[str, float] = field(default_factory=dict)
+    group_sizes: list[int] = field(default_factory=list)  # samples in the group each trace was picked from
 
-    def add(self, trace: Trace, advantage: float = 0.0, role: str = "") -> int:
+    def add(self, trace: Trace, advantage: float = 0.0, role: str = "", group_size: int = 0) -> int:
         self.traces.append(trace)
         self.advantages.append(advantage)
         self.roles.append(role)
+        self.group_sizes.append(group_size)
         return len(self.traces) - 1
 
 
@@ -151,6 +155,7 @@ class Row:
     behaviour: Tensor | None  # [n] float32, the sampler's logprobs of the targets; None for SFT data
     logprobs: Tensor | None = None  # [n] float32 recomputed, with grad
     ref_logprobs: Tensor | None = None  # [n] float32 under the frozen reference, no grad
+    group_size: int = 0  # samples in the trace's group (BoNBoN's beta follows it)
 
 
 @dataclass(frozen=True)
@@ -268,9 +273,10 @@ class BoNBoN(Algorithm):
     ``speedup_key=None`` scores by quality alone). A missing key is an error; groups with a
     non-finite score or all-equal scores give no pair and are skipped and counted.
     The IPO margin uses sequence sums over each trace's loss tokens (under truncation, its last W).
-    Options (``BoNBoNOptions``): alpha (0.005), beta (``bonbon_beta(10)``), quality_weight λ (1.0),
-    speedup_key, quality_key. The SFT term is the token mean within a micro-batch; micro-batches
-    are weighted by their share of the step's pairs (exact when all pairs fit in one micro-batch).
+    Options (``BoNBoNOptions``): alpha (0.005), beta (None: ``bonbon_beta(n)`` for each pair, n its
+    group's number of samples), quality_weight λ (1.0), speedup_key, quality_key. The SFT term is the
+    token mean within a micro-batch; micro-batches are weighted by their share of the step's pairs (exact
+    when all pairs fit in one micro-batch).
     """
 
     name = "bonbon"
@@ -309,16 +315,22 @@ class BoNBoN(Algorithm):
                 sel.metrics["no_pair_groups"] += 1
                 continue
             chosen, rejected = group[pairs.chosen[0]], group[pairs.rejected[0]]
-            sel.units.append([sel.add(chosen, role="chosen"), sel.add(rejected, role="rejected")])
+            sel.units.append([sel.add(chosen, role="chosen", group_size=len(group)),
+                              sel.add(rejected, role="rejected", group_size=len(group))])
         return sel
+
+    def pair_beta(self, chosen: Row) -> float:
+        """IPO's beta of the pair whose best sample is ``chosen``: the option, else ``bonbon_beta(n)``."""
+        return self.options.beta if self.options.beta is not None else bonbon_beta(chosen.group_size)
 
     def loss(self, rows: list[Row], totals: Totals) -> LossOutput:
         chosen = [r for r in rows if r.role == "chosen"]
         rejected = [r for r in rows if r.role == "rejected"]
         ref_sum = lambda rs: (pad(rs, "ref_logprobs") * pad(rs, "loss_mask", False)).sum(dim=1)  # noqa: E731  [P]
+        beta = torch.tensor([self.pair_beta(r) for r in chosen], device=chosen[0].logprobs.device)  # [P]
         out = bonbon_loss(pad(chosen, "logprobs"), pad(chosen, "loss_mask", False), pad(rejected, "logprobs"),
                           pad(rejected, "loss_mask", False), ref_sum(chosen), ref_sum(rejected),
-                          alpha=self.options.alpha, beta=self.options.beta)
+                          alpha=self.options.alpha, beta=beta)
         share = len(chosen) / totals.num_units
         return LossOutput(out.loss * share, {**out.metrics, "loss": out.metrics["loss"] * share})
 

@@ -186,7 +186,7 @@ class Learner:
     def _units(self, selection: Selection) -> tuple[list[list[Row]], dict[int, WindowInput], int]:
         """Rows that must share a micro-batch (a BoNBoN pair; else one window), each row's packable input
         (keyed by ``id(row)``), and how many traces had no loss token (their unit is dropped: a pair needs both)."""
-        per_trace = [self._trace_rows(i, trace, selection.advantages[i], selection.roles[i])
+        per_trace = [self._trace_rows(i, trace, selection.advantages[i], selection.roles[i], selection.group_sizes[i])
                      for i, trace in enumerate(selection.traces)]
         units, skipped = [], 0
         for unit in selection.units:
@@ -199,8 +199,8 @@ class Learner:
         inputs = {id(row): item for pairs in per_trace for row, item in pairs}
         return units, inputs, skipped
 
-    def _trace_rows(self, index: int, trace: Trace, advantage: float = 0.0,
-                    role: str = "") -> list[tuple[Row, WindowInput]]:
+    def _trace_rows(self, index: int, trace: Trace, advantage: float = 0.0, role: str = "",
+                    group_size: int = 0) -> list[tuple[Row, WindowInput]]:
         """The trace's training windows under its own policy, those with a loss token, as (row, input)."""
         policy = self._trace_policy(trace)
         prompt_len, num_generated = len(trace.prompt_token_ids), len(trace.completion_token_ids)
@@ -218,7 +218,7 @@ class Learner:
             mask = item.loss_mask(trace.forced)
             if mask.any():
                 behaviour = sampler[w.target_start:w.target_end] if sampler is not None else None
-                out.append((Row(index, advantage, role, mask, behaviour), item))
+                out.append((Row(index, advantage, role, mask, behaviour, group_size=group_size), item))
         return out
 
     def _pasta_layout(self, trace: Trace) -> PastaLayout:
@@ -230,7 +230,7 @@ class Learner:
         if self._pasta_tags is None:
             self._pasta_tags = PastaTokenIds.from_tokenizer(self.tokenizer)
         return PastaLayout.parse(len(trace.prompt_token_ids), trace.completion_token_ids, self._pasta_tags,
-                                 self.tokenizer.decode)
+                                 self.tokenizer.decode, trace.forced)
 
     def _trace_policy(self, trace: Trace) -> KVPolicy:
         try:

@@ -256,25 +256,29 @@ def ipo_loss(
     ref_chosen: torch.Tensor,
     pi_rejected: torch.Tensor,
     ref_rejected: torch.Tensor,
-    beta: float,
+    beta: float | torch.Tensor,
 ) -> LossOutput:
     """IPO on sequence-summed logprobs, all ``[P]``: ``mean((h - 1/(2 beta))^2)``.
 
     ``h = (pi_chosen - ref_chosen) - (pi_rejected - ref_rejected)``; the reference terms carry no grad.
-    Metrics: loss, margin_mean (mean h), margin_target (1/(2 beta)), pair_accuracy (fraction h > 0).
+    beta: one value, or ``[P]`` (one per pair: BoNBoN's follows each pair's group size).
+    Metrics: loss, margin_mean (mean h), margin_target (mean 1/(2 beta)), pair_accuracy (fraction h > 0).
     """
-    if not beta > 0:
-        raise ValueError(f"IPO beta must be > 0, got {beta}")
+    beta = torch.as_tensor(beta, dtype=torch.float32, device=pi_chosen.device)
+    if not bool((beta > 0).all()) or beta.dim() > 1:
+        raise ValueError(f"IPO beta must be > 0 (one value or one per pair), got {beta.tolist()}")
     _check_same_shape(pi_chosen.shape, ref_chosen=ref_chosen, pi_rejected=pi_rejected, ref_rejected=ref_rejected)
     if pi_chosen.dim() != 1 or pi_chosen.numel() == 0:
         raise ValueError(f"IPO inputs must be non-empty [P] sequence logprobs, got shape {tuple(pi_chosen.shape)}")
+    if beta.dim() == 1 and beta.shape != pi_chosen.shape:
+        raise ValueError(f"IPO beta has {beta.numel()} values for {pi_chosen.numel()} pairs")
     h = (pi_chosen.float() - ref_chosen.detach().float()) - (pi_rejected.float() - ref_rejected.detach().float())  # [P]
-    target = 1.0 / (2.0 * beta)
+    target = 1.0 / (2.0 * beta)  # [] or [P]
     loss = ((h - target) ** 2).mean()
     metrics = {
         "loss": loss.item(),
         "margin_mean": h.detach().mean().item(),
-        "margin_target": target,
+        "margin_target": target.mean().item(),
         "pair_accuracy": (h.detach() > 0).float().mean().item(),
     }
     return LossOutput(loss, metrics)
@@ -292,9 +296,6 @@ def bonbon_beta(num_samples: int) -> float:
     return 1.0 / (2.0 * (num_samples - 1) * harmonic)
 
 
-BONBON_NUM_SAMPLES = 10  # Pasta samples N = 10 responses per prompt (§3.4)
-
-
 def bonbon_loss(
     chosen_logprobs: torch.Tensor,
     chosen_mask: torch.Tensor,
@@ -304,7 +305,7 @@ def bonbon_loss(
     ref_rejected_seq: torch.Tensor,
     *,
     alpha: float = 0.005,
-    beta: float = bonbon_beta(BONBON_NUM_SAMPLES),
+    beta: float | torch.Tensor,
 ) -> LossOutput:
     """BoNBoN: ``alpha * SFT(chosen) + (1 - alpha) * IPO(chosen, rejected)``.
 
@@ -312,7 +313,8 @@ def bonbon_loss(
     the best / worst sample of each group under the current policy and their loss masks.
     ref_chosen_seq, ref_rejected_seq: ``[P]`` reference logprobs summed over the same masks.
     SFT is the masked token-mean NLL of the chosen samples (``sft_loss``). alpha = 0.005 is Pasta's
-    (from BoNBoN); beta defaults to ``bonbon_beta(10)`` ~= 0.0196 (Pasta's N = 10).
+    (from BoNBoN). beta: IPO's, one value or ``[P]``; BoNBoN's is ``bonbon_beta(n)`` for pairs taken from
+    n samples (``trainer.algorithms.BoNBoN`` gives each pair its group's).
     Metrics: loss, sft/*, ipo/*.
     """
     if not 0.0 <= alpha <= 1.0:
