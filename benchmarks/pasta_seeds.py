@@ -18,7 +18,7 @@ settings to those commands.
 
     python benchmarks/pasta_seeds.py --seeds 0 1 2 --device cuda --out runs/pasta-seeds
     python benchmarks/pasta_seeds.py --seeds 0 --out /tmp/pasta-smoke --bonbon-steps 1 --sft sft.steps=4 \\
-        --train train.groups_per_step=1 rollout.group_size=2 eval.before=false eval.after=false --eval eval.num_problems=4
+        --train train.groups_per_step=2 task.train_size=2 eval.before=false eval.after=false --eval eval.num_problems=4
 """
 
 from __future__ import annotations

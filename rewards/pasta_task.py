@@ -3,7 +3,9 @@ structure that a tiny model can learn to annotate in Pasta-Lang (thesis, Pasta c
 
 A problem gives K chains (named A, B, …), each a start value and lettered signed operands (the letters
 run on across chains, one per step, so each step's operand is looked up in the prompt by a letter of its
-own, as in ``rewards.arith``), and asks for the sum of their final values. Each chain is one fork; the
+own, as in ``rewards.arith``), and asks for the sum of their final values. A chain line ends with its final
+value under its name (``A:55``); the sum copies each final by that name and adds them one at a time, so
+every step a tiny model takes is a lookup by a unique key or a local addition. Each chain is one fork; the
 main thread only promises them, waits at the sync and adds the final values, which it sees once the
 forks are joined::
 
@@ -11,9 +13,9 @@ forks are joined::
                 B=23 e+2 f-1 g+6
                 A+B=?
     annotated:  <think>
-                <promise topic="A" tokens="4"/><async>A=47 a+5=52 b-3=49 c+8=57 d-2=55
-                </async><promise topic="B" tokens="3"/><async>B=23 e+2=25 f-1=24 g+6=30
-                </async><sync/>A+B=55+30=85
+                <promise topic="A" tokens="4"/><async>A=47 a+5=52 b-3=49 c+8=57 d-2=55 A:55
+                </async><promise topic="B" tokens="4"/><async>B=23 e+2=25 f-1=24 g+6=30 B:30
+                </async><sync/>A:55+B:30=85
                 </think>
                 Answer: \\boxed{85}
     plain:      the same text without the tags and the promises' attribute text (Baseline-SFT's target)
@@ -28,11 +30,12 @@ default ``byte_level_tokens``, exact for the project's byte-level tokenizer with
 tokens; pass a tokenizer's count to match another.
 
 Sizes: a promise costs the main thread 22 byte-level tokens (``<promise``, `` topic="A" tokens="6"``,
-``/>``) before its fork starts; a chain line of s steps is 5 + 7s tokens (two-digit values), its block
+``/>``) before its fork starts; a chain line of s steps is 10 + 7s tokens (two-digit values), its block
 two more. Forking every chain but the last is the fastest layout (the last fork's block would follow
-all the promises on the critical path); with the defaults (2..3 chains of 6..8 steps) the annotated
-response with every chain forked has a shorter critical path than the plain response for all but the
-shortest problems (``tests/test_pasta_task.py`` measures it).
+all the promises on the critical path). With the defaults (2..3 chains of 6..8 steps) the plain response
+is ~160 tokens; over Baseline-style plain responses the geometric-mean theoretical speedup of the
+annotated response is ~1.17 with every chain forked, ~1.06 at ``fork_prob`` 0.5 and ~1.34 forking all
+but the last (``tests/test_pasta_task.py`` checks the fastest layout is shorter on every problem).
 
 Splits are disjoint by a hash of the prompt and each split has its own random stream, as in
 ``rewards.arith``.
@@ -170,10 +173,11 @@ def format_prompt(chains: list[Chain]) -> str:
 
 
 def chain_line(chain: Chain) -> str:
-    """``A=47 a+5=52 b-3=49`` and a newline: every step with the value it leads to."""
+    """``A=47 a+5=52 b-3=49 A:49`` and a newline: every step with the value it leads to, then the final value
+    under the chain's name (``A:``, which the combination copies)."""
     name, start, ops = chain
     steps = "".join(f" {label}{sign}{operand}={v}" for (label, sign, operand), v in zip(ops, values(chain)[1:]))
-    return f"{name}={start}{steps}\n"
+    return f"{name}={start}{steps} {name}:{values(chain)[-1]}\n"
 
 
 def total(chains: list[Chain]) -> int:
@@ -182,10 +186,13 @@ def total(chains: list[Chain]) -> int:
 
 
 def combination(chains: list[Chain]) -> str:
-    """``A+B=55+30=85`` and a newline."""
-    names = "+".join(name for name, _, _ in chains)
-    finals = "+".join(str(values(chain)[-1]) for chain in chains)
-    return f"{names}={finals}={total(chains)}\n"
+    """``A:55+B:30=85+C:12=97`` and a newline: the final values copied by name, added one at a time."""
+    (first, *rest), running = chains, values(chains[0])[-1]
+    out = f"{first[0]}:{running}"
+    for chain in rest:
+        running += values(chain)[-1]
+        out += f"+{chain[0]}:{values(chain)[-1]}={running}"
+    return out + "\n"
 
 
 def format_plain(chains: list[Chain]) -> str:

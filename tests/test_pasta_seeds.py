@@ -49,7 +49,7 @@ def test_smoke_run_of_one_seed(tmp_path):
             "model.intermediate_size=64"]
     cmd = [sys.executable, "benchmarks/pasta_seeds.py", "--seeds", "0", "--out", str(tmp_path), "--bonbon-steps", "1",
            "--sft", "sft.steps=4", "sft.batch_size=4", "sft.check_every=4", "data.held_out=2", *tiny,
-           "--train", "train.groups_per_step=1", "rollout.group_size=2", "task.train_size=1", "sampling.max_tokens=24",
+           "--train", "train.groups_per_step=2", "rollout.group_size=4", "task.train_size=2", "sampling.max_tokens=48",
            "eval.before=false", "eval.after=false", "monitor.wandb.mode=disabled", "monitor.include_dashboard=false",
            "monitor.plots=false", "--eval", "eval.num_problems=4", "sampling.max_tokens=24"]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200)

@@ -125,7 +125,8 @@ def test_plain_response_is_the_annotated_one_without_annotations():
 
 
 # catches: a wrong answer (planted: the chains' start values summed) or chain value (planted: each step
-# showing the value before it), a verifier that cannot read an annotated response.
+# showing the value before it), a combination that does not add the finals (planted: the running sum adding
+# each chain's start -> fails), a verifier that cannot read an annotated response.
 def test_answers_follow_the_prompt_and_verify():
     verifier = PastaTaskVerifier()
     for p in problems():
@@ -137,14 +138,21 @@ def test_answers_follow_the_prompt_and_verify():
             finals[name] = int(start) + sum(int(op[1:]) for op in ops)
         assert question == "+".join(finals) + "=?"
         assert int(p["answer"]) == sum(finals.values())
-        lines = {line.split("=", 1)[0]: line for line in p["solution_plain"].splitlines()}
-        for name, line in zip(finals, chains):  # "A=47 a+5=52 b-3=49": each step redone from the prompt's operands
-            start, *steps = lines[name].split("=", 1)[1].split()
+        *body, combined, _, _ = p["solution_plain"].splitlines()[1:]  # chain lines, the sum, </think>, Answer
+        lines = {line.split("=", 1)[0]: line for line in body}
+        for name, line in zip(finals, chains):  # "A=47 a+5=52 b-3=49 A:49": each step redone from the prompt
+            start, *steps, final = lines[name].split("=", 1)[1].split()
             value = int(start)
             for step, operand in zip(steps, line.split()[1:], strict=True):
                 value += int(operand[1:])
                 assert step == f"{operand}={value}"
-            assert value == finals[name]
+            assert value == finals[name] and final == f"{name}:{value}"
+        names, running = list(finals), finals[next(iter(finals))]  # "A:55+B:30=85+C:12=97"
+        want = f"{names[0]}:{running}"
+        for name in names[1:]:
+            running += finals[name]
+            want += f"+{name}:{finals[name]}={running}"
+        assert combined == want
         for text in (p["solution"], p["solution_plain"]):
             assert verifier(text, p["answer"]).total == 1.0
         wrong = p["solution"].replace(f"{{{p['answer']}}}", f"{{{int(p['answer']) + 1}}}")
