@@ -24,7 +24,7 @@ Per run, over the steps after ``--warmup`` (the first pays compilation and graph
 
   step_s        wall seconds from one step's report to the next (metrics.jsonl ``elapsed_s``)
   learner_s     the learner step; sync_s the weight sync; release_s freeing + re-allocating the pool
-  gen_s         step_s - learner_s - sync_s - release_s (sync mode: generation and the driver's share)
+  gen_s         step_s - learner_s - sync_s - release_s (sync mode: generation and the driver's share; async: none)
   rollout tok/s generated tokens of the step / gen_s, per rollout GPU (async: metrics' rollout_tokens_per_s)
   learner tok/s trained (loss) tokens / learner_s;  learner in/s: tokens fed to the model / learner_s
   gpu%          mean utilisation of each GPU over the timed steps (nvidia-smi, sampled every 0.5 s)
@@ -213,7 +213,7 @@ def wait(child: subprocess.Popen, timeout_s: float) -> str:
     except subprocess.TimeoutExpired:
         os.killpg(child.pid, signal.SIGINT)
         try:
-            child.wait(timeout=30)
+            child.wait(timeout=15)
         except subprocess.TimeoutExpired:
             os.killpg(child.pid, signal.SIGKILL)
             child.wait()
@@ -233,9 +233,9 @@ def step_numbers(args, steps: list[dict]) -> dict:
     step = med(lambda s, t: t)
     gen = step - learner - sync - release
     tokens = med(lambda s, t: s["completion_tokens"] * args.groups * args.group_size)
-    sync_mode = not any(s.get("stale_groups_dropped") for s in steps) and args.mode_is_sync
-    rollout = tokens / max(gen, 1e-9) if sync_mode else med(lambda s, t: s["rollout_tokens_per_s"])
-    return {"timed_steps": len(timed), "step_s": step, "gen_s": gen, "learner_s": learner, "sync_s": sync,
+    rollout = tokens / max(gen, 1e-9) if args.mode_is_sync else med(lambda s, t: s["rollout_tokens_per_s"])
+    return {"timed_steps": len(timed), "step_s": step, "gen_s": gen if args.mode_is_sync else None,
+            "learner_s": learner, "sync_s": sync,
             "release_s": release, "tokens_per_step": tokens, "rollout_tok_s_per_gpu": rollout / args.rollout_gpus,
             "learner_tok_s": med(lambda s, t: s.get("learner/num_loss_tokens", 0.0) / s["learner_step_seconds"]),
             "learner_in_s": med(lambda s, t: s.get("learner/num_tokens", 0.0) / s["learner_step_seconds"]),
