@@ -37,6 +37,7 @@ class RolloutEngine(Protocol):
     args: EngineArgs
     device: Any  # torch.device of the weights, where weight sync delivers new ones
     policy: Any  # rollout.kv_policy.KVPolicy; its ``spec`` is written on every trace
+    asleep: bool  # True between sleep() and wake()
 
     def add_request(self, prompt: str | list[int], params: SamplingParams) -> RequestHandle: ...
 
