@@ -223,7 +223,7 @@ def make_worker(cfg: TrainConfig, pg, worker_id: int, model: ModelFiles | str, v
     return ray.remote(RolloutWorker).options(
         max_restarts=cfg.rollout.max_restarts, max_task_retries=0, max_concurrency=WORKER_CONCURRENCY, **options,
     ).remote(worker_id, model, version, cfg.worker_engine_args(worker_id), cfg.sampling, cfg.reward,
-             cfg.task.type, trace_queue, _threads(cfg.rollout.num_cpus))
+             cfg.task.type, trace_queue, _threads(cfg.rollout.num_cpus), cfg.rollout.backend)
 
 
 def make_warm_start(cfg: TrainConfig):

@@ -59,7 +59,9 @@ class LLM:
     preempted; a request whose bound alone exceeds the pool is refused by ``add_request``.
     Under ``kv="pasta"`` every request runs the Pasta-Lang runtime (``rollout.pasta_runtime``): its outputs are
     flattened responses with their forks (``RequestOutput.pasta``); overlap is off.
-    ``close()`` (or leaving ``with LLM(...) as llm:``) frees the KV pool, the weights and the CUDA graphs.
+    ``close()`` (or leaving ``with LLM(...) as llm:``) frees the KV pool, the weights and the CUDA graphs;
+    ``sleep()`` frees the pool and the graphs only, until ``wake()`` (a learner colocated on the GPU uses
+    the memory meanwhile).
     """
 
     def __init__(self, model: str, kv: str | None = None, *, args: EngineArgs | None = None, **keywords):
@@ -96,6 +98,7 @@ class LLM:
         self.stats = EngineStats()
         self._next_id = 0
         self.closed = False
+        self.asleep = False  # sleep(): the KV pool and the CUDA graphs are freed until wake()
 
     # ---- set-up -------------------------------------------------------------------------------
     def _blocks_for_memory(self, kv_cache_gb: float | None, dtype: torch.dtype) -> int:
@@ -177,6 +180,34 @@ class LLM:
         self.run_ahead.drop()
         self.model.load_weights(weights)
 
+    def sleep(self) -> None:
+        """Free the KV pool and the CUDA graphs (the weights stay), e.g. while a learner on the same GPU takes
+        a step; ``wake()`` allocates them again. Waiting requests stay queued; a running one (holding KV)
+        is an error. ``step()`` refuses to run until ``wake()``. Sleeping again does nothing."""
+        self._check_open()
+        if self.asleep:
+            return
+        if self.scheduler.running:
+            raise RuntimeError(f"sleep() frees the KV pool, but {len(self.scheduler.running)} running requests "
+                               "still hold KV in it; let them finish first")
+        self.run_ahead.drop()
+        self.runner.release()
+        self.asleep = True
+        if self.device.type == "cuda":
+            gc.collect()
+            torch.cuda.empty_cache()
+
+    def wake(self) -> None:
+        """Allocate the KV pool (same size, zeroed) and capture the CUDA graphs again after ``sleep()``."""
+        self._check_open()
+        if self.asleep:
+            self.runner.allocate()
+            self.asleep = False
+
+    def has_unfinished(self) -> bool:
+        """True while a request added is not finished."""
+        return self.scheduler.has_unfinished()
+
     def close(self) -> None:
         """Free the device memory the engine holds: the queued step, the CUDA graphs, the KV pool and the
         weights (and, on CUDA, hand the cached memory back), so another engine fits in this process.
@@ -249,6 +280,8 @@ class LLM:
         ``rollout.run_ahead``); this call then queues the next one before reading its own tokens back.
         """
         self._check_open()
+        if self.asleep:
+            raise RuntimeError("this LLM is asleep (sleep() freed its KV pool); call wake() before stepping it")
         t0 = time.perf_counter()
         flight = self.run_ahead.take()
         if flight is None:

@@ -53,15 +53,30 @@ class ModelRunner:
         model.gemv_kernels = device.type == "cuda" and gemv  # small-batch linears on kernels.gemv
         self.device = device
         self.block_size = block_size
-        self.cache = PagedKVCache.allocate(cfg.num_layers, num_blocks + 1, block_size, cfg.num_kv_heads,
-                                           cfg.head_dim, dtype, device)
+        self.num_blocks, self.dtype = num_blocks, dtype
         self.scratch_slot = num_blocks * block_size
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         self.impl = attention_impl(device)
-        self.graphs = None
-        if device.type == "cuda" and cuda_graphs:
-            max_blocks = math.ceil(max_model_len / block_size) + 1
-            self.graphs = DecodeGraphs(self, max_num_seqs, max_blocks)
+        self.use_graphs = device.type == "cuda" and cuda_graphs
+        self.max_num_seqs, self.max_blocks = max_num_seqs, math.ceil(max_model_len / block_size) + 1
+        self.cache, self.graphs = None, None
+        self.allocate()
+
+    def allocate(self) -> None:
+        """Allocate the KV pool (``num_blocks`` + the scratch block, zeroed) and capture the decode graphs over it."""
+        assert self.cache is None, "the KV pool is already allocated"
+        cfg = self.model.config
+        self.cache = PagedKVCache.allocate(cfg.num_layers, self.num_blocks + 1, self.block_size, cfg.num_kv_heads,
+                                           cfg.head_dim, self.dtype, self.device)
+        if self.use_graphs:
+            self.graphs = DecodeGraphs(self, self.max_num_seqs, self.max_blocks)
+
+    def release(self) -> None:
+        """Drop the CUDA graphs and the KV pool, keeping the model; ``allocate`` builds them again (the graphs
+        point into the pool, so they go with it)."""
+        if self.graphs is not None:
+            self.graphs.close()
+        self.graphs = self.cache = None
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, AttentionMetadata]:
         """Flatten the batch on the host: RoPE positions ``[N]`` and the attention metadata.
@@ -162,9 +177,8 @@ class ModelRunner:
     def close(self) -> None:
         """Drop the CUDA graphs, the KV cache and the model: their device memory is freed once the engine
         drops this runner too (nothing here needs a garbage collection)."""
-        if self.graphs is not None:
-            self.graphs.close()
-        self.graphs = self.cache = self.model = None
+        self.release()
+        self.model = None
 
     def set_death(self, slots: list[int], death: int) -> None:
         """Keys at ``slots`` die at position ``death`` (registers: their step was killed; pasta: 0, for slots a

@@ -28,6 +28,7 @@ from trainer.checkpoint import (TRAINER_STATE, load_trainer_state, read_hf_sourc
 from trainer.learner_args import LearnerArgs
 from trainer.logprobs import PackedWindows, WindowInput, logprob_mismatch, pack_windows, packed_logits, packed_logprobs
 from trainer.manifest import Manifest, check_intact
+from trainer.optimizer import make_optimizer
 from trainer.windows import training_windows
 
 WINDOWED_KINDS = ("prefix_sliding", "sliding_window", "streaming")
@@ -92,7 +93,8 @@ class Learner:
     ids, each token predicted within its thread) and needs ``window_mode='full'``.
     ``args.vocab_policy`` (e.g. ``registers:N``) adds that policy's tokens before the first step and
     weight sync (a registers trace can also grow the vocabulary lazily, but only before step 1).
-    The optimizer is AdamW over every parameter, in the model's dtype, at ``args.lr_at(version)``.
+    The optimizer is AdamW over every parameter at ``args.lr_at(version)``, in the model's dtype or, with
+    ``args.master_weights``, over float32 master copies (``trainer.optimizer``).
     """
 
     def __init__(self, model_path: str, args: LearnerArgs | None = None, **kwargs):
@@ -124,8 +126,8 @@ class Learner:
         return reference.eval().requires_grad_(False)
 
     def _make_optimizer(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.model.parameters(), lr=self.args.lr, weight_decay=self.args.weight_decay,
-                                 betas=self.args.adam_betas)
+        return make_optimizer(self.model.parameters(), self.args.lr, self.args.weight_decay, self.args.adam_betas,
+                              self.args.master_weights)
 
     def _bind(self, spec: str) -> KVPolicy:
         """The parsed policy bound to the tokenizer's ids; grows the vocabulary (and optimizer) if it must."""
