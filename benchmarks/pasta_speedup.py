@@ -22,10 +22,12 @@ waits for its forks). The target is realised ≥ 80% of theoretical.
   definition); the final eos is not counted in either.
 
 Each request runs once untimed (graph captures, compiles), then ``--repeats`` times per engine,
-interleaved; the median wall time counts (request added to finished, synchronised). The full engine
-runs with its defaults — on CUDA, decode steps overlapped with the host's work — and, on CUDA, also
-with ``overlap=False`` (column "serial"), as the pasta engine always runs. ``--host-profile N`` adds a
-cProfile of the pasta engine over N requests (own time per function).
+interleaved; the median wall time counts (request added to finished, synchronised); ``--cpu-time``
+counts the process's CPU time instead (a shared CPU machine: other jobs' load then does not count). Both
+engines run with their defaults — on CUDA, each decode step queued before the previous one's tokens are
+read back (``overlap``; under pasta a fork then starts, and a join happens, a step later) — and, on CUDA,
+both again with ``overlap=False`` ("serial" columns). ``--host-profile N`` adds a cProfile of the pasta
+engine over N requests (own time per function).
 """
 
 from __future__ import annotations
@@ -79,7 +81,9 @@ class Row:
     theoretical: float
     pasta_s: float
     full_s: float
-    serial_s: float | None = None  # the full engine with overlap off (CUDA only)
+    pasta_serial_s: float | None = None  # both engines with overlap off (CUDA only)
+    full_serial_s: float | None = None
+    pasta_serial_steps: int | None = None
     correct: tuple[bool, bool] | None = None  # trained: (Pasta-SFT, Baseline-SFT) answers right
 
     @property
@@ -88,7 +92,7 @@ class Row:
 
     @property
     def realised_serial(self) -> float | None:
-        return None if self.serial_s is None else self.serial_s / self.pasta_s
+        return None if self.full_serial_s is None else self.full_serial_s / self.pasta_serial_s
 
 
 # ---- responses as thread scripts ----------------------------------------------------------------------
@@ -123,28 +127,30 @@ def synchronize(llm: LLM) -> None:
         torch.cuda.synchronize(llm.device)
 
 
-def timed_request(llm: LLM, prompt: list[int], params: SamplingParams, scripts: dict[int, list[int]] | None = None):
-    """Run one request alone; (wall seconds from add_request to finished, its output, engine steps)."""
+def timed_request(llm: LLM, prompt: list[int], params: SamplingParams, scripts: dict[int, list[int]] | None = None,
+                  clock=time.perf_counter):
+    """Run one request alone; (``clock`` seconds from add_request to finished, its output, engine steps)."""
     gc.collect()
     synchronize(llm)
-    steps, t0 = llm.stats.steps, time.perf_counter()
+    steps, t0 = llm.stats.steps, clock()
     seq = llm.add_request(prompt, params)
     for thread, tokens in (scripts or {}).items():
         llm.force(seq, tokens, thread)
     while seq.status is not Status.FINISHED:
         llm.step()
     synchronize(llm)
-    return time.perf_counter() - t0, llm.output(seq), llm.stats.steps - steps
+    return clock() - t0, llm.output(seq), llm.stats.steps - steps
 
 
-def measure(engines: dict[str, LLM], jobs: dict[str, tuple], repeats: int) -> tuple[dict[str, float], dict]:
-    """Median wall seconds of each engine's job (prompt, params, scripts) after one untimed run, the runs
+def measure(engines: dict[str, LLM], jobs: dict[str, tuple], repeats: int,
+            clock=time.perf_counter) -> tuple[dict[str, float], dict]:
+    """Median seconds of each engine's job (prompt, params, scripts) after one untimed run, the runs
     interleaved; and each engine's output and steps from its last run."""
     times: dict[str, list[float]] = {name: [] for name in engines}
     last = {}
     for r in range(repeats + 1):
         for name, llm in engines.items():
-            seconds, out, steps = timed_request(llm, *jobs[name])
+            seconds, out, steps = timed_request(llm, *jobs[name], clock=clock)
             if r:
                 times[name].append(seconds)
             last[name] = (out, steps)
@@ -159,12 +165,21 @@ def engine_args(device: str, max_model_len: int, max_forks: int) -> dict:
                 max_num_seqs=16, pasta_max_forks=max_forks)
 
 
-def scripted_engines(path: Path, device: str, max_model_len: int, max_forks: int) -> dict[str, LLM]:
-    args = engine_args(device, max_model_len, max_forks)
-    engines = {"pasta": LLM(str(path), kv="pasta", **args), "full": LLM(str(path), kv="full", **args)}
-    if device.startswith("cuda"):
-        engines["serial"] = LLM(str(path), kv="full", overlap=False, **args)
+def engines_for(pasta: str | Path, full: str | Path, args: dict) -> dict[str, LLM]:
+    """The pasta and full engines with their defaults and, on CUDA, both again with overlap off."""
+    engines = {"pasta": LLM(str(pasta), kv="pasta", **args), "full": LLM(str(full), kv="full", **args)}
+    if args["device"].startswith("cuda"):
+        engines["pasta_serial"] = LLM(str(pasta), kv="pasta", overlap=False, **args)
+        engines["full_serial"] = LLM(str(full), kv="full", overlap=False, **args)
     return engines
+
+
+def scripted_engines(path: Path, device: str, max_model_len: int, max_forks: int) -> dict[str, LLM]:
+    return engines_for(path, path, engine_args(device, max_model_len, max_forks))
+
+
+def clock_of(args):
+    return time.process_time if args.cpu_time else time.perf_counter
 
 
 # ---- the two modes ----------------------------------------------------------------------------------------
@@ -189,14 +204,15 @@ def task_traces(tokenizer, n: int, num_chains: tuple[int, int], num_steps: tuple
 def run_scripted(args) -> list[Row]:
     device = args.device
     with tempfile.TemporaryDirectory() as tmp:
-        path = build_model(Path(tmp), device, {**TINY, **({"hidden_size": args.hidden_size} if args.hidden_size else {}),
-                                               **({"num_layers": args.layers} if args.layers else {})})
+        tiny = {**TINY, "hidden_size": args.hidden_size or TINY["hidden_size"],
+                "num_layers": args.layers or TINY["num_layers"]}
+        path = build_model(Path(tmp), device, tiny)
         from rollout.loader import load_tokenizer
         traces = task_traces(load_tokenizer(path), args.problems, tuple(args.num_chains), tuple(args.num_steps),
                              args.task_seed)
         longest = max(len(t.prompt) + max(len(t.annotated), len(t.plain)) for t in traces)
         engines = scripted_engines(path, device, max_model_len=2 * longest + 64, max_forks=args.num_chains[1])
-        rows = [scripted_row(engines, trace, args.repeats) for trace in traces]
+        rows = [scripted_row(engines, trace, args.repeats, clock_of(args)) for trace in traces]
         if args.host_profile:
             print(host_profile(engines["pasta"], traces, args.host_profile))
         for llm in engines.values():
@@ -204,21 +220,28 @@ def run_scripted(args) -> list[Row]:
     return rows
 
 
-def scripted_row(engines: dict[str, LLM], trace: Trace, repeats: int) -> Row:
+def scripted_row(engines: dict[str, LLM], trace: Trace, repeats: int, clock=time.perf_counter) -> Row:
     pasta = engines["pasta"]
     eos = pasta.tokenizer.eos_token_id
     theory, layout = theoretical_speedup(pasta, trace)
     params = SamplingParams(max_tokens=len(trace.annotated) + 1, temperature=0.0)
-    jobs = {name: (trace.prompt, params, {0: trace.plain + [eos]}) for name in engines}
-    jobs["pasta"] = (trace.prompt, params, thread_scripts(layout, trace.annotated, eos))
-    times, last = measure(engines, jobs, repeats)
+    scripts = thread_scripts(layout, trace.annotated, eos)
+    jobs = {name: (trace.prompt, params, scripts if name.startswith("pasta") else {0: trace.plain + [eos]})
+            for name in engines}
+    times, last = measure(engines, jobs, repeats, clock)
     for name, (out, _) in last.items():
-        want = (trace.annotated if name == "pasta" else trace.plain) + [eos]
+        want = (trace.annotated if name.startswith("pasta") else trace.plain) + [eos]
         if out.token_ids != want:
             raise RuntimeError(f"{trace.name}: the {name} engine did not write the forced response")
-    (out, steps), (_, plain_steps) = last["pasta"], last["full"]
     return Row(trace.name, len(layout.forks), len(trace.plain), len(trace.annotated), layout.critical_path,
-               out.pasta.steps, plain_steps, theory, times["pasta"], times["full"], times.get("serial"))
+               last["pasta"][0].pasta.steps, last["full"][1], theory, *serial_times(times, last))
+
+
+def serial_times(times: dict[str, float], last: dict) -> tuple:
+    """(pasta_s, full_s, pasta_serial_s, full_serial_s, pasta_serial_steps) of ``measure``'s results."""
+    serial = "pasta_serial" in times
+    return (times["pasta"], times["full"], times.get("pasta_serial"), times.get("full_serial"),
+            last["pasta_serial"][0].pasta.steps if serial else None)
 
 
 def run_trained(args) -> list[Row]:
@@ -232,10 +255,8 @@ def run_trained(args) -> list[Row]:
     cfg = load_config(SFTJobConfig, str(config))
     if cfg.task.type != "pasta":
         raise SystemExit(f"{config}: task.type={cfg.task.type}, expected pasta (the summed-chains task)")
-    base = engine_args(args.device, args.max_model_len, args.max_forks)
-    engines = {"pasta": LLM(args.pasta_model, kv="pasta", **base), "full": LLM(args.baseline_model, kv="full", **base)}
-    if args.device.startswith("cuda"):
-        engines["serial"] = LLM(args.baseline_model, kv="full", overlap=False, **base)
+    engines = engines_for(args.pasta_model, args.baseline_model,
+                          engine_args(args.device, args.max_model_len, args.max_forks))
     prompts = prompt_format(cfg.data, cfg.model, engines["pasta"].tokenizer)
     verify = PastaTaskVerifier()
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
@@ -243,15 +264,14 @@ def run_trained(args) -> list[Row]:
     for p in cfg.task.generator().problems(args.problems, "eval"):
         _, ids = prompts.problem(p["prompt"])
         jobs = {name: (ids, params, None) for name in engines}
-        times, last = measure(engines, jobs, args.repeats)
+        times, last = measure(engines, jobs, args.repeats, clock_of(args))
         (out, steps), (base_out, base_steps) = last["pasta"], last["full"]
         flat = without_eos(out.token_ids, engines["pasta"].eos_ids)
         plain = without_eos(base_out.token_ids, engines["full"].eos_ids)
         layout = layout_of(engines["pasta"], len(ids), flat)
         correct = (verify(out.text, p["answer"]).total == 1.0, verify(base_out.text, p["answer"]).total == 1.0)
         rows.append(Row(p["prompt_id"], len(layout.forks), len(plain), len(flat), layout.critical_path, out.pasta.steps,
-                        base_steps, layout.speedup(len(plain)), times["pasta"], times["full"], times.get("serial"),
-                        correct))
+                        base_steps, layout.speedup(len(plain)), *serial_times(times, last), correct))
     for llm in engines.values():
         llm.close()
     return rows
@@ -272,8 +292,8 @@ def host_profile(llm: LLM, traces: list[Trace], n: int, top: int = 15) -> str:
         steps += s
     rows = sorted(pstats.Stats(prof).stats.items(), key=lambda kv: -kv[1][2])[:top]
     lines = [f"host profile of the pasta engine over {n} requests ({steps} steps), per step:"]
-    lines += [f"{1e3 * tt / steps:7.3f} ms own {1e3 * ct / steps:7.3f} cum  {Path(f).name}:{line} {name} x{nc / steps:.1f}"
-              for (f, line, name), (_, nc, tt, ct, _) in rows]
+    lines += [f"{1e3 * tt / steps:7.3f} ms own {1e3 * ct / steps:7.3f} cum  {Path(f).name}:{line} {name} "
+              f"x{nc / steps:.1f}" for (f, line, name), (_, nc, tt, ct, _) in rows]
     return "\n".join(lines)
 
 
@@ -283,30 +303,35 @@ def geomean(values: list[float]) -> float:
 
 
 def table(rows: list[Row]) -> str:
-    serial = rows[0].serial_s is not None
-    head = (f"{'problem':<18} forks plain pasta  path steps  theory  ms/step pasta full" + ("  serial" if serial else "")
-            + "   realised ratio" + ("   serial ratio" if serial else ""))
+    """One line per problem: sizes, steps, theoretical speedup, ms per engine step (pasta / full), realised
+    speedup and its ratio to the theoretical; "serial": both engines with overlap off."""
+    serial = rows[0].full_serial_s is not None
+    head = (f"{'problem':<18} forks plain pasta  path steps  theory  ms/step pasta  full   realised ratio"
+            + ("   serial: steps ms/step pasta  full  realised ratio" if serial else ""))
     lines = [head]
     for r in rows:
         line = (f"{r.name:<18} {r.forks:>5} {r.plain_tokens:>5} {r.pasta_tokens:>5} {r.critical_path:>5} "
                 f"{r.pasta_steps:>5} {r.theoretical:>7.3f}  {1e3 * r.pasta_s / r.pasta_steps:>13.2f} "
-                f"{1e3 * r.full_s / r.plain_steps:>4.2f}")
-        line += f" {1e3 * r.serial_s / r.plain_steps:>7.2f}" if serial else ""
-        line += f"   {r.realised:>8.3f} {r.realised / r.theoretical:>5.2f}"
-        line += f"   {r.realised_serial:>6.3f} {r.realised_serial / r.theoretical:>5.2f}" if serial else ""
-        lines.append(line + ("" if r.correct is None else f"   correct pasta/base {int(r.correct[0])}/{int(r.correct[1])}"))
-    theory, realised = geomean([r.theoretical for r in rows]), geomean([r.realised for r in rows])
-    line = f"geometric mean over {len(rows)}: theoretical {theory:.3f}, realised {realised:.3f} (ratio {realised / theory:.2f})"
+                f"{1e3 * r.full_s / r.plain_steps:>5.2f}   {r.realised:>8.3f} {r.realised / r.theoretical:>5.2f}")
+        if serial:
+            line += (f"   {r.pasta_serial_steps:>13} {1e3 * r.pasta_serial_s / r.pasta_serial_steps:>13.2f} "
+                     f"{1e3 * r.full_serial_s / r.plain_steps:>5.2f}  {r.realised_serial:>8.3f} "
+                     f"{r.realised_serial / r.theoretical:>5.2f}")
+        if r.correct is not None:
+            line += f"   correct pasta/base {int(r.correct[0])}/{int(r.correct[1])}"
+        lines.append(line)
+    s = summary(rows)
+    line = (f"geometric mean over {len(rows)}: theoretical {s['theoretical']:.3f}, realised {s['realised']:.3f} "
+            f"(ratio {s['ratio']:.2f})")
     if serial:
-        s = geomean([r.realised_serial for r in rows])
-        line += f"; vs the serial full engine {s:.3f} (ratio {s / theory:.2f})"
+        line += f"; serial: realised {s['realised_serial']:.3f} (ratio {s['ratio_serial']:.2f})"
     return "\n".join([*lines, line])
 
 
 def summary(rows: list[Row]) -> dict:
     out = {"theoretical": geomean([r.theoretical for r in rows]), "realised": geomean([r.realised for r in rows])}
     out["ratio"] = out["realised"] / out["theoretical"]
-    if rows[0].serial_s is not None:
+    if rows[0].full_serial_s is not None:
         out["realised_serial"] = geomean([r.realised_serial for r in rows])
         out["ratio_serial"] = out["realised_serial"] / out["theoretical"]
     return out
@@ -318,12 +343,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument("--problems", type=int, default=8, help="held-out problems (the task's eval split)")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per problem and engine (median)")
-    parser.add_argument("--num-chains", type=int, nargs=2, default=[2, 4], help="scripted: the task's chains per problem")
+    parser.add_argument("--num-chains", type=int, nargs=2, default=[2, 4], help="scripted: the task's chains")
     parser.add_argument("--num-steps", type=int, nargs=2, default=[8, 12], help="scripted: the task's steps per chain")
     parser.add_argument("--task-seed", type=int, default=0, help="scripted: the task's seed")
-    parser.add_argument("--hidden-size", type=int, default=None, help=f"scripted, CPU: tiny width ({TINY['hidden_size']})")
+    parser.add_argument("--hidden-size", type=int, default=None, help=f"scripted, CPU: width ({TINY['hidden_size']})")
     parser.add_argument("--layers", type=int, default=None, help=f"scripted, CPU: tiny depth ({TINY['num_layers']})")
     parser.add_argument("--host-profile", type=int, default=0, metavar="N", help="scripted: cProfile N pasta requests")
+    parser.add_argument("--cpu-time", action="store_true", help="time by process CPU time, not wall-clock")
     parser.add_argument("--pasta-model", help="trained: the Pasta-SFT checkpoint (sliderl sft's output_dir/model)")
     parser.add_argument("--baseline-model", help="trained: the Baseline-SFT checkpoint")
     parser.add_argument("--config", type=Path, default=None,

@@ -58,7 +58,7 @@ class LLM:
     so ``max_concurrency(prompt_len, max_tokens)`` requests of that shape run at once and none is ever
     preempted; a request whose bound alone exceeds the pool is refused by ``add_request``.
     Under ``kv="pasta"`` every request runs the Pasta-Lang runtime (``rollout.pasta_runtime``): its outputs are
-    flattened responses with their forks (``RequestOutput.pasta``); overlap is off.
+    flattened responses with their forks (``RequestOutput.pasta``).
     ``close()`` (or leaving ``with LLM(...) as llm:``) frees the KV pool, the weights and the CUDA graphs.
     """
 
@@ -82,7 +82,7 @@ class LLM:
                                    watermark_blocks=math.ceil(round(args.kv_watermark * num_blocks, 6)))
         overlap = args.overlap
         if overlap is None:  # registers too: with its redos it beats serial (6,809 vs 6,692 tok/s, docs/benchmarks.md)
-            overlap = self.device.type == "cuda" and self.policy.kind != "pasta"  # pasta: EngineArgs refuses True
+            overlap = self.device.type == "cuda"
         self.run_ahead = RunAhead(self.runner, self.scheduler, overlap)
         self.eos_ids = self._eos_ids(model)
         self.pasta = None

@@ -55,9 +55,10 @@ def test_theoretical_speedup_and_steps_by_hand(pasta_model):
 # the columns docs/benchmarks.md quotes
 def test_scripted_mode_runs_and_writes_its_rows(tmp_path):
     out = tmp_path / "rows.json"
-    run = subprocess.run([sys.executable, "benchmarks/pasta_speedup.py", "scripted", "--problems", "2", "--repeats", "1",
-                          "--hidden-size", "64", "--layers", "1", "--num-chains", "2", "3", "--num-steps", "3", "4",
-                          "--host-profile", "1", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    run = subprocess.run([sys.executable, "benchmarks/pasta_speedup.py", "scripted", "--problems", "2",
+                          "--repeats", "1", "--hidden-size", "64", "--layers", "1", "--num-chains", "2", "3",
+                          "--num-steps", "3", "4", "--host-profile", "1", "--cpu-time", "--out", str(out)],
+                         capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "geometric mean over 2" in run.stdout and "host profile of the pasta engine" in run.stdout
     report = json.loads(out.read_text())
