@@ -128,17 +128,20 @@ def synchronize(llm: LLM) -> None:
 
 
 def timed_request(llm: LLM, prompt: list[int], params: SamplingParams, scripts: dict[int, list[int]] | None = None,
-                  clock=time.perf_counter):
-    """Run one request alone; (``clock`` seconds from add_request to finished, its output, engine steps)."""
+                  clock=time.perf_counter, profile=None):
+    """Run one request alone; (``clock`` seconds from add_request to finished, its output, engine steps).
+    ``profile``: a ``cProfile.Profile`` enabled over the steps."""
     gc.collect()
     synchronize(llm)
     steps, t0 = llm.stats.steps, clock()
     seq = llm.add_request(prompt, params)
     for thread, tokens in (scripts or {}).items():
         llm.force(seq, tokens, thread)
+    profile and profile.enable()
     while seq.status is not Status.FINISHED:
         llm.step()
     synchronize(llm)
+    profile and profile.disable()
     return clock() - t0, llm.output(seq), llm.stats.steps - steps
 
 
@@ -286,10 +289,7 @@ def host_profile(llm: LLM, traces: list[Trace], n: int, top: int = 15) -> str:
     for trace in (traces * n)[:n]:
         layout = layout_of(llm, len(trace.prompt), trace.annotated)
         params = SamplingParams(max_tokens=len(trace.annotated) + 1, temperature=0.0)
-        prof.enable()
-        _, _, s = timed_request(llm, trace.prompt, params, thread_scripts(layout, trace.annotated, eos))
-        prof.disable()
-        steps += s
+        steps += timed_request(llm, trace.prompt, params, thread_scripts(layout, trace.annotated, eos), profile=prof)[2]
     rows = sorted(pstats.Stats(prof).stats.items(), key=lambda kv: -kv[1][2])[:top]
     lines = [f"host profile of the pasta engine over {n} requests ({steps} steps), per step:"]
     lines += [f"{1e3 * tt / steps:7.3f} ms own {1e3 * ct / steps:7.3f} cum  {Path(f).name}:{line} {name} "
