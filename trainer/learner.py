@@ -59,6 +59,8 @@ class StepMetrics:
     stepped: bool  # False when no group carried a training signal (version kept)
     lr: float  # the learning rate of this step
     algorithm: dict[str, float] = field(default_factory=dict)  # selection counts, token-weighted loss metrics
+    peak_memory_gib: float | None = None  # CUDA: max_memory_allocated during the step (weights, optimizer state
+                                          # and activations); None on CPU
 
     def as_dict(self) -> dict[str, float]:
         """Flat floats, the algorithm's entries merged in, bools as 0/1, absent (None) fields left out."""
@@ -158,6 +160,8 @@ class Learner:
         logprobs) raise ValueError; a non-finite loss or gradient raises FloatingPointError.
         """
         start = time.perf_counter()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
         self._check_groups(groups)
         selection = self.algorithm.select(groups)
         units, inputs, skipped = self._units(selection)
@@ -165,7 +169,7 @@ class Learner:
         self.optimizer.zero_grad(set_to_none=True)
         if not units:
             return StepMetrics(0.0, 0.0, None, None, None, 0, 0, 0, 0, 0, skipped, time.perf_counter() - start,
-                               self.version, False, lr, dict(selection.metrics))
+                               self.version, False, lr, dict(selection.metrics), self._peak_memory_gib())
         totals = self._totals(units)
         batches = self._micro_batches(units, inputs)
         sums: dict[str, float] = {}
@@ -178,7 +182,12 @@ class Learner:
         return StepMetrics(sums["loss"], grad_norm, mean("kl_mismatch"), mean("kl_mismatch_k1"),
                            sums.get("logprob_diff_max"), int(sums["num_tokens"]), n, totals.num_traces,
                            sum(len(u) for u in units), len(batches), skipped, time.perf_counter() - start,
-                           self.version, True, lr, {**selection.metrics, **weighted})
+                           self.version, True, lr, {**selection.metrics, **weighted}, self._peak_memory_gib())
+
+    def _peak_memory_gib(self) -> float | None:
+        if self.device.type != "cuda":
+            return None
+        return torch.cuda.max_memory_allocated(self.device) / 2**30
 
     def _check_groups(self, groups: list[list[Trace]]) -> None:
         for trace in (t for group in groups for t in group):
