@@ -115,19 +115,24 @@ class Browser:
         while True:
             text = self.text()
             if all(n in text for n in needles) or time.monotonic() > deadline:
-                assert all(n in text for n in needles), (
-                    f"not rendered within {timeout_s:g} s: {[n for n in needles if n not in text]}; page text:\n{text[:3000]}")
+                missing = [n for n in needles if n not in text]
+                assert not missing, f"not rendered within {timeout_s:g} s: {missing}; page text:\n{text[:3000]}"
                 return text
             time.sleep(0.5)
 
     def wait_for_text_any(self, *needles: str, timeout_s: float = 60) -> str:
         """The rendered text once it holds one of the needles."""
+        text = self.poll_text(needles, timeout_s)
+        assert any(n in text for n in needles), f"none of {needles} rendered within {timeout_s:g} s:\n{text[:3000]}"
+        return text
+
+    def poll_text(self, needles: tuple[str, ...], timeout_s: float) -> str:
+        """The rendered text once it holds one of ``needles``, or after ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
         while True:
             text = self.text()
-            if any(n in text for n in needles):
+            if any(n in text for n in needles) or time.monotonic() > deadline:
                 return text
-            assert time.monotonic() < deadline, f"none of {needles} rendered within {timeout_s:g} s:\n{text[:3000]}"
             time.sleep(0.5)
 
     def click_text(self, label: str) -> None:

@@ -35,7 +35,8 @@ import yaml
 
 from cluster.cli import main
 from cluster.config import load_config
-from cluster.dashboard import run_label, run_name
+from cluster.dashboard import job_metadata, run_label, run_name, warn_if_submitted_without_metadata
+from cluster.resources import connect
 from cluster.train_config import TrainConfig
 from headless_browser import Browser, chromium_path
 from multinode_cluster import free_port, listening
@@ -44,7 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 SUBMISSION = "sliderl-dashboard-test"
 TOKEN_DIALOG = "Authentication Token Required"  # the dashboard's dialog when a request lacks the token
-LIVE_S = 150  # for the job to start its actors and for each page to show up
+LIVE_S = 240  # for the job to start its actors and for each page to show up (2 shared cores can be slow)
 METRICS_S = 60  # for every metric to reach the head's endpoint once the run steps (reported every 0.5 s)
 # every metric sliderl exports, as Prometheus names them (README, cluster/ray_metrics.py); one prefix
 SERIES = {"ray_sliderl_rollout_tokens_per_s", "ray_sliderl_visible_kv_tokens", "ray_sliderl_reward",
@@ -65,7 +66,8 @@ def test_run_label_is_one_per_storage_root(tmp_path, monkeypatch):
     digest = hashlib.sha256(str(tmp_path.resolve() / "runs" / "smoke").encode()).hexdigest()[:6]
     assert label == f"smoke-{digest}"  # the run name, then 6 hex digits of the absolute root
     assert run_label(str(tmp_path / "runs" / "smoke")) == run_label("./runs/../runs/smoke") == label
-    assert run_label(str(tmp_path / "other" / "smoke")) != label and run_name(str(tmp_path / "other" / "smoke")) == "smoke"
+    other = str(tmp_path / "other" / "smoke")
+    assert run_label(other) != label and run_name(other) == "smoke"
     uri = "s3://bucket/exp/run1"
     assert run_label(f"{uri}?endpoint_override=10.0.0.5:9000") == run_label(f"{uri}/") == run_label(uri)
     assert run_label(uri) == f"run1-{hashlib.sha256(uri.encode()).hexdigest()[:6]}"
@@ -94,6 +96,39 @@ def test_job_metadata_command_prints_the_runs_metadata(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["sliderl_kv_policy"] == cfg.engine.kv  # the default recipe's
 
 
+def test_a_job_submitted_without_the_metadata_says_how_to_add_it(monkeypatch, capsys):
+    # Catches: a submitted job whose Jobs page shows nothing of the run, silently. The variable is the one
+    # Ray sets in a submitted job's entrypoint (its submission's metadata inside). Planted by returning
+    # early from warn_if_submitted_without_metadata, the first check fails.
+    monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", '{"metadata": {"job_submission_id": "raysubmit_1"}}')
+    warn_if_submitted_without_metadata()
+    assert "--metadata-json \"$(sliderl job-metadata CONFIG" in capsys.readouterr().err
+    monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", '{"metadata": {"sliderl_run": "smoke"}}')
+    warn_if_submitted_without_metadata()
+    monkeypatch.delenv("RAY_JOB_CONFIG_JSON_ENV_VAR")  # not a submitted job
+    warn_if_submitted_without_metadata()
+    assert capsys.readouterr().err == ""
+
+
+def test_a_driver_sliderl_starts_carries_the_job_metadata(tmp_path):
+    # Catches: metadata worked out but never handed to ray.init, so a run started by `sliderl train` itself
+    # (no `ray job submit`) has no Name or metadata on the Jobs page. Read back from the GCS job table, which
+    # the Jobs page lists such driver jobs from. Planted by dropping job_config from connect, this fails.
+    import ray
+
+    cfg = load_config(TrainConfig, str(ROOT / "configs" / "smoke.yaml"),
+                      [f"run_dir={tmp_path / 'runs' / 'smoke'}", "ray.num_cpus=1", "monitor.include_dashboard=false"])
+    metadata = job_metadata(cfg, "configs/smoke.yaml")
+    assert connect(cfg, metadata)  # a new local instance
+    try:
+        job_id = ray.get_runtime_context().get_job_id()
+        table = {key.hex(): dict(entry.config.metadata)
+                 for key, entry in ray._private.worker.global_worker.gcs_client.get_all_job_info().items()}
+    finally:
+        ray.shutdown()
+    assert table[job_id] == metadata and metadata["job_name"] == run_label(str(tmp_path / "runs" / "smoke"))
+
+
 # ------------------------------------------------------------------------------ the live run
 
 
@@ -104,8 +139,8 @@ class Head:
     def __init__(self, base: Path, env: dict):
         self.dashboard, self.metrics = free_port(), free_port()
         self.log = base / "head.log"
-        command = [str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={free_port()}",
-                   "--num-cpus=2", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
+        command = [str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address=127.0.0.1",
+                   f"--port={free_port()}", "--num-cpus=2", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
                    f"--dashboard-port={self.dashboard}", f"--metrics-export-port={self.metrics}",
                    f"--dashboard-agent-listen-port={free_port()}", f"--ray-client-server-port={free_port()}",
                    f"--temp-dir={base / 'ray'}", "--disable-usage-stats"]
@@ -239,13 +274,15 @@ def observe(seen: Seen, head: Head, token: str, base: Path) -> None:
     with Browser(base / "chromium") as browser:
         seen.asked_for_token = log_in(browser, head, token)
         browser.open(f"{head.url}/#/jobs")
-        seen.pages["jobs"] = browser.wait_for_text(SUBMISSION, "RUNNING", "Fetched jobs", timeout_s=LIVE_S)
+        seen.pages["jobs"] = browser.wait_for_text(SUBMISSION, "RUNNING", timeout_s=LIVE_S)
+        browser.poll_text(("Fetched jobs",), timeout_s=15)  # the page refreshes itself: shoot between two loads
         seen.shots["jobs"] = browser.screenshot(shots / "jobs.png")
         browser.open(f"{head.url}/#/jobs/{SUBMISSION}")
         seen.pages["job"] = browser.wait_for_text("User-provided metadata", "Ray Core Overview", timeout_s=LIVE_S)
         seen.shots["job"] = browser.screenshot(shots / "job.png")
         browser.open(f"{head.url}/#/actors")
-        seen.pages["actors"] = browser.wait_for_text("LearnerActor", "RolloutWorker", "WarmStartActor", timeout_s=LIVE_S)
+        seen.pages["actors"] = browser.wait_for_text("LearnerActor", "RolloutWorker", "WarmStartActor",
+                                                     timeout_s=LIVE_S)
         seen.shots["actors"] = browser.screenshot(shots / "actors.png")
 
 
