@@ -20,7 +20,7 @@ import urllib.request
 from pathlib import Path
 
 START_S = 60
-CALL_S = 30
+CALL_S = 120  # one DevTools command (a page's renderer may wait long for a busy CPU)
 
 
 def chromium_path() -> str | None:
@@ -64,7 +64,7 @@ class Browser:
                 raise RuntimeError(f"chromium exited with code {self.proc.returncode}; see {self.log.name}")
             if port_file.is_file() and port_file.read_text().strip():
                 port = int(port_file.read_text().split()[0])
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=5) as answer:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=CALL_S) as answer:
                     pages = [t for t in json.load(answer) if t["type"] == "page"]
                 if pages:
                     return pages[0]["webSocketDebuggerUrl"]
@@ -135,12 +135,25 @@ class Browser:
                 return text
             time.sleep(0.5)
 
-    def click_text(self, label: str) -> None:
-        """Click the first button whose text is ``label``."""
-        found = self.call("Runtime.evaluate", {"expression": (
-            "(() => { const b = [...document.querySelectorAll('button')].find(e => e.innerText.trim() === "
-            f"{json.dumps(label)}); if (b) b.click(); return !!b; }})()"), "returnByValue": True})
-        assert found["result"].get("value"), f"no button {label!r} on the page"
+    def click_text(self, label: str, near: str | None = None) -> bool:
+        """Click the first button or link whose text is ``label`` (any case), the first after the text ``near``
+        when given; False when there is none."""
+        script = f"""(() => {{
+            const label = {json.dumps(label.lower())}, near = {json.dumps(near)};
+            let after = null;
+            if (near) {{
+                const walker = document.createTreeWalker(document.body, NodeFilter.SHOW_TEXT);
+                while (!after && walker.nextNode())
+                    if (walker.currentNode.textContent.includes(near)) after = walker.currentNode;
+                if (!after) return false;
+            }}
+            const target = [...document.querySelectorAll('button, a, [role=button]')].find(e =>
+                e.innerText.trim().toLowerCase() === label
+                && (!after || after.compareDocumentPosition(e) & Node.DOCUMENT_POSITION_FOLLOWING));
+            if (target) target.click();
+            return !!target;
+        }})()"""
+        return bool(self.call("Runtime.evaluate", {"expression": script, "returnByValue": True})["result"].get("value"))
 
     def screenshot(self, path: Path) -> Path:
         """A PNG of the viewport."""

@@ -46,6 +46,7 @@ BIN = Path(sys.executable).parent
 SUBMISSION = "sliderl-dashboard-test"
 TOKEN_DIALOG = "Authentication Token Required"  # the dashboard's dialog when a request lacks the token
 LIVE_S = 240  # for the job to start its actors and for each page to show up (2 shared cores can be slow)
+HTTP_S = 90  # for one answer of the dashboard or the metrics endpoint (its processes share 2 busy cores)
 METRICS_S = 60  # for every metric to reach the head's endpoint once the run steps (reported every 0.5 s)
 # every metric sliderl exports, as Prometheus names them (README, cluster/ray_metrics.py); one prefix
 SERIES = {"ray_sliderl_rollout_tokens_per_s", "ray_sliderl_visible_kv_tokens", "ray_sliderl_reward",
@@ -177,7 +178,7 @@ class Seen:
 
 def api(head: Head, path: str, token: str | None):
     request = urllib.request.Request(head.url + path, headers={"Authorization": f"Bearer {token}"} if token else {})
-    with urllib.request.urlopen(request, timeout=10) as answer:
+    with urllib.request.urlopen(request, timeout=HTTP_S) as answer:
         return json.load(answer)
 
 
@@ -205,7 +206,7 @@ def log_in(browser: Browser, head: Head, token: str) -> bool:
         return False
     browser.call("Runtime.evaluate", {"expression": "document.querySelector('[role=dialog] input').focus()"})
     browser.call("Input.insertText", {"text": token})
-    browser.click_text("SUBMIT")
+    assert browser.click_text("Submit"), "the token dialog has no Submit button"
     deadline = time.monotonic() + LIVE_S
     while TOKEN_DIALOG in browser.text():
         assert time.monotonic() < deadline, "the dashboard did not accept the token"
@@ -218,7 +219,7 @@ def scrape_until(port: int, names: set[str]) -> str:
     METRICS_S). A gauge leaves the endpoint once its process ends, so this reads a run that still trains."""
     deadline = time.monotonic() + METRICS_S
     while True:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=HTTP_S) as answer:
             text = answer.read().decode()
         if names <= series_names(text) or time.monotonic() > deadline:
             return text
@@ -261,7 +262,7 @@ def live_run():
         seen.metrics = scrape_until(head.metrics, SERIES)
         seen.job_log = api(head, f"/api/jobs/{SUBMISSION}/logs", token)["logs"][-3000:]
         subprocess.run(["ray", "job", "stop", f"--address={head.url}", SUBMISSION], env=env, check=True,
-                       capture_output=True, timeout=120)
+                       capture_output=True, timeout=300)
         yield seen
     finally:
         head.stop()
@@ -279,6 +280,8 @@ def observe(seen: Seen, head: Head, token: str, base: Path) -> None:
         seen.shots["jobs"] = browser.screenshot(shots / "jobs.png")
         browser.open(f"{head.url}/#/jobs/{SUBMISSION}")
         seen.pages["job"] = browser.wait_for_text("User-provided metadata", "Ray Core Overview", timeout_s=LIVE_S)
+        if browser.click_text("Expand", near="User-provided metadata"):  # the whole JSON in the screenshot
+            time.sleep(1)
         seen.shots["job"] = browser.screenshot(shots / "job.png")
         browser.open(f"{head.url}/#/actors")
         seen.pages["actors"] = browser.wait_for_text("LearnerActor", "RolloutWorker", "WarmStartActor",
