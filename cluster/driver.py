@@ -31,6 +31,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePath
 from typing import TYPE_CHECKING
 
+from cluster.dashboard import job_metadata, warn_if_submitted_without_metadata
 from cluster.data import PromptGroup, PromptStream
 from cluster.evaluation import EvalResult, score
 from cluster.ledger import GroupLedger
@@ -79,19 +80,21 @@ class RunResult:
 StepHook = Callable[["Session", int, StepReport], "bool | None"]
 
 
-def train(cfg: TrainConfig, on_step: StepHook | None = None) -> RunResult:
+def train(cfg: TrainConfig, on_step: StepHook | None = None, config_path: str | None = None) -> RunResult:
     """Run the job ``cfg`` to ``train.steps`` (or until ``on_step`` returns False).
 
     ``on_step(session, step, report)`` is called after every step; returning False ends the run
     there, without a final checkpoint (as an interruption would). An existing ``ray.init`` in this
-    process is used as it is; otherwise Ray is started (or joined) and shut down at the end.
+    process is used as it is; otherwise Ray is started (or joined), with the run's job metadata
+    (``config_path``: the config file it came from, for that metadata), and shut down at the end.
     """
     import ray
 
     plan = prepare(cfg)
     pg, owns_ray = None, False
     try:
-        owns_ray = connect(cfg)
+        warn_if_submitted_without_metadata()
+        owns_ray = connect(cfg, job_metadata(cfg, config_path))
         total, nodes = cluster_capacity()
         check_resources(cfg, total, nodes)
         model = initial_model(cfg, plan, multi_node=len(nodes) > 1)
