@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -293,6 +294,8 @@ def main() -> None:
                         "(a calibration: is the warm start partly right under prefix sliding?)")
     parser.add_argument("--procs", type=int, default=os.cpu_count() or 1, help="processes generating problems")
     parser.add_argument("--report-only", action="store_true", help="redraw the report from --out")
+    parser.add_argument("--copy-to", type=Path, help="copy the report, logs, curves and ps-trunc's final checkpoint "
+                        "here at the end (~10 MB; --out also holds the data and trace logs, hundreds of MB)")
     args = parser.parse_args()
     scale = SMOKE if args.smoke else GPU
     scale = replace(scale, sft=(*scale.sft, *args.sft), train=(*scale.train, *args.train),
@@ -346,6 +349,22 @@ def run(args: argparse.Namespace, scale: Scale, out: Path) -> None:
                                               "evals": rows, "argv": sys.argv[1:]}, indent=1) + "\n")
     print(write_report(out, ARMS, scale.window))
     print(f"total {time.perf_counter() - start:.0f} s (" + ", ".join(f"{k} {v:.0f}" for k, v in seconds.items()) + ")")
+    if args.copy_to is not None:
+        copy_light(out, args.copy_to)
+
+
+LIGHT = ("summary.md", "summary.json", "curves.png", "run.json", "sft.log", "sft/model/sft.json", "arms/*/train.yaml",
+         "arms/*/train.log", "arms/*/curve.jsonl", "arms/*/final.json", "arms/ps-trunc/final/*", "eval/*/eval.log",
+         "eval/*/results.jsonl")
+
+
+def copy_light(out: Path, dest: Path) -> None:
+    """The run's small files (``LIGHT``) from ``out`` to ``dest``, at the same relative paths."""
+    for pattern in LIGHT:
+        for path in out.glob(pattern):
+            target = dest / path.relative_to(out)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(path, target)
 
 
 if __name__ == "__main__":
