@@ -12,6 +12,8 @@ completion) to ``--out``; each entry's own ``sliderl eval`` output is in ``--out
     python benchmarks/accuracy_vs_w.py $OUT/long-rl/arms/ps-trunc/final \\
         --config $OUT/long-rl/arms/ps-trunc/train.yaml --windows 128 256 512 1024 --sliding 512 --problems 64 --out $OUT/acc-w
 
+    python benchmarks/accuracy_vs_w.py MODEL_DIR --smoke --out /tmp/acc-w       # CPU, long_rl.py --smoke's task
+
 ``benchmarks/long_rl.py`` runs the same entries (``run_evals``) after its arms, in one batch with the arms' own
 evaluations.
 """
@@ -75,6 +77,8 @@ def write_entry_config(entry: EvalEntry, config: str, overrides: list[str], prob
     cfg = load_config(TrainConfig, config, [*overrides, f"eval.num_problems={problems}"])
     data = cfg.model_dump(mode="json")
     data["warmstart"]["enabled"] = False
+    if cfg.data.source == "task":  # eval problems only: the train split every process would write is not read
+        data["task"]["train_size"] = 1
     data["engine"].update(kv=entry.kv, max_num_seqs=problems,
                           num_blocks=pool_blocks(cfg, entry.kv, problems, prompt_tokens))
     data["eval"]["compare"] = {"entries": [{"label": entry.label, "checkpoint": entry.checkpoint, "kv": entry.kv}],
@@ -161,7 +165,14 @@ def main() -> None:
     parser.add_argument("--parallel", type=int, default=8, help="entries evaluated at once")
     parser.add_argument("--timeout-s", type=float, default=300, help="stop every entry still running after this")
     parser.add_argument("--out", type=Path, default=Path("runs/accuracy-vs-w"))
+    parser.add_argument("--smoke", action="store_true", help="CPU and long_rl.py --smoke's tiny task (the checkpoint: "
+                        "any model with the byte-level tokenizer); windows 8 and 32, sliding 16, 4 problems")
     args = parser.parse_args()
+    if args.smoke:
+        from benchmarks.long_rl import SMOKE
+
+        args.overrides = [*SMOKE.train, *args.overrides]
+        args.windows, args.sliding, args.problems = [8, 32], [16], 4
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     start = time.perf_counter()
     entries = window_entries(str(Path(args.checkpoint).resolve()), args.windows, args.sliding, args.full)

@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -155,14 +156,14 @@ def _write(path: Path, rows: list[dict]) -> None:
 # ----------------------------------------------------------------------------------- the stages
 
 
-def run_logged(cmd: list[str], log: Path, timeout_s: float | None = None, env: dict | None = None) -> float:
-    """Run ``cmd`` from the repository root, its output to ``log``; its wall seconds. A failure raises."""
+def run_logged(cmd: list[str], log: Path, timeout_s: float) -> float:
+    """Run ``cmd`` from the repository root, its output to ``log``; its wall seconds. A failure or running past
+    ``timeout_s`` raises."""
     start = time.perf_counter()
     with open(log, "w") as out:
         out.write(" ".join(cmd) + "\n")
         out.flush()
-        code = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, timeout=timeout_s,
-                              env=env).returncode
+        code = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, timeout=timeout_s).returncode
     if code != 0:
         raise RuntimeError(f"exit {code}: {' '.join(cmd)} (log: {log})")
     return time.perf_counter() - start
@@ -195,11 +196,11 @@ def arm_config(arm: Arm, scale: Scale, out: Path, files: dict[str, Path], model:
     return folder / "train.yaml"
 
 
-def run_arms(configs: dict[str, Path], seconds: float, out: Path) -> dict[str, dict]:
+def run_arms(configs: dict[str, Path], seconds: float) -> dict[str, dict]:
     """Start every arm at once with a deadline ``seconds`` from now (each stops itself at a step boundary, see
     ``arm_main``; one still running ``grace`` after it is killed); per arm its exit code and GPU-busy seconds."""
     t0 = time.time()
-    deadline, grace = t0 + seconds, max(60.0, 0.25 * seconds)
+    deadline, grace = t0 + seconds, 30.0  # an arm predicts its steps (arm_main): rarely more than a step late
     busy = GpuBusy(ARM_ENV)
     procs = {}
     for name, config in configs.items():
@@ -222,9 +223,9 @@ def run_arms(configs: dict[str, Path], seconds: float, out: Path) -> dict[str, d
 def arm_main(argv: list[str]) -> int:
     """``long_rl.py arm CONFIG --t0 T --deadline D``: one arm, ``sliderl train CONFIG`` stopped at the deadline.
 
-    After every step, one row of ``curve.jsonl`` (the step's metrics, ``wall_s`` since T); at the first step past
-    the deadline — or that the previous step's length says would end past it — the learner's weights go to
-    ``final/`` and the run stops."""
+    After every step, one row of ``curve.jsonl`` (the step's metrics, ``wall_s`` since T); at the first step
+    boundary from which the longest step so far (the first, which holds the start-up, only until there is another)
+    would end past the deadline, the learner's weights go to ``final/`` and the run stops."""
     import ray
 
     from cluster.driver import train
@@ -235,15 +236,15 @@ def arm_main(argv: list[str]) -> int:
     parser.add_argument("--deadline", type=float, required=True)
     args = parser.parse_args(argv)
     cfg = load_config(TrainConfig, str(args.config))
-    folder, last = args.config.parent, [args.t0]
+    folder, lengths = args.config.parent, []
 
     def on_step(session, step: int, report) -> bool:
         now = time.time()
         row = {"step": step, "wall_s": round(now - args.t0, 3), **report.as_dict()}
         with open(folder / "curve.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
-        length, last[0] = now - last[0], now
-        if step < cfg.train.steps and now + length < args.deadline:
+        lengths.append(now - args.t0 - sum(lengths))
+        if step < cfg.train.steps and now + max(lengths[1:] or lengths) < args.deadline:
             return True
         ray.get(session.learner.save_checkpoint.remote(str(folder / "final")))
         (folder / "final.json").write_text(json.dumps({"step": step, "wall_s": round(time.time() - args.t0, 3)}))
@@ -293,6 +294,8 @@ def main() -> None:
                         "(a calibration: is the warm start partly right under prefix sliding?)")
     parser.add_argument("--procs", type=int, default=os.cpu_count() or 1, help="processes generating problems")
     parser.add_argument("--report-only", action="store_true", help="redraw the report from --out")
+    parser.add_argument("--copy-to", type=Path, help="copy the report, logs, curves and ps-trunc's final checkpoint "
+                        "here at the end (~10 MB; --out also holds the data and trace logs, hundreds of MB)")
     args = parser.parse_args()
     scale = SMOKE if args.smoke else GPU
     scale = replace(scale, sft=(*scale.sft, *args.sft), train=(*scale.train, *args.train),
@@ -300,6 +303,9 @@ def main() -> None:
     if args.report_only:
         print(write_report(args.out.resolve(), ARMS, scale.window))
         return
+    if (args.out / "arms").exists() or (args.out / "sft").exists():
+        parser.error(f"--out {args.out} holds an earlier run (its arms would refuse to start over their checkpoints); "
+                     "give a fresh folder, or --report-only to redraw its report")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     run(args, scale, args.out.resolve())
 
@@ -314,8 +320,9 @@ def run(args: argparse.Namespace, scale: Scale, out: Path) -> None:
                         for line in files[f].read_text().splitlines()) + PROMPT_SLACK
     seconds["data"] = time.perf_counter() - start
     model = out / "sft" / "model"
-    seconds["sft"] = run_logged([sys.executable, "-m", "cluster.cli", "sft", str(SFT_RECIPE),
-                                 *sft_overrides(scale, out, files, args.sft_kv)], out / "sft.log")
+    sft = [sys.executable, "-m", "cluster.cli", "sft", str(SFT_RECIPE), *sft_overrides(scale, out, files, args.sft_kv)]
+    seconds["sft"] = run_logged(sft, out / "sft.log",  # an SFT that leaves the arms under a minute is a failed run
+                                scale.budget_s - seconds["data"] - scale.eval_reserve_s - 60)
     configs = {arm.name: arm_config(arm, scale, out, files, model, prompt_tokens, sft_cfg.task.generator())
                for arm in ARMS}
 
@@ -333,7 +340,7 @@ def run(args: argparse.Namespace, scale: Scale, out: Path) -> None:
     arm_seconds = max(30.0, min(scale.arm_seconds, left))
     print(f"data {seconds['data']:.0f} s, sft {seconds['sft']:.0f} s; arms for {arm_seconds:.0f} s", flush=True)
     t_arms = time.perf_counter()
-    arms = run_arms(configs, arm_seconds, out)
+    arms = run_arms(configs, arm_seconds)
     seconds["arms"] = time.perf_counter() - t_arms
     t_eval = time.perf_counter()
     rows = evaluate(start_entries(scale, model) + end_entries(scale, out))
@@ -342,6 +349,22 @@ def run(args: argparse.Namespace, scale: Scale, out: Path) -> None:
                                               "evals": rows, "argv": sys.argv[1:]}, indent=1) + "\n")
     print(write_report(out, ARMS, scale.window))
     print(f"total {time.perf_counter() - start:.0f} s (" + ", ".join(f"{k} {v:.0f}" for k, v in seconds.items()) + ")")
+    if args.copy_to is not None:
+        copy_light(out, args.copy_to)
+
+
+LIGHT = ("summary.md", "summary.json", "curves.png", "run.json", "sft.log", "sft/model/sft.json", "arms/*/train.yaml",
+         "arms/*/train.log", "arms/*/curve.jsonl", "arms/*/final.json", "arms/ps-trunc/final/*", "eval/*/eval.log",
+         "eval/*/results.jsonl")
+
+
+def copy_light(out: Path, dest: Path) -> None:
+    """The run's small files (``LIGHT``) from ``out`` to ``dest``, at the same relative paths."""
+    for pattern in LIGHT:
+        for path in out.glob(pattern):
+            target = dest / path.relative_to(out)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(path, target)
 
 
 if __name__ == "__main__":

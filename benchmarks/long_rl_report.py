@@ -163,7 +163,7 @@ def write_curves(records: list[dict], path: Path) -> None:
         color = f"C{i}"
         if r["curve"]:
             xs, ys = zip(*r["curve"])
-            ax.plot(xs, ys, "-", color=color, alpha=0.85, label=f"{r['arm']}: {r['label']}")
+            ax.plot(xs, ys, ".-", color=color, alpha=0.85, markersize=4, label=f"{r['arm']}: {r['label']}")
         if r["start_accuracy"] is not None:
             ax.plot([0], [r["start_accuracy"]], "o", mfc="none", color=color, markersize=9)
         if r["end_accuracy"] is not None:

@@ -158,3 +158,21 @@ def test_long_rl_smoke_run_has_every_arm_curve_and_window(tmp_path):
     assert (tmp_path / "curves.png").stat().st_size > 10_000
     text = (tmp_path / "summary.md").read_text()
     assert "Trains best per GPU-second" in text and "| ps-trunc | prefix_sliding:16 | truncated |" in text
+
+
+@pytest.mark.slow
+def test_accuracy_vs_w_smoke_has_a_row_per_window_within_its_window(tiny_model_factory, tmp_path):
+    # Catches an entry decoded under another policy than its row says (a window not passed through to the
+    # engine): benchmarks/accuracy_vs_w.py --smoke on a random tiny model, each row's mean live KV within what the
+    # policy allows — prompt (< 40 tokens) + W under prefix_sliding:W, W under sliding_window:W.
+    model = tiny_model_factory("qwen3")
+    out = subprocess.run([sys.executable, "benchmarks/accuracy_vs_w.py", str(model), "--smoke", "--parallel", "3",
+                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = {r["kv"]: r for r in map(json.loads, (tmp_path / "accuracy_vs_w.jsonl").read_text().splitlines())}
+    assert sorted(rows) == ["prefix_sliding:32", "prefix_sliding:8", "sliding_window:16"]
+    for kv, row in rows.items():
+        w = int(kv.split(":")[1])
+        assert row["problems"] == 4 and row["tokens_per_second"] > 0, row
+        assert 0 < row["mean_live_kv"] <= (w if kv.startswith("sliding") else 40 + w), (kv, row)
+    assert "| prefix_sliding:8 |" in (tmp_path / "accuracy_vs_w.md").read_text()
