@@ -14,7 +14,8 @@ pass@k, mean live KV, throughput, decode seconds — and each entry's ratios to 
 and OUT/summary.jsonl. ``--device cuda`` puts every learner and engine on the GPU (one GPU is shared by
 all chains); ``--sft/--train/--eval KEY=VALUE ...`` add settings to those commands.
 
-    python benchmarks/tip_seeds.py --seeds 0 1 2 --device cuda --out runs/tip-seeds
+    python benchmarks/tip_seeds.py --seeds 0                   # the CPU default (configs/tip-*.yaml): ~6 min, 2 cores
+    python benchmarks/tip_seeds.py --recipe tip-gpu --seeds 0 1 2 --device cuda --out runs/tip-gpu-seeds
     python benchmarks/tip_seeds.py --seeds 0 --out /tmp/tip-smoke --grpo-steps 2 --sft sft.steps=20 \\
         --train train.groups_per_step=2 --eval eval.num_problems=4 eval.compare.k=2
 """
@@ -119,6 +120,7 @@ def chain(seed: int, args: argparse.Namespace) -> dict:
     train = sliderl + ["train", str(recipe(args.recipe, "grpo")), f"run_dir={d / 'grpo'}", "model.type=hf", f"model.path={d / 'sft' / 'model'}",
                        "warmstart.enabled=false", f"train.seed={seed}", f"learner.seed={seed}",
                        *([f"train.steps={args.grpo_steps}"] if args.grpo_steps else []), *device_args(args.device, True),
+                       "monitor.include_dashboard=false",  # chains side by side: one fixed dashboard port each would collide
                        *args.train_overrides]
     seconds["grpo"] = run(train, d / "grpo.log", args.grpo_seconds)
     compare = sliderl + ["eval", str(eval_config(d, seed, args)), *args.eval_overrides]
