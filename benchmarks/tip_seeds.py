@@ -14,7 +14,8 @@ pass@k, mean live KV, throughput, decode seconds — and each entry's ratios to 
 and OUT/summary.jsonl. ``--device cuda`` puts every learner and engine on the GPU (one GPU is shared by
 all chains); ``--sft/--train/--eval KEY=VALUE ...`` add settings to those commands.
 
-    python benchmarks/tip_seeds.py --seeds 0 1 2 --device cuda --out runs/tip-seeds
+    python benchmarks/tip_seeds.py --seeds 0                   # the CPU default (configs/tip-*.yaml): ~6 min, 2 cores
+    python benchmarks/tip_seeds.py --recipe tip-gpu --seeds 0 1 2 --device cuda --out runs/tip-gpu-seeds
     python benchmarks/tip_seeds.py --seeds 0 --out /tmp/tip-smoke --grpo-steps 2 --sft sft.steps=20 \\
         --train train.groups_per_step=2 --eval eval.num_problems=4 eval.compare.k=2
 """
@@ -93,10 +94,10 @@ def eval_config(seed_dir: Path, seed: int, args: argparse.Namespace) -> Path:
     seed; the recipe's own checkpoint paths (runs/RECIPE-dense/model, ...) say which is which."""
     cfg = yaml.safe_load(recipe(args.recipe, "eval").read_text())
     runs = f"runs/{args.recipe}"
-    where = {f"{runs}-dense/model": seed_dir / "dense" / "model", f"{runs}-sft/model": seed_dir / "sft" / "model",
-             f"{runs}-grpo/checkpoints/step_000060": latest_checkpoint(seed_dir / "grpo")}
+    where = {f"{runs}-dense/": seed_dir / "dense" / "model", f"{runs}-sft/": seed_dir / "sft" / "model",
+             f"{runs}-grpo/": latest_checkpoint(seed_dir / "grpo")}  # stage 2: whichever step it reached
     for entry in cfg["eval"]["compare"]["entries"]:
-        entry["checkpoint"] = str(where[entry["checkpoint"]])
+        entry["checkpoint"] = str(next(path for prefix, path in where.items() if entry["checkpoint"].startswith(prefix)))
     cfg["eval"]["compare"].update(seeds=[seed], output_dir=str(seed_dir / "eval"))
     cfg.setdefault("engine", {})["device"] = args.device
     path = seed_dir / "eval.yaml"
@@ -118,7 +119,9 @@ def chain(seed: int, args: argparse.Namespace) -> dict:
         seconds = {"sft": stage1.result(), "dense": baseline.result()}
     train = sliderl + ["train", str(recipe(args.recipe, "grpo")), f"run_dir={d / 'grpo'}", "model.type=hf", f"model.path={d / 'sft' / 'model'}",
                        "warmstart.enabled=false", f"train.seed={seed}", f"learner.seed={seed}",
-                       f"train.steps={args.grpo_steps}", *device_args(args.device, True), *args.train_overrides]
+                       *([f"train.steps={args.grpo_steps}"] if args.grpo_steps else []), *device_args(args.device, True),
+                       "monitor.include_dashboard=false",  # chains side by side: one fixed dashboard port each would collide
+                       *args.train_overrides]
     seconds["grpo"] = run(train, d / "grpo.log", args.grpo_seconds)
     compare = sliderl + ["eval", str(eval_config(d, seed, args)), *args.eval_overrides]
     seconds["eval"] = run(compare, d / "eval.log")
@@ -162,7 +165,8 @@ def main() -> None:
                         help="configs/RECIPE-{sft,grpo,eval}.yaml: tip (the CPU default) or tip-gpu (GPU scale)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--out", type=Path, default=Path("runs/tip-seeds"))
-    parser.add_argument("--grpo-steps", type=int, default=60, help="stage 2's steps (its last checkpoint is evaluated)")
+    parser.add_argument("--grpo-steps", type=int, default=None,
+                        help="stage 2's steps (default: the recipe's train.steps; its last checkpoint is evaluated)")
     parser.add_argument("--grpo-seconds", type=float, default=None,
                         help="stop stage 2 after this many seconds and evaluate its last checkpoint (a time-boxed run)")
     for stage in ("sft", "train", "eval"):
