@@ -14,7 +14,8 @@ pass@k, mean live KV, throughput, decode seconds — and each entry's ratios to 
 and OUT/summary.jsonl. ``--device cuda`` puts every learner and engine on the GPU (one GPU is shared by
 all chains); ``--sft/--train/--eval KEY=VALUE ...`` add settings to those commands.
 
-    python benchmarks/tip_seeds.py --seeds 0 1 2 --device cuda --out runs/tip-seeds
+    python benchmarks/tip_seeds.py --seeds 0                   # the CPU default (configs/tip-*.yaml): ~6 min, 2 cores
+    python benchmarks/tip_seeds.py --recipe tip-gpu --seeds 0 1 2 --device cuda --out runs/tip-gpu-seeds
     python benchmarks/tip_seeds.py --seeds 0 --out /tmp/tip-smoke --grpo-steps 2 --sft sft.steps=20 \\
         --train train.groups_per_step=2 --eval eval.num_problems=4 eval.compare.k=2
 """
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -33,21 +35,45 @@ from pathlib import Path
 
 import yaml
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from cluster.run_checkpoints import MARKER  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
-SFT, GRPO, EVAL = (ROOT / "configs" / f"tip-{name}.yaml" for name in ("sft", "grpo", "eval"))
+RECIPES = ("tip", "tip-gpu")  # configs/RECIPE-{sft,grpo,eval}.yaml: the CPU default, the GPU-scale variant
 METRICS = ("avg_at_k", "pass_at_k", "mean_live_kv", "peak_live_kv", "tokens_per_second", "decode_seconds")
 
 
-def run(cmd: list[str], log: Path) -> float:
-    """Run one sliderl command (its output to ``log``); its wall seconds. A failure stops the chain."""
+def run(cmd: list[str], log: Path, seconds: float | None = None) -> float:
+    """Run one sliderl command (its output to ``log``); its wall seconds. A failure stops the chain. With
+    ``seconds``, a command still running then is interrupted (SIGINT: the job shuts Ray down; its
+    checkpoints stay) and counts as finished."""
     start = time.perf_counter()
     with open(log, "w") as out:
         out.write(" ".join(cmd) + "\n")
         out.flush()
-        code = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT).returncode
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+        try:
+            code = proc.wait(timeout=seconds)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            out.write(f"\n[tip_seeds: stopped after {seconds:.0f} s, as --grpo-seconds asks]\n")
+            return time.perf_counter() - start
     if code != 0:
         raise RuntimeError(f"exit {code}: {' '.join(cmd)} (log: {log})")
     return time.perf_counter() - start
+
+
+def latest_checkpoint(run_dir: Path) -> Path:
+    """The last complete checkpoint stage 2 wrote (its name sorts by step; complete = its marker written)."""
+    done = sorted(p for p in (run_dir / "checkpoints").glob("step_*") if (p / MARKER).is_file())
+    if not done:
+        raise RuntimeError(f"stage 2 wrote no checkpoint under {run_dir / 'checkpoints'}")
+    return done[-1]
 
 
 def device_args(device: str, train: bool) -> list[str]:
@@ -59,15 +85,21 @@ def device_args(device: str, train: bool) -> list[str]:
     return args
 
 
-def eval_config(seed_dir: Path, seed: int, grpo_steps: int, device: str) -> Path:
-    """configs/tip-eval.yaml with this seed's checkpoints, output directory and sampling seed."""
-    cfg = yaml.safe_load(EVAL.read_text())
-    where = {"runs/tip-dense/model": seed_dir / "dense" / "model", "runs/tip-sft/model": seed_dir / "sft" / "model",
-             "runs/tip-grpo/checkpoints/step_000060": seed_dir / "grpo" / "checkpoints" / f"step_{grpo_steps:06d}"}
+def recipe(name: str, stage: str) -> Path:
+    return ROOT / "configs" / f"{name}-{stage}.yaml"
+
+
+def eval_config(seed_dir: Path, seed: int, args: argparse.Namespace) -> Path:
+    """The recipe's eval config with this seed's checkpoints (stage 2's last), output directory and sampling
+    seed; the recipe's own checkpoint paths (runs/RECIPE-dense/model, ...) say which is which."""
+    cfg = yaml.safe_load(recipe(args.recipe, "eval").read_text())
+    runs = f"runs/{args.recipe}"
+    where = {f"{runs}-dense/": seed_dir / "dense" / "model", f"{runs}-sft/": seed_dir / "sft" / "model",
+             f"{runs}-grpo/": latest_checkpoint(seed_dir / "grpo")}  # stage 2: whichever step it reached
     for entry in cfg["eval"]["compare"]["entries"]:
-        entry["checkpoint"] = str(where[entry["checkpoint"]])
+        entry["checkpoint"] = str(next(path for prefix, path in where.items() if entry["checkpoint"].startswith(prefix)))
     cfg["eval"]["compare"].update(seeds=[seed], output_dir=str(seed_dir / "eval"))
-    cfg.setdefault("engine", {})["device"] = device
+    cfg.setdefault("engine", {})["device"] = args.device
     path = seed_dir / "eval.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return path
@@ -79,16 +111,19 @@ def chain(seed: int, args: argparse.Namespace) -> dict:
     d.mkdir(parents=True, exist_ok=True)
     sliderl = [sys.executable, "-m", "cluster.cli"]
     common = [f"model.seed={seed}", f"learner.seed={seed}", *device_args(args.device, False), *args.sft_overrides]
-    sft = sliderl + ["sft", str(SFT), f"output_dir={d / 'sft'}", *common]
-    dense = sliderl + ["sft", str(SFT), "kv=full", "data.task_solution=solution_dense", f"output_dir={d / 'dense'}", *common]
+    sft_config = str(recipe(args.recipe, "sft"))
+    sft = sliderl + ["sft", sft_config, f"output_dir={d / 'sft'}", *common]
+    dense = sliderl + ["sft", sft_config, "kv=full", "data.task_solution=solution_dense", f"output_dir={d / 'dense'}", *common]
     with ThreadPoolExecutor(2) as pool:
         stage1, baseline = pool.submit(run, sft, d / "sft.log"), pool.submit(run, dense, d / "dense.log")
         seconds = {"sft": stage1.result(), "dense": baseline.result()}
-    train = sliderl + ["train", str(GRPO), f"run_dir={d / 'grpo'}", "model.type=hf", f"model.path={d / 'sft' / 'model'}",
+    train = sliderl + ["train", str(recipe(args.recipe, "grpo")), f"run_dir={d / 'grpo'}", "model.type=hf", f"model.path={d / 'sft' / 'model'}",
                        "warmstart.enabled=false", f"train.seed={seed}", f"learner.seed={seed}",
-                       f"train.steps={args.grpo_steps}", *device_args(args.device, True), *args.train_overrides]
-    seconds["grpo"] = run(train, d / "grpo.log")
-    compare = sliderl + ["eval", str(eval_config(d, seed, args.grpo_steps, args.device)), *args.eval_overrides]
+                       *([f"train.steps={args.grpo_steps}"] if args.grpo_steps else []), *device_args(args.device, True),
+                       "monitor.include_dashboard=false",  # chains side by side: one fixed dashboard port each would collide
+                       *args.train_overrides]
+    seconds["grpo"] = run(train, d / "grpo.log", args.grpo_seconds)
+    compare = sliderl + ["eval", str(eval_config(d, seed, args)), *args.eval_overrides]
     seconds["eval"] = run(compare, d / "eval.log")
     return seconds
 
@@ -126,9 +161,14 @@ def summarize(out: Path, seeds: list[int], seconds: dict[int, dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--recipe", choices=RECIPES, default="tip",
+                        help="configs/RECIPE-{sft,grpo,eval}.yaml: tip (the CPU default) or tip-gpu (GPU scale)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--out", type=Path, default=Path("runs/tip-seeds"))
-    parser.add_argument("--grpo-steps", type=int, default=60, help="stage 2's steps (its last checkpoint is evaluated)")
+    parser.add_argument("--grpo-steps", type=int, default=None,
+                        help="stage 2's steps (default: the recipe's train.steps; its last checkpoint is evaluated)")
+    parser.add_argument("--grpo-seconds", type=float, default=None,
+                        help="stop stage 2 after this many seconds and evaluate its last checkpoint (a time-boxed run)")
     for stage in ("sft", "train", "eval"):
         parser.add_argument(f"--{stage}", dest=f"{stage}_overrides", nargs="+", default=[], metavar="KEY=VALUE",
                             help=f"settings for every {stage} command (e.g. --sft sft.steps=900)")

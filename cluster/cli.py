@@ -1,4 +1,5 @@
-"""The ``sliderl`` command line: ``generate``, ``train``, ``sft`` and ``eval``, each ``[CONFIG] [key=value ...]``.
+"""The ``sliderl`` command line: ``generate``, ``train``, ``sft``, ``eval`` and ``job-metadata``, each
+``[CONFIG] [key=value ...]``.
 
 A subcommand loads its config (a YAML file, or the job's recipe in configs/ when none is given,
 then ``key.sub=value`` overrides), prints and saves the resolved config, and runs. ``--help`` lists
@@ -73,6 +74,17 @@ def build_parser(help_request: tuple[str, str | None, list[str]] | None = None) 
          "Fine-tune model on (prompt, completion) pairs — the arith task's solutions or a .jsonl/.parquet file "
          "(data.source) of pairs or of chat conversations (a messages column) — with the learner's SFT algorithm under one KV policy (kv). Writes config.yaml and the "
          "checkpoint (model/) to output_dir.", "data.source=pairs.jsonl sft.steps=100")
+    metadata = commands.add_parser(
+        "job-metadata", help="print a train job's Ray job metadata as JSON (for ray job submit --metadata-json)",
+        usage="%(prog)s [-h] [CONFIG] [key=value ...]",
+        description="Print the metadata the dashboard's Jobs page shows for `sliderl train CONFIG [key=value ...]` "
+                    "(run name and label, run_dir, config, KV policy, model, algorithm, sliderl version and commit) "
+                    "as one JSON object. A driver that `sliderl train` starts carries it by itself; a submitted job "
+                    "shows the metadata given at submission: ray job submit --metadata-json \"$(sliderl job-metadata "
+                    "CONFIG key=value ...)\" -- sliderl train CONFIG key=value ...")
+    metadata.add_argument("args", nargs="*", metavar="CONFIG | key=value",
+                          help="the same config file and overrides as the train job")
+    metadata.set_defaults(run=run_job_metadata)
     evaluate = commands.add_parser(
         "eval", help="score a checkpoint, or compare checkpoints and KV policies, on the task's eval split",
         usage="%(prog)s [-h] CHECKPOINT | COMPARE.yaml [key=value ...]",
@@ -233,6 +245,15 @@ def print_summary(summary: dict[str, Any], out_dir: Path) -> None:
 # --------------------------------------------------------------------------------------- train
 
 
+def run_job_metadata(config_path: str | None, overrides: list[str]) -> int:
+    """``sliderl job-metadata``: the train job's Ray job metadata, one JSON object on stdout."""
+    from cluster.dashboard import job_metadata
+
+    cfg = load_config(TrainConfig, config_path, overrides)
+    print(json.dumps(job_metadata(cfg, config_path)))
+    return 0
+
+
 def run_train(config_path: str | None, overrides: list[str]) -> int:
     """``sliderl train``: load the config, run the job, print the summary."""
     from cluster.driver import train
@@ -241,7 +262,7 @@ def run_train(config_path: str | None, overrides: list[str]) -> int:
     cfg = load_config(TrainConfig, config_path, overrides)
     print(to_yaml(cfg), end="", flush=True)
     try:
-        result = train(cfg)
+        result = train(cfg, config_path=config_path)
     except RunError as err:
         print(f"sliderl train: run failed: {' '.join(str(err).split())}", file=sys.stderr)
         return RUN_FAILED

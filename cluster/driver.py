@@ -4,7 +4,9 @@
 wrong (config, dataset fields, initial model, cluster address, resources). Then a ``Session``
 owns one set of actors (learner, rollout workers, trace queue) and runs the loop:
 
-- sync:  deal the step's groups -> wait for all of them -> train -> publish weights;
+- sync:  deal the step's groups -> wait for all of them -> train -> publish weights (with
+  ``rollout.release_between_steps`` the workers free their KV pools for the learner step and
+  allocate them again after the publish: learner and engines colocated on one GPU);
 - async: workers stay topped up with ``max_inflight_groups`` groups and generate while the learner
   trains; a step takes the first ``groups_per_step`` ready groups that are at most
   ``max_staleness`` versions old and drops the others (counted, never trained).
@@ -31,6 +33,7 @@ from pathlib import Path, PurePath
 from typing import TYPE_CHECKING
 
 from cluster.baseline_lengths import baseline_lengths
+from cluster.dashboard import job_metadata, warn_if_submitted_without_metadata
 from cluster.data import PromptGroup, PromptStream
 from cluster.evaluation import EvalResult, score
 from cluster.ledger import GroupLedger
@@ -79,19 +82,21 @@ class RunResult:
 StepHook = Callable[["Session", int, StepReport], "bool | None"]
 
 
-def train(cfg: TrainConfig, on_step: StepHook | None = None) -> RunResult:
+def train(cfg: TrainConfig, on_step: StepHook | None = None, config_path: str | None = None) -> RunResult:
     """Run the job ``cfg`` to ``train.steps`` (or until ``on_step`` returns False).
 
     ``on_step(session, step, report)`` is called after every step; returning False ends the run
     there, without a final checkpoint (as an interruption would). An existing ``ray.init`` in this
-    process is used as it is; otherwise Ray is started (or joined) and shut down at the end.
+    process is used as it is; otherwise Ray is started (or joined), with the run's job metadata
+    (``config_path``: the config file it came from, for that metadata), and shut down at the end.
     """
     import ray
 
     plan = prepare(cfg)
     pg, owns_ray = None, False
     try:
-        owns_ray = connect(cfg)
+        warn_if_submitted_without_metadata()
+        owns_ray = connect(cfg, job_metadata(cfg, config_path))
         total, nodes = cluster_capacity()
         check_resources(cfg, total, nodes)
         model = initial_model(cfg, plan, multi_node=len(nodes) > 1)
@@ -215,6 +220,8 @@ class Session:
         n = self.cfg.train.groups_per_step
         batch = self._collect(n)
         trained_at = self.state.version
+        release = self.cfg.rollout.release_between_steps
+        release_seconds = self.pool.release_memory() if release else None
         self.state.version, step_seconds, learner_metrics = _learner_part(self._train(batch))
         for key in SKIP_REASONS:
             self._skipped[key] = self._skipped.get(key, 0.0) + learner_metrics.get(key, 0.0)
@@ -224,12 +231,15 @@ class Session:
         due = self.state.step % self.cfg.train.sync_every == 0 or self.state.step == self.cfg.train.steps
         if due and self.state.version != self.state.published_version:  # a step without signal changes nothing
             sync_seconds = self._publish()
+        if release:  # the learner's cached memory first, so the pools fit again
+            self._learner_call(self.learner.release_memory.remote())
+            release_seconds += self.pool.restore_memory()
         last = self.state.step == self.cfg.train.steps
         if last or (self.cfg.checkpoint.every and self.state.step % self.cfg.checkpoint.every == 0):
             self._checkpoint()
         if last and self.cfg.eval.after:
             self.eval_after = self._evaluate("after")
-        report = self._report(batch, trained_at, step_seconds, sync_seconds, learner_metrics)
+        report = self._report(batch, trained_at, step_seconds, sync_seconds, learner_metrics, release_seconds)
         self.monitor.log(self.state.step, report.as_dict())
         self.learner.record.remote(staleness=report.staleness_mean, weight_sync_seconds=sync_seconds,
                                    queue_depth=report.queue_depth, reward=report.reward)
@@ -384,7 +394,7 @@ class Session:
         return result
 
     def _report(self, batch: list, trained_at: int, step_seconds: float, sync_seconds: float | None,
-                learner_metrics: dict[str, float]) -> StepReport:
+                learner_metrics: dict[str, float], release_seconds: float | None = None) -> StepReport:
         traces = [t for g in batch for t in g.traces]
         ages = [trained_at - g.policy_version for g in batch]
         counters, self._step_counters = self._step_counters, _Counters()
@@ -408,6 +418,7 @@ class Session:
             reissued_groups=len(self.ledger.reissued),
             learner_step_seconds=step_seconds,
             weight_sync_seconds=sync_seconds,
+            memory_release_seconds=release_seconds,
             learner=learner_metrics,
             eval_before=eval_before,
             eval_after=self.eval_after if self.state.step == self.cfg.train.steps else None,

@@ -58,6 +58,19 @@ class LearnerActor:
             self._ray_metrics.record(step_seconds=metrics.step_seconds)
         return metrics
 
+    def release_memory(self) -> int:
+        """Hand the CUDA memory the allocator caches back to the device, so rollout workers on this GPU can
+        allocate their KV pools again after the step; the bytes still reserved (0 on CPU)."""
+        import gc
+
+        import torch
+
+        if self.learner.device.type != "cuda":
+            return 0
+        gc.collect()
+        torch.cuda.empty_cache()
+        return int(torch.cuda.memory_reserved(self.learner.device))
+
     def args(self) -> LearnerArgs:
         """The settings the learner was built with."""
         return self.learner.args

@@ -23,6 +23,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from cluster.config import Section
+from cluster.dashboard import run_name
 from cluster.step_report import KEYS
 
 RESERVED = ("step", "elapsed_s")  # written by the Monitor on every JSONL line
@@ -109,7 +110,7 @@ class Monitor:
         self.history, self._elapsed_before = _read_history(self.metrics_path)
         # disabled: no W&B at all (not even the import), e.g. on machines without wandb installed
         self._run = None if cfg.wandb.mode == "disabled" else _start_wandb(self.run_dir, cfg.wandb, config_dict,
-                                                                             _run_name(storage_root or str(self.run_dir)))
+                                                                             run_name(storage_root or str(self.run_dir)))
         self._started = time.monotonic()
         self._file = _open_for_append(self.metrics_path)
         self._bar = _progress_bar(total_steps, max(self.history, default=0))
@@ -212,11 +213,6 @@ def _open_for_append(path: Path):
         if file.read(1) != "\n":
             file.write("\n")
     return file
-
-
-def _run_name(root: str) -> str:
-    """The last part of a local path (resolved) or a URI."""
-    return root.split("?")[0].rstrip("/").rsplit("/", 1)[-1] if "://" in root else Path(root).resolve().name
 
 
 def _start_wandb(run_dir: Path, cfg: WandbConfig, config_dict: dict | None, name: str):

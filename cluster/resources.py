@@ -4,7 +4,9 @@ The one place where resources from the config become Ray options: ``connect`` st
 cluster, ``check_resources`` compares the request with what the cluster has (a clear error before
 any actor starts), ``reserve`` places one bundle for the learner and one per rollout worker, and
 ``make_learner`` / ``make_worker`` / ``make_queue`` create the actors inside those bundles.
-``make_warm_start`` creates the warm start's actor before that, with its own resources. Custom
+``make_warm_start`` creates the warm start's actor before that, with its own resources. Every actor
+is named ``<run label>/<role>`` (``cluster.dashboard``) and the job carries the run's metadata, so
+the Ray dashboard's Actors and Jobs pages show the run. Custom
 resources (``learner.resources``, ``rollout.resources``, ``warmstart.resources``) pin actors to the
 nodes started with them (``ray start --resources='{"node_b": 4}'``).
 """
@@ -17,6 +19,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from cluster.config import ConfigError
+from cluster.dashboard import LEARNER, QUEUE, WARM_START, actor_name, job_config, rollout_role
 from cluster.model_files import ModelFiles
 from cluster.train_config import TrainConfig
 
@@ -36,22 +39,25 @@ def cluster_address(cfg: TrainConfig) -> str | None:
     return cfg.ray.address or os.environ.get("RAY_ADDRESS") or None
 
 
-def connect(cfg: TrainConfig) -> bool:
+def connect(cfg: TrainConfig, metadata: dict[str, str] | None = None) -> bool:
     """Join the configured cluster or start a local Ray; True when this call initialised Ray.
 
-    An existing ``ray.init`` in this process is reused as it is (returns False).
+    ``metadata`` (``cluster.dashboard.job_metadata``) goes to the job's config, which the dashboard's
+    Jobs page shows (a submitted job's own metadata, given at submission, takes precedence). An existing
+    ``ray.init`` in this process is reused as it is (returns False).
     """
     import ray
 
     if ray.is_initialized():
         return False
     address = cluster_address(cfg)
+    job = {} if metadata is None else {"job_config": job_config(metadata)}
     if address is None:  # "local": a new instance, never a `ray start` cluster found on this machine
-        start_local_ray(num_cpus=cfg.ray.num_cpus, num_gpus=cfg.ray.num_gpus, **cfg.monitor.ray_init_kwargs())
+        start_local_ray(num_cpus=cfg.ray.num_cpus, num_gpus=cfg.ray.num_gpus, **cfg.monitor.ray_init_kwargs(), **job)
         return True
     check_reachable(address)
     try:
-        ray.init(address=address)
+        ray.init(address=address, **job)
     except (ConnectionError, RuntimeError, ValueError) as err:
         raise ResourceError(f"cannot join the Ray cluster at {address!r}: {' '.join(str(err).split())}") from None
     return True
@@ -190,13 +196,14 @@ def release(pg) -> None:
 # ----------------------------------------------------------------------------------- actors
 
 
-def _options(cfg: TrainConfig, request: dict[str, float], pg=None, index: int = 0) -> dict[str, Any]:
-    """Ray options of an actor asking for ``request`` (a bundle), inside bundle ``index`` of ``pg`` if given."""
+def _options(cfg: TrainConfig, role: str, request: dict[str, float], pg=None, index: int = 0) -> dict[str, Any]:
+    """Ray options of the run's actor ``role`` asking for ``request`` (a bundle), inside bundle ``index`` of
+    ``pg`` if given; named ``<run label>/<role>``."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     custom = {k: v for k, v in request.items() if k not in ("CPU", "GPU")}
-    options = {"num_cpus": request["CPU"], "num_gpus": request.get("GPU", 0), "resources": custom,
-               "runtime_env": {"env_vars": dict(cfg.ray.env_vars)}}
+    options = {"name": actor_name(cfg, role), "num_cpus": request["CPU"], "num_gpus": request.get("GPU", 0),
+               "resources": custom, "runtime_env": {"env_vars": dict(cfg.ray.env_vars)}}
     if pg is not None:
         options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index)
     return options
@@ -208,7 +215,7 @@ def make_learner(cfg: TrainConfig, pg, model: ModelFiles | str, checkpoint: str 
 
     from cluster.learner_actor import LearnerActor
 
-    options = _options(cfg, bundles(cfg)[0], pg, 0)
+    options = _options(cfg, LEARNER, bundles(cfg)[0], pg, 0)
     return ray.remote(LearnerActor).options(max_restarts=0, **options).remote(
         model, cfg.learner_args(), cfg.weight_sync.backend, _threads(cfg.learner.num_cpus), checkpoint)
 
@@ -219,11 +226,11 @@ def make_worker(cfg: TrainConfig, pg, worker_id: int, model: ModelFiles | str, v
 
     from cluster.rollout_worker import RolloutWorker
 
-    options = _options(cfg, bundles(cfg)[1 + worker_id], pg, 1 + worker_id)
+    options = _options(cfg, rollout_role(worker_id), bundles(cfg)[1 + worker_id], pg, 1 + worker_id)
     return ray.remote(RolloutWorker).options(
         max_restarts=cfg.rollout.max_restarts, max_task_retries=0, max_concurrency=WORKER_CONCURRENCY, **options,
     ).remote(worker_id, model, version, cfg.worker_engine_args(worker_id), cfg.sampling, cfg.reward,
-             cfg.task.type, trace_queue, _threads(cfg.rollout.num_cpus))
+             cfg.task.type, trace_queue, _threads(cfg.rollout.num_cpus), cfg.rollout.backend)
 
 
 def make_warm_start(cfg: TrainConfig):
@@ -233,8 +240,8 @@ def make_warm_start(cfg: TrainConfig):
 
     from cluster.warm_start import WarmStartActor
 
-    return ray.remote(WarmStartActor).options(max_restarts=0, **_options(cfg, warm_start_request(cfg))).remote(
-        _threads(cfg.warmstart.num_cpus))
+    options = _options(cfg, WARM_START, warm_start_request(cfg))
+    return ray.remote(WarmStartActor).options(max_restarts=0, **options).remote(_threads(cfg.warmstart.num_cpus))
 
 
 def make_baseline_task(cfg: TrainConfig):
@@ -252,7 +259,7 @@ def make_queue(cfg: TrainConfig):
     """The bounded trace queue (an actor that reserves no CPU)."""
     from ray.util.queue import Queue
 
-    return Queue(maxsize=cfg.rollout.queue_size, actor_options={"num_cpus": 0})
+    return Queue(maxsize=cfg.rollout.queue_size, actor_options={"num_cpus": 0, "name": actor_name(cfg, QUEUE)})
 
 
 def _threads(cpus: float) -> int:

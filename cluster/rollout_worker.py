@@ -3,11 +3,13 @@
 ``RolloutWorker`` is a plain class that ``cluster.resources`` turns into a threaded Ray actor
 (``max_concurrency`` >= 3), so calls arrive while it generates. Three threads share it:
 
-- the engine thread runs ``LLM.step()`` in a loop: it admits submitted groups, applies a pending
-  weight update *between* engine steps, and hands every finished group to the scorer;
+- the engine thread runs the engine's ``step()`` in a loop (``rollout.backend``: the engine chosen by
+  ``rollout.backend``, sliderl's ``LLM`` by default): it admits submitted groups, applies a pending
+  weight update *between* engine steps, hands every finished group to the scorer, and frees or
+  re-allocates the KV pool when asked while no request is unfinished (``release_memory``);
 - the scorer thread computes rewards off the engine's path and puts each group, as one
   ``RolloutGroup`` (a group is atomic), into the bounded trace queue, blocking while it is full;
-- actor calls (``submit``, ``update_weights``, ``status``, ``evaluate``) run on Ray's threads.
+- actor calls (``submit``, ``update_weights``, ``status``, ``evaluate``, ``release_memory``) run on Ray's threads.
 
 A weight update that lands while a sample is in flight is recorded on its trace
 (``weight_update_token_index``: the completion index from which the new weights sampled); the
@@ -95,18 +97,18 @@ class RolloutWorker:
     """
 
     def __init__(self, worker_id: int, model: ModelFiles | str, version: int, engine: EngineArgs, sampling: SamplingParams,
-                 reward: RewardSpec, task_type: str, trace_queue, num_threads: int = 1):
+                 reward: RewardSpec, task_type: str, trace_queue, num_threads: int = 1, backend: str = "paged"):
         import os
 
         import torch
 
-        from rollout import LLM
+        from rollout.backend import build_engine
 
         torch.set_num_threads(max(1, num_threads))
         self.worker_id = worker_id
         self.incarnation = uuid.uuid4().hex[:8]
         self.pid = os.getpid()
-        self.llm = LLM(local_folder(model), args=engine)
+        self.llm = build_engine(backend, local_folder(model), engine)  # the calls it takes: rollout.backend.RolloutEngine
         self.version = version
         self.sampling = sampling
         self.reward = reward.build(task_type, self.llm.tokenizer)
@@ -118,6 +120,7 @@ class RolloutWorker:
         self._inbox: list[PromptGroup] = []
         self._evals: list[_EvalJob] = []
         self._pending: tuple[int, dict, threading.Event] | None = None
+        self._idle_calls: list[tuple[Any, threading.Event]] = []  # run by the engine thread once no request is unfinished
         self._inflight: dict[str, _InFlight] = {}
         self._by_request: dict[int, tuple[Any, int]] = {}  # request id -> (_InFlight | _EvalJob, index)
         self._scored: queue.Queue = queue.Queue()
@@ -163,6 +166,16 @@ class RolloutWorker:
         while not done.wait(IDLE_WAIT_S):
             self._raise_if_failed()
         return time.perf_counter() - start
+
+    def release_memory(self) -> float:
+        """Free the engine's KV pool and CUDA graphs (``LLM.sleep``) as soon as no request is unfinished, so a
+        learner on the same GPU can use the memory; seconds until done. The engine allocates them again
+        before it next generates (``restore_memory`` does it now)."""
+        return self._when_idle(self.llm.sleep)
+
+    def restore_memory(self) -> float:
+        """Allocate the KV pool and capture the CUDA graphs again after ``release_memory``; seconds until done."""
+        return self._when_idle(self.llm.wake)
 
     def join_broadcast(self, address: str, world_size: int, rank: int, group_name: str, backend: str,
                        timeout_s: float) -> None:
@@ -220,11 +233,30 @@ class RolloutWorker:
             with self._lock:
                 self._apply_pending()
                 self._admit()
-                if not self.llm.scheduler.has_unfinished():
+                busy = self.llm.has_unfinished()
+                calls = [] if busy else self._idle_calls
+                self._idle_calls = self._idle_calls if busy else []
+                if not busy and not calls:
                     self._lock.wait(IDLE_WAIT_S)
                     continue
-            for seq in self.llm.step():
-                self._finished(seq)
+            for call, done in calls:  # outside the lock: allocating and capturing takes seconds
+                call()
+                done.set()
+            if busy:
+                if self.llm.asleep:  # work arrived while the pool was released
+                    self.llm.wake()
+                for seq in self.llm.step():
+                    self._finished(seq)
+
+    def _when_idle(self, call) -> float:
+        """Run ``call`` on the engine thread once no request is unfinished; wait for it, return the seconds."""
+        start, done = time.perf_counter(), threading.Event()
+        with self._lock:
+            self._idle_calls.append((call, done))
+            self._lock.notify_all()
+        while not done.wait(IDLE_WAIT_S):
+            self._raise_if_failed()
+        return time.perf_counter() - start
 
     def _apply_pending(self) -> None:
         if self._pending is None:

@@ -50,6 +50,9 @@ class StepReport:
     """wall seconds of the learner step"""
     weight_sync_seconds: float | None = None
     """wall seconds of the weight sync after the step; None when no sync was due"""
+    memory_release_seconds: float | None = None
+    """rollout.release_between_steps: seconds the workers took to free their KV pools before the learner step
+    and to allocate them again after the weight sync; None when they keep them"""
     prompt_tokens: float | None = None
     """mean prompt tokens of the trained traces (the reference line of visible_kv.png)"""
     speedup: float | None = None

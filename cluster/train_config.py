@@ -44,9 +44,28 @@ class RolloutConfig(Section):
     """GPUs reserved per worker; > 0 needs engine.device=cuda."""
     max_restarts: int = Field(3, ge=0)
     """Times Ray restarts a worker whose process died (then its prompts go to the others)."""
+    backend: str = "paged"
+    """The generation engine, a name in ``rollout.backend.ENGINES``: paged, sliderl's bounded-KV engine
+    (``rollout.LLM``); a dense-rollout engine such as vLLM would register there under its own name."""
+    release_between_steps: bool = False
+    """train.mode=sync, for a learner that shares the workers' GPU: each worker frees its KV pool and CUDA
+    graphs before the learner steps and allocates them again after the weight sync, so the learner can use
+    that memory meanwhile (its cached memory is handed back after each step). Costs an allocation and a
+    graph capture per step; false keeps the pool, sized by engine.kv_cache_gb to leave the learner room
+    (benchmarks/colocate.py measures both)."""
     resources: dict[str, NonNegativeFloat] = {}
     """Custom Ray resources per worker bundle, e.g. {node_b: 1} to place workers on nodes started with
     ``ray start --resources='{"node_b": 4}'``."""
+
+    @field_validator("backend")
+    @classmethod
+    def _known_backend(cls, name: str) -> str:
+        from rollout.backend import ENGINES
+
+        if name not in ENGINES:
+            raise ValueError(f"unknown rollout backend {name!r}; valid: {', '.join(ENGINES)} (a dense-rollout engine "
+                             "such as vLLM is not built in; rollout/backend.py says how one plugs in)")
+        return name
 
 
 # ------------------------------------------------------------------------------- actors and loop
@@ -256,6 +275,10 @@ class TrainConfig(Section):
         if self.train.mode == "async" and self.train.max_staleness < self.train.sync_every - 1:
             raise ValueError(f"train.max_staleness={self.train.max_staleness} would drop every group between "
                              f"weight syncs (train.sync_every={self.train.sync_every}); it must be >= sync_every - 1")
+        if self.rollout.release_between_steps and self.train.mode != "sync":
+            raise ValueError("rollout.release_between_steps=true frees the workers' KV pools while the learner steps, "
+                             f"which only train.mode=sync leaves idle; got train.mode={self.train.mode} (set "
+                             "train.mode=sync, or release_between_steps=false)")
         if self.sampling.seed is not None:
             raise ValueError(f"sampling.seed={self.sampling.seed}: rollout seeds come from train.seed (sample j of "
                              "a group gets the group's seed + j); leave sampling.seed null")

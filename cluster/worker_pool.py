@@ -64,6 +64,31 @@ class WorkerPool:
         if groups:
             self.handles[worker_id].submit.remote(groups)
 
+    def release_memory(self) -> float:
+        """Every live worker frees its KV pool (``RolloutWorker.release_memory``); wall seconds until all did."""
+        return self._on_all("release_memory")
+
+    def restore_memory(self) -> float:
+        """Every live worker allocates its KV pool again; wall seconds until all did."""
+        return self._on_all("restore_memory")
+
+    def _on_all(self, method: str) -> float:
+        """Call ``method`` on every live worker and wait for all; a worker that died meanwhile is left to the
+        health check, one whose call failed stops the run."""
+        import ray
+        from ray.exceptions import RayActorError, RayTaskError
+
+        start = time.perf_counter()
+        refs = {wid: getattr(handle, method).remote() for wid, handle in self.live().items()}
+        for wid, ref in refs.items():
+            try:
+                ray.get(ref)
+            except RayTaskError as err:
+                raise RunError(f"rollout worker {wid}: {method} failed: {' '.join(str(err).split())[:2000]}") from None
+            except RayActorError:
+                continue
+        return time.perf_counter() - start
+
     def check(self, force: bool = False) -> Health:
         """At most every health_check_s (or now when ``force``): collect answers, send new checks."""
         import ray

@@ -263,7 +263,7 @@ class RegisterMachineTask:
         """An upper bound on a solution's byte-level tokens (a register token counts one)."""
         steps = 1 + (self.num_variables - 1) * self.repeats[1]
         label = len(str(self.repeats[1])) + 1
-        line = 1 + label + 2 + 1 + 1 + len(str(self.max_operand)) + 1 + 2 + 1  # "<reg>9 a=50+3=53\n"
+        line = 1 + label + 2 + 2 + 1 + len(str(self.max_operand)) + 1 + 2 + 1  # "<reg>" "9 " "a=" "50" "+" "3" "=" "53" "\n"
         return len("<think>\n") + steps * line + len(f"{END_THINK}\nAnswer: \\boxed{{}}") + len(str(self.max_value))
 
     def write_jsonl(self, path: str | Path, n: int, split: str = "train") -> Path:

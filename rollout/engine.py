@@ -58,8 +58,10 @@ class LLM:
     so ``max_concurrency(prompt_len, max_tokens)`` requests of that shape run at once and none is ever
     preempted; a request whose bound alone exceeds the pool is refused by ``add_request``.
     Under ``kv="pasta"`` every request runs the Pasta-Lang runtime (``rollout.pasta_runtime``): its outputs are
-    flattened responses with their forks (``RequestOutput.pasta``); overlap is off.
-    ``close()`` (or leaving ``with LLM(...) as llm:``) frees the KV pool, the weights and the CUDA graphs.
+    flattened responses with their forks (``RequestOutput.pasta``).
+    ``close()`` (or leaving ``with LLM(...) as llm:``) frees the KV pool, the weights and the CUDA graphs;
+    ``sleep()`` frees the pool and the graphs only, until ``wake()`` (a learner colocated on the GPU uses
+    the memory meanwhile).
     """
 
     def __init__(self, model: str, kv: str | None = None, *, args: EngineArgs | None = None, **keywords):
@@ -82,7 +84,7 @@ class LLM:
                                    watermark_blocks=math.ceil(round(args.kv_watermark * num_blocks, 6)))
         overlap = args.overlap
         if overlap is None:  # registers too: with its redos it beats serial (6,809 vs 6,692 tok/s, docs/benchmarks.md)
-            overlap = self.device.type == "cuda" and self.policy.kind != "pasta"  # pasta: EngineArgs refuses True
+            overlap = self.device.type == "cuda"
         self.run_ahead = RunAhead(self.runner, self.scheduler, overlap)
         self.eos_ids = self._eos_ids(model)
         self.pasta = None
@@ -96,6 +98,7 @@ class LLM:
         self.stats = EngineStats()
         self._next_id = 0
         self.closed = False
+        self.asleep = False  # sleep(): the KV pool and the CUDA graphs are freed until wake()
 
     # ---- set-up -------------------------------------------------------------------------------
     def _blocks_for_memory(self, kv_cache_gb: float | None, dtype: torch.dtype) -> int:
@@ -158,6 +161,23 @@ class LLM:
         self.scheduler.add(seq)
         return seq
 
+    def force(self, seq: Sequence, tokens: list[int], thread: int = 0) -> None:
+        """Teacher forcing (``rollout.forcing``): thread ``thread`` of ``seq``'s request takes ``tokens`` in order in
+        place of the tokens it samples, then samples on. Thread 0 is the request (its main thread under pasta);
+        thread k >= 1 its k-th Pasta fork, whose tokens start after the ``<async>`` the runtime inserts.
+
+        Raises ValueError for a thread other than 0 outside ``kv="pasta"``, or a token outside the vocabulary.
+        """
+        self._check_open()
+        if isinstance(thread, bool) or not isinstance(thread, int) or thread < 0 or (thread and self.pasta is None):
+            valid = "0 or a fork's index k >= 1" if self.pasta is not None else "0 (forks exist under kv=pasta only)"
+            raise ValueError(f"thread must be {valid}, got {thread!r}")
+        vocab = self.model.config.vocab_size
+        bad = [t for t in tokens if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"forced token {bad[0]!r} is outside the vocabulary [0, {vocab})")
+        self.runner.forced.add(seq.request_id, thread, tokens)
+
     def max_concurrency(self, prompt_len: int, max_tokens: int) -> int:
         """How many requests of ``prompt_len`` prompt tokens and up to ``max_tokens`` generated ones run
         at once: the pool over one's block bound, at most ``max_num_seqs``. Exact under a bounded
@@ -176,6 +196,34 @@ class LLM:
         self._check_open()
         self.run_ahead.drop()
         self.model.load_weights(weights)
+
+    def sleep(self) -> None:
+        """Free the KV pool and the CUDA graphs (the weights stay), e.g. while a learner on the same GPU takes
+        a step; ``wake()`` allocates them again. Waiting requests stay queued; a running one (holding KV)
+        is an error. ``step()`` refuses to run until ``wake()``. Sleeping again does nothing."""
+        self._check_open()
+        if self.asleep:
+            return
+        if self.scheduler.running:
+            raise RuntimeError(f"sleep() frees the KV pool, but {len(self.scheduler.running)} running requests "
+                               "still hold KV in it; let them finish first")
+        self.run_ahead.drop()
+        self.runner.release()
+        self.asleep = True
+        if self.device.type == "cuda":
+            gc.collect()
+            torch.cuda.empty_cache()
+
+    def wake(self) -> None:
+        """Allocate the KV pool (same size, zeroed) and capture the CUDA graphs again after ``sleep()``."""
+        self._check_open()
+        if self.asleep:
+            self.runner.allocate()
+            self.asleep = False
+
+    def has_unfinished(self) -> bool:
+        """True while a request added is not finished."""
+        return self.scheduler.has_unfinished()
 
     def close(self) -> None:
         """Free the device memory the engine holds: the queued step, the CUDA graphs, the KV pool and the
@@ -249,6 +297,8 @@ class LLM:
         ``rollout.run_ahead``); this call then queues the next one before reading its own tokens back.
         """
         self._check_open()
+        if self.asleep:
+            raise RuntimeError("this LLM is asleep (sleep() freed its KV pool); call wake() before stepping it")
         t0 = time.perf_counter()
         flight = self.run_ahead.take()
         if flight is None:
@@ -261,6 +311,8 @@ class LLM:
         flight.add_mass(*mass)  # h2o: pages' attention mass, for the evictions of later steps
         finished, killers = self.postprocess(flight.batch, flight.rows, tokens, logprobs, flight.logits)
         self.run_ahead.redo_killers(killers)
+        for seq in finished:
+            self.runner.forced.discard(seq.request_id)
         self._count(flight.batch, running, time.perf_counter() - t0)
         return finished
 

@@ -49,7 +49,7 @@ class EngineArgs:
     cuda_graphs: bool = True
     """On CUDA, replay decode steps as captured CUDA graphs (outputs are the same without)."""
     overlap: bool | None = None
-    """Queue each decode step before the previous one's tokens are read back; None: on for CUDA except under pasta."""
+    """Queue each decode step before the previous one's tokens are read back; None: on for CUDA."""
     gemv: bool = False
     """On CUDA, run linear layers and the lm_head over at most 8 tokens with the Triton split-K GEMV instead of cuBLAS (off: no faster at batch 1 on the H200, docs/benchmarks.md)."""
     pasta_max_forks: int = 8
@@ -83,9 +83,6 @@ class EngineArgs:
             raise ValueError(f"gemv must be true or false, got {self.gemv!r}")
         if self.overlap is not None and not isinstance(self.overlap, bool):
             raise ValueError(f"overlap must be None, true or false, got {self.overlap!r}")
-        if policy.kind == "pasta" and self.overlap:
-            raise ValueError("overlap=True is not supported under kv=pasta (a <sync/> is known only once its token is "
-                             "read back, after the next step would have written it); use overlap=None or False")
         forks = self.pasta_max_forks
         if isinstance(forks, bool) or not isinstance(forks, int) or forks < 0:
             raise ValueError(f"pasta_max_forks must be an integer >= 0, got {forks!r}")

@@ -17,8 +17,9 @@ import torch
 
 from kernels.metadata import AttentionMetadata, PagedKVCache
 from rollout.decode_graphs import DecodeGraphs
+from rollout.forcing import ForcedTokens
 from rollout.paged_attention import PagedAttention, attention_impl
-from rollout.sampling import sample
+from rollout.sampling import logprobs_at, sample
 from rollout.scheduler import ScheduledBatch
 from rollout.sequence import Sequence
 
@@ -53,15 +54,31 @@ class ModelRunner:
         model.gemv_kernels = device.type == "cuda" and gemv  # small-batch linears on kernels.gemv
         self.device = device
         self.block_size = block_size
-        self.cache = PagedKVCache.allocate(cfg.num_layers, num_blocks + 1, block_size, cfg.num_kv_heads,
-                                           cfg.head_dim, dtype, device)
+        self.num_blocks, self.dtype = num_blocks, dtype
         self.scratch_slot = num_blocks * block_size
         self.scale = 1.0 / math.sqrt(cfg.head_dim)
         self.impl = attention_impl(device)
-        self.graphs = None
-        if device.type == "cuda" and cuda_graphs:
-            max_blocks = math.ceil(max_model_len / block_size) + 1
-            self.graphs = DecodeGraphs(self, max_num_seqs, max_blocks)
+        self.use_graphs = device.type == "cuda" and cuda_graphs
+        self.max_num_seqs, self.max_blocks = max_num_seqs, math.ceil(max_model_len / block_size) + 1
+        self.cache, self.graphs = None, None
+        self.forced = ForcedTokens()  # teacher forcing (``LLM.force``)
+        self.allocate()
+
+    def allocate(self) -> None:
+        """Allocate the KV pool (``num_blocks`` + the scratch block, zeroed) and capture the decode graphs over it."""
+        assert self.cache is None, "the KV pool is already allocated"
+        cfg = self.model.config
+        self.cache = PagedKVCache.allocate(cfg.num_layers, self.num_blocks + 1, self.block_size, cfg.num_kv_heads,
+                                           cfg.head_dim, self.dtype, self.device)
+        if self.use_graphs:
+            self.graphs = DecodeGraphs(self, self.max_num_seqs, self.max_blocks)
+
+    def release(self) -> None:
+        """Drop the CUDA graphs and the KV pool, keeping the model; ``allocate`` builds them again (the graphs
+        point into the pool, so they go with it)."""
+        if self.graphs is not None:
+            self.graphs.close()
+        self.graphs = self.cache = None
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, AttentionMetadata]:
         """Flatten the batch on the host: RoPE positions ``[N]`` and the attention metadata.
@@ -142,15 +159,21 @@ class ModelRunner:
         return self.model.compute_logits(hidden[rows]), mass
 
     def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tokens and logprobs of ``seqs`` (rows of ``logits``), left on the device."""
+        """Tokens and logprobs of ``seqs`` (rows of ``logits``), left on the device; rows with a forced token
+        (``LLM.force``) take it, with its logprob under the sampler's convention."""
         dev = logits.device
         if not seqs:
             return torch.empty(0, dtype=torch.long, device=dev), torch.empty(0, device=dev)
         col = lambda values, dtype: self.host_tensor(values, dtype).to(dev, non_blocking=True)  # noqa: E731
         params = [s.params for s in seqs]
-        return sample(
+        temperature = col([p.temperature for p in params], torch.float32)
+        rows, forced = self.forced.due(seqs)
+        if len(rows) == len(seqs):  # every row forced: nothing to draw
+            tokens = col(forced, torch.long)
+            return tokens, logprobs_at(logits, tokens, temperature)
+        tokens, logprobs = sample(
             logits,
-            col([p.temperature for p in params], torch.float32),
+            temperature,
             col([p.top_p for p in params], torch.float32),
             col([p.top_k for p in params], torch.int64),
             col([s.seed for s in seqs], torch.int64),
@@ -158,13 +181,17 @@ class ModelRunner:
             all_greedy=all(p.temperature <= 0 for p in params),
             any_truncation=any(p.top_k > 0 or p.top_p < 1 for p in params),
         )
+        if rows:
+            index, chosen = col(rows, torch.long), col(forced, torch.long)
+            tokens = tokens.index_copy(0, index, chosen)
+            logprobs = logprobs.index_copy(0, index, logprobs_at(logits[index], chosen, temperature[index]))
+        return tokens, logprobs
 
     def close(self) -> None:
         """Drop the CUDA graphs, the KV cache and the model: their device memory is freed once the engine
         drops this runner too (nothing here needs a garbage collection)."""
-        if self.graphs is not None:
-            self.graphs.close()
-        self.graphs = self.cache = self.model = None
+        self.release()
+        self.model = None
 
     def set_death(self, slots: list[int], death: int) -> None:
         """Keys at ``slots`` die at position ``death`` (registers: their step was killed; pasta: 0, for slots a

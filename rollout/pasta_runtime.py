@@ -42,8 +42,11 @@ starts in the step that writes its ``/>`` and a join happens in the step that wr
 recomputed from its tokens, replaying the same forks and joins into the same table layout. A request's
 block bound (``rollout.block_bound``) counts ``max_forks`` forks at full length and ``add_request``
 refuses one that cannot fit the pool alone; any thread short of a block preempts the newest request,
-so the oldest always progresses and a main thread waiting at a sync never starves its forks. Overlap
-(a step queued before the last one's tokens are read) is off under pasta.
+so the oldest always progresses and a main thread waiting at a sync never starves its forks. With overlap
+(a decode step queued before the last one's tokens are read, ``rollout.run_ahead``), a change to a request's
+threads (``PastaRequest.changes``: a fork, a fork's end, a join, the main thread's stop) stops queueing its
+steps ahead until a step schedules it, and the queued row of a joining ``<sync/>`` is dropped
+(``PastaThread.stale_ahead``): outputs are the same, a fork starts and a join happens a step later.
 """
 
 from __future__ import annotations
@@ -90,8 +93,8 @@ class PastaOutput:
 
     ``steps`` is the realised critical path: the engine steps in which the request had a row in the
     batch (prefill chunks, decodes, a fork's last ``</async>`` written, recomputation after a
-    preemption). ``speedup`` = flattened response tokens (``RequestOutput.token_ids``, inserted tags
-    included) / ``steps``: 1.0 for a response without forks decoded one token per step, more when
+    preemption; with overlap, not a queued step whose only row was dropped). ``speedup`` = flattened
+    response tokens (``RequestOutput.token_ids``, inserted tags included) / ``steps``: 1.0 for a response without forks decoded one token per step, more when
     forks decode beside the main thread.
     """
 
@@ -126,6 +129,7 @@ class PastaRequest:
         self.tag_start: int | None = None  # main-thread index of a ``<promise`` whose ``/>`` has not come
         self.counts = PastaCounts()
         self.steps = 0
+        self.changes = self.changes_scheduled = 0  # changes to its threads (fork, fork end, join, stop); scheduled
         self.held_blocks = 0  # distinct blocks its threads hold
         self.visible_sum = self.num_queries = 0
         self.main = PastaThread(self, 0, prompt, params, seed, [(0, 0, 0)], arrival)
@@ -136,7 +140,8 @@ class PastaRequest:
 
     def schedule_order(self) -> list[PastaThread]:
         """The main thread first (a fork attaches behind it), last while it waits at a join (the forks'
-        last ``</async>`` is written in the same step)."""
+        last ``</async>`` is written in the same step). A step schedules the request: its changes so far are in it."""
+        self.changes_scheduled = self.changes
         join = self._pending_join()
         if join is not None and self.main.num_computed == join.index:
             return [*self.forks, self.main]
@@ -169,9 +174,10 @@ class PastaRequest:
         return end - main.num_computed
 
     def _attach(self, fork: PastaThread) -> None:
-        """The fork's table starts as the main thread's up to the block of its ``/>``."""
+        """The fork's table starts as the main thread's up to the block of its ``/>``, with the holes in it."""
         for j in range(fork.fork_column + 1):
             fork.share_block(j, self.main.blocks[j])
+        fork.inherit_holes(self.main, {j: j for j in range(fork.fork_column + 1)})
         fork.num_computed = fork.fork_point + 1
         fork.attached = True
 
@@ -180,6 +186,9 @@ class PastaRequest:
         main, bs = self.main, self.runtime.block_size
         if join.first_column is None:
             last = main.table_positions(join.index - 1, 1)[0]
+            for j in [j for j in main.blocks if j > last // bs]:  # allocated ahead for the <sync/>'s old slot
+                self.runtime.blocks.free(main.remove_block(j))
+                self.held_blocks -= 1
             main.leave_block(last)
             join.first_column = last // bs + 1
             width = sum(len(f.own_columns()) for f in join.forks)
@@ -187,9 +196,11 @@ class PastaRequest:
             main.keys_visible += sum(f.num_output for f in join.forks)
         column = join.first_column
         for fork in join.forks:
-            for j in fork.own_columns():
-                main.share_block(column, fork.blocks[j])
-                column += 1
+            columns = {j: column + k for k, j in enumerate(fork.own_columns())}
+            for j, c in columns.items():
+                main.share_block(c, fork.blocks[j])
+            main.inherit_holes(fork, columns)
+            column += len(columns)
         join.done = True
 
     def reset(self) -> None:
@@ -250,6 +261,7 @@ class PastaRuntime:
             if request.unjoined and not stopped:
                 request.joins.append(Join(i, request.unjoined))
                 request.unjoined = []
+                request.changes += 1
         elif token in self.tag_ids:
             request.counts.stray_tags += 1
 
@@ -289,6 +301,7 @@ class PastaRuntime:
         fork.insert_tag(self.tags.async_open)
         request.forks.append(fork)
         request.unjoined.append(fork)
+        request.changes += 1
         self.scheduler.add_thread(fork)
         if fork.last_position >= self.max_model_len - 2:
             self._close(fork, "length")
@@ -315,6 +328,7 @@ class PastaRuntime:
 
     def _end_fork(self, fork: PastaThread, why: str) -> None:
         fork.stopped, fork.closed_by = True, why
+        fork.request.changes += 1
         fork.leave_block(fork.table_positions(len(fork.token_ids) - 1, 1)[0])
         # a join will read the whole block; after the main thread stopped, nothing will
         _settle(fork, fork.num_computed if fork.request.main.stopped else len(fork.token_ids))
@@ -322,6 +336,7 @@ class PastaRuntime:
     def _stop_main(self, request: PastaRequest) -> None:
         main = request.main
         main.stopped, main.kv_target = True, main.num_computed
+        request.changes += 1
         for fork in request.unjoined:  # no join will read them
             if fork.stopped:
                 _settle(fork, min(fork.kv_target, fork.num_computed))

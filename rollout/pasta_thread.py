@@ -95,6 +95,16 @@ class PastaThread(Sequence):
         if hole[1] < self.block_size and hole not in self.holes:
             self.holes.append(hole)
 
+    def inherit_holes(self, other: PastaThread, columns: dict[int, int]) -> None:
+        """``other``'s blocks at its columns ``columns`` sit in this thread's table at ``columns[j]``: so do their
+        holes, which this thread then marks dead too when it is scheduled first (with overlap, a fork may end,
+        or a main thread may leave a block, in a step queued before it was known, so that the thread that left
+        the hole is never scheduled to mark it)."""
+        for j, offset in other.holes:
+            hole = (columns[j], offset) if j in columns else None
+            if hole is not None and hole not in self.holes:
+                self.holes.append(hole)
+
     def own_columns(self) -> range:
         """A fork's own table columns (after its shared prefix), in order."""
         last = self.table_positions(len(self.token_ids) - 1, 1)[0] // self.block_size
@@ -106,6 +116,20 @@ class PastaThread(Sequence):
 
     def ready_tokens(self, batch: ScheduledBatch) -> int:
         return self.request.ready_tokens(self, batch)
+
+    @property
+    def samples_on(self) -> bool:
+        return not self.stopped  # a stopped thread's row writes its last KV; its sample is dropped
+
+    @property
+    def may_run_ahead(self) -> bool:
+        return self.request.changes == self.request.changes_scheduled
+
+    def stale_ahead(self) -> bool:
+        """The main thread's queued row follows its last token (it samples no more: its request goes on while forks
+        run), or computes a ``<sync/>`` that joins forks (it belongs after their blocks)."""
+        return self.index == 0 and (self.stopped or any(not j.done and j.index == self.num_computed
+                                                        for j in self.request.joins))
 
     @property
     def kv_end(self) -> int:

@@ -10,6 +10,13 @@ certain to be needed as launched. Everything that follows from running ahead liv
   queued forward: that row alone is computed again (same slot, so its K/V is overwritten);
 - a queued step whose inputs would be wrong (new weights) is dropped before it is used, and its
   K/V writes are redone by the step that replaces it;
+- under pasta, what a tag does is known once its token is read: a fork created, a fork ended, a
+  ``<sync/>`` that joins forks, a main thread stopped each change the request's threads, and until a
+  step schedules the change no step of that request is queued ahead. The one step queued before the
+  change was known stays valid (it writes the tag at its slot), but for a joining ``<sync/>``, which
+  moves after the joined forks' blocks, and a stopped main thread, which samples no more while its forks
+  run on: those rows are dropped (a block allocated ahead for the ``<sync/>`` is freed at the join).
+  A fork thus starts, and a join happens, one step later than without overlap;
 - under h2o, a step's attention mass reaches its sequences only after the next step was allocated,
   so evictions use mass one step older than without overlap (``rollout.heavy_hitters``); a dropped
   step adds no mass (the step that replaces it does).
@@ -53,8 +60,10 @@ class Flight:
                 seq.heavy.add(self.mass.pages[i], values[i], seq.blocks, self.mass.ends[i])
 
     def without_finished(self, host_tensor) -> Flight | None:
-        """This queued decode step minus the sequences that finished meanwhile; None if none is left."""
-        keep = [i for i in self.rows if self.batch.seqs[i].status is Status.RUNNING]
+        """This queued decode step minus the sequences that finished meanwhile and the rows that went stale
+        (``Sequence.stale_ahead``); None if none is left."""
+        keep = [i for i in self.rows
+                if self.batch.seqs[i].status is Status.RUNNING and not self.batch.seqs[i].stale_ahead()]
         if len(keep) == len(self.rows):
             return self
         if not keep:
@@ -102,6 +111,10 @@ class RunAhead:
             return
         self.num_queued += 1
         rows = list(range(len(nxt)))
+        if len(nxt) < len(flight.batch):  # rows that ended with ``flight`` (a Pasta fork's last KV) go
+            going = {id(seq) for seq in nxt.seqs}
+            keep = [i for i, seq in enumerate(flight.batch.seqs) if id(seq) in going]
+            tokens = tokens[self.runner.host_tensor(keep, torch.long).to(tokens.device, non_blocking=True)]
         logits, mass = self.runner.run(nxt, rows, input_ids=tokens)
         self.queued = Flight(nxt, rows, logits, mass=mass)
 

@@ -119,26 +119,29 @@ class Scheduler:
 
         Only when that step is certain to be needed as it is: every sequence samples in ``batch``, no
         request that could be admitted now waits (it would be starved), budget forcing cannot replace a sampled
-        token, every sequence stays within ``max_model_len``, and the pool has the blocks without
-        preempting anyone. ``batch`` is then marked computed. (A register kill is known only once the
+        token, no Pasta request has a change not yet scheduled (``Sequence.may_run_ahead``), every sequence stays
+        within ``max_model_len``, and the pool has the blocks without preempting anyone. ``batch`` is then marked
+        computed. A sequence whose row in ``batch`` is its last (``Sequence.samples_on``: a Pasta fork writing
+        its ``</async>``) gets none; the rows follow ``batch``'s order. (A register kill is known only once the
         tokens are read: the run-ahead stepper redoes the rows it affects.)
         """
         if (self.waiting and self.can_admit(self.waiting[0])) or len(batch.sampling_rows()) != len(batch):
             return None
-        new_blocks = 0
-        for seq in batch.seqs:
-            if seq.may_be_forced or len(seq.token_ids) + 2 > self.max_model_len:
+        new_blocks, going = 0, [seq for seq in batch.seqs if seq.samples_on]
+        for seq in going:
+            i = len(seq.token_ids)  # the queued row computes the token sampled in ``batch``, index i
+            if seq.may_be_forced or not seq.may_run_ahead or seq.rope_positions(i, 1)[0] + 2 > self.max_model_len:
                 return None
-            new_blocks += len(seq.token_ids) // seq.block_size not in seq.blocks
-        if new_blocks > self.blocks.num_free:
+            new_blocks += seq.table_positions(i, 1)[0] // seq.block_size not in seq.blocks
+        if not going or new_blocks > self.blocks.num_free:
             return None
         batch.mark_computed()
         nxt = ScheduledBatch()
-        for seq in batch.seqs:
+        for seq in going:
             self.free_dead_blocks(seq)  # the device reads them in ``batch``, before the next step writes
             self.evict(seq)
             self.allocate(seq, 1)
-            nxt.add(seq, 1)
+            nxt.add(seq, 1, seq.take_dead_slots())
         return nxt
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:

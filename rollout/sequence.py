@@ -162,6 +162,23 @@ class Sequence:
         """How many of the uncomputed tokens may be computed in ``batch`` (all of them here)."""
         return self.num_uncomputed
 
+    @property
+    def samples_on(self) -> bool:
+        """Whether the token it samples in a step is appended, so that a queued step may compute it: always
+        here (a token that finishes the request is dropped with its queued row); not for a stopped Pasta thread."""
+        return True
+
+    @property
+    def may_run_ahead(self) -> bool:
+        """Whether its next decode row may be queued before its last token is read back (``rollout.run_ahead``):
+        always here; a Pasta request's threads may not while a change to them is not yet scheduled."""
+        return True
+
+    def stale_ahead(self) -> bool:
+        """Whether the decode row queued for it before its last token was read back no longer fits what that token
+        did (a Pasta main thread's joining ``<sync/>`` moves in its table): the row is then dropped."""
+        return False
+
     def fit(self, n: int, free_blocks: int) -> int:
         """The most of the next ``n`` tokens whose new blocks number at most ``free_blocks``."""
         bs = self.block_size

@@ -190,15 +190,17 @@ QWEN3_1P7B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, n
                   rms_norm_eps=1e-6, tie_word_embeddings=True, rope_theta=1_000_000, eos_token_id=256)
 
 
-def make_qwen3_1p7b(out_dir: str | Path, device: str = "cuda", dtype: torch.dtype = torch.bfloat16) -> Path:
-    """The Qwen3-1.7B config with random weights (seed 0, built on ``device``) saved with the byte tokenizer."""
+def make_qwen3_1p7b(out_dir: str | Path, device: str = "cuda", dtype: torch.dtype = torch.bfloat16,
+                    extra_special_tokens: tuple[str, ...] = ()) -> Path:
+    """The Qwen3-1.7B config with random weights (seed 0, built on ``device``) saved with the byte tokenizer
+    (and ``extra_special_tokens``, e.g. ``rollout.pasta.PASTA_TOKENS``: ids 261.. are inside the vocabulary)."""
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(Qwen3Config(**QWEN3_1P7B), dtype=dtype)
     model.save_pretrained(out_dir)
-    build_tokenizer().save_pretrained(str(out_dir))
+    build_tokenizer(extra_special_tokens).save_pretrained(str(out_dir))
     del model
     if device == "cuda":
         torch.cuda.empty_cache()

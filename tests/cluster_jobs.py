@@ -7,6 +7,7 @@ top of correctness, so GRPO groups differ in reward and the learner actually ste
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -35,6 +36,13 @@ def tiny_overrides(model_dir: Path, run_dir: Path) -> list[str]:
 def tiny_job(model_dir: Path, run_dir: Path, *overrides: str) -> TrainConfig:
     """The tiny job with ``overrides`` (``key=value``) applied on top."""
     return load_config(TrainConfig, None, tiny_overrides(model_dir, run_dir) + list(overrides))
+
+
+def expected_actor_name(run_dir: Path, role: str) -> str:
+    """A run's actor name as the README states it: ``<last part of run_dir>-<first 6 hex digits of the sha256 of
+    the absolute run_dir>/<role>``, worked out here without sliderl's code."""
+    root = str(Path(run_dir).resolve())
+    return f"{Path(root).name}-{hashlib.sha256(root.encode()).hexdigest()[:6]}/{role}"
 
 
 def metric_rows(run_dir: Path) -> dict[int, dict]:

@@ -81,3 +81,98 @@ def test_tiny_run_has_every_row_and_the_documented_numbers(tmp_path):
     assert (peer["trained"], peer["processed"], peer["scored"], peer["visible"]) == (2048, 2176, 2176, 8 * 37128)
     assert "profile of " + name in out.stdout and "gemm" in out.stdout
     assert json.loads((tmp_path / "profile.json").read_text())["profile"]["total_ms"] > 0
+
+
+# ---------------------------------------------------------------------------- benchmarks/long_rl.py
+
+
+def _long_rl_traces(policy: str, prompt_len: int, generated: int) -> list:
+    from rollout.trace import Trace
+
+    return [Trace(f"t{i}", "g0", "p0", 0, 0, policy, list(range(1, prompt_len + 1)), [7] * generated,
+                  [-1.0] * generated, "length", reward=float(i)) for i in range(2)]  # rewards 0, 1: a signal
+
+
+def test_long_rl_arms_put_the_loss_where_they_say(tiny_model_factory):
+    # Catches an arm that trains another window than its name says (e.g. ps-whole's window_mode left at the
+    # recipe's truncated, or sw with the whole trace): each arm's learner settings, resolved from
+    # configs/long-rl.yaml as the benchmark resolves them, take one GRPO step on a group of 2 traces of
+    # P = 10 prompt and T = 100 generated tokens under the arm's policy (W = 16, k = 4: T > k·W = 64).
+    # Whole trace: 2·100 loss tokens and 2·(10 + 100 - 1) = 218 inputs. Truncated: the last k·W = 64 targets
+    # with the loss on the last W = 16: 2·16 = 32 loss tokens, 2·(10 + 64) = 148 inputs.
+    from benchmarks.long_rl import ARMS, RL_RECIPE, SMOKE
+    from cluster.config import load_config
+    from cluster.train_config import TrainConfig
+    from trainer.learner import Learner
+
+    expected = {"ps-trunc": ("prefix_sliding:16", 32, 148), "ps-whole": ("prefix_sliding:16", 200, 218),
+                "full": ("full", 200, 218), "sw": ("sliding_window:16", 32, 148)}
+    assert SMOKE.window == 16 and [a.name for a in ARMS] == list(expected)
+    model = tiny_model_factory("qwen3")
+    for arm in ARMS:
+        cfg = load_config(TrainConfig, str(RL_RECIPE), [*SMOKE.train, *arm.overrides(SMOKE.window)])
+        policy, loss_tokens, inputs = expected[arm.name]
+        assert cfg.engine.kv == policy, arm.name
+        learner = Learner(str(model), cfg.learner_args())
+        metrics = learner.step([_long_rl_traces(cfg.engine.kv, 10, 100)])
+        assert (metrics.num_loss_tokens, metrics.num_tokens) == (loss_tokens, inputs), arm.name
+        assert metrics.peak_memory_gib is None  # CPU: the learner reports CUDA memory only
+
+
+@pytest.mark.slow
+def test_long_rl_smoke_run_has_every_arm_curve_and_window(tmp_path):
+    # Catches a pipeline that drops an arm, an evaluation or the accuracy-vs-W rows, or evaluates under the wrong
+    # policy: the whole benchmark at its CPU size (SFT, four Ray arms at once, the batch of greedy evaluations).
+    # Independent check of the policies: an engine under prefix_sliding:W never shows a query more than the
+    # prompt (< 40 tokens here) + W keys, under sliding_window:W at most W.
+    out = subprocess.run([sys.executable, "benchmarks/long_rl.py", "--smoke", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=1500)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    records = {r["arm"]: r for r in summary["arms"]}
+    assert list(records) == ["ps-trunc", "ps-whole", "full", "sw"]
+    for name, r in records.items():
+        assert r["final"] and r["curve"] and r["steps"] >= 1, name
+        assert r["start_accuracy"] is not None and r["end_accuracy"] is not None, name
+    # the learner's counts against the driver's count of the traces' tokens, at steps where all 8 traces (2 groups
+    # of 4) trained: whole trace, the loss on every generated token and P + T - 1 inputs each; truncated (W = 16,
+    # k·W = 64), the loss on the last 16 of a trace longer than 64 (all of a shorter one): under the tokens
+    checked = set()
+    for name in records:
+        for row in map(json.loads, (tmp_path / "arms" / name / "curve.jsonl").read_text().splitlines()):
+            if row.get("learner/num_traces") != 8:
+                continue
+            loss, fed = row["learner/num_loss_tokens"], row["learner/num_tokens"]
+            tokens, prompt = 8 * row["completion_tokens"], 8 * row["prompt_tokens"]
+            if name in ("ps-whole", "full"):
+                assert (loss, fed) == (tokens, prompt + tokens - 8), (name, row)
+            else:
+                assert loss < tokens and loss <= 8 * 64 and fed <= prompt + 8 * 64, (name, row)
+            checked.add(name)
+    assert checked & {"ps-whole", "full"} and checked & {"ps-trunc", "sw"}, checked
+    windows = {row["kv"]: row for row in summary["accuracy_vs_w"]}
+    assert sorted(windows) == ["prefix_sliding:32", "prefix_sliding:8", "sliding_window:16"]
+    for kv, row in windows.items():
+        w = int(kv.split(":")[1])
+        assert 0 < row["mean_live_kv"] <= (w if kv.startswith("sliding") else 40 + w), (kv, row)
+    assert (tmp_path / "curves.png").stat().st_size > 10_000
+    text = (tmp_path / "summary.md").read_text()
+    assert "Trains best per GPU-second" in text and "| ps-trunc | prefix_sliding:16 | truncated |" in text
+
+
+@pytest.mark.slow
+def test_accuracy_vs_w_smoke_has_a_row_per_window_within_its_window(tiny_model_factory, tmp_path):
+    # Catches an entry decoded under another policy than its row says (a window not passed through to the
+    # engine): benchmarks/accuracy_vs_w.py --smoke on a random tiny model, each row's mean live KV within what the
+    # policy allows — prompt (< 40 tokens) + W under prefix_sliding:W, W under sliding_window:W.
+    model = tiny_model_factory("qwen3")
+    out = subprocess.run([sys.executable, "benchmarks/accuracy_vs_w.py", str(model), "--smoke", "--parallel", "3",
+                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = {r["kv"]: r for r in map(json.loads, (tmp_path / "accuracy_vs_w.jsonl").read_text().splitlines())}
+    assert sorted(rows) == ["prefix_sliding:32", "prefix_sliding:8", "sliding_window:16"]
+    for kv, row in rows.items():
+        w = int(kv.split(":")[1])
+        assert row["problems"] == 4 and row["tokens_per_second"] > 0, row
+        assert 0 < row["mean_live_kv"] <= (w if kv.startswith("sliding") else 40 + w), (kv, row)
+    assert "| prefix_sliding:8 |" in (tmp_path / "accuracy_vs_w.md").read_text()

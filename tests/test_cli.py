@@ -125,7 +125,7 @@ def test_help_with_a_config_lists_that_configs_values(capsys):
     engine.kv would then read prefix_sliding:24, tiny-arith's)."""
     repo = Path(__file__).resolve().parents[1]
     assert main(["train", str(repo / "configs/tip-grpo.yaml"), "--help"]) == 0
-    assert "engine.kv = 'registers:32'" in capsys.readouterr().out
+    assert "engine.kv = 'registers:12'" in capsys.readouterr().out
     assert main(["train", str(repo / "configs/tip-grpo.yaml"), "engine.kv=registers:16", "--help"]) == 0
     assert "engine.kv = 'registers:16'" in capsys.readouterr().out
     assert main(["train", "--help"]) == 0

@@ -26,7 +26,7 @@ from cluster.run_checkpoints import Checkpoints, DriverState
 from cluster.train_config import TrainConfig
 from cluster.weight_sync import FlatLayout, flatten, unflatten
 from trainer.manifest import Manifest
-from cluster_jobs import initial_weight, logged_traces, metric_rows, model_dir, ray_session, tiny_job, tiny_overrides  # noqa: F401 (fixtures)
+from cluster_jobs import expected_actor_name, initial_weight, logged_traces, metric_rows, model_dir, ray_session, tiny_job, tiny_overrides  # noqa: F401 (fixtures)
 
 ROOT = Path(__file__).resolve().parents[1]
 WEIGHT = "model.layers.0.mlp.down_proj.weight"
@@ -59,8 +59,13 @@ def sync_run(ray_session, model_dir, tmp_path_factory):
             seen["worker_version"] = ray_session.get(session.pool.handles[0].status.remote()).version
             seen["learner_args"] = ray_session.get(session.learner.args.remote())
             seen["engine_args"] = ray_session.get(session.pool.handles[0].engine_args.remote())
+            handles = {"learner": session.learner, "rollout-0": session.pool.handles[0],
+                       "trace-queue": session.queue.actor}
+            seen["named"] = {role: ray_session.get_actor(expected_actor_name(run_dir, role))._actor_id
+                             == handle._actor_id for role, handle in handles.items()}
 
-    cfg = tiny_job(model_dir, tmp_path_factory.mktemp("sync") / "run", "train.mode=sync")
+    run_dir = tmp_path_factory.mktemp("sync") / "run"
+    cfg = tiny_job(model_dir, run_dir, "train.mode=sync")
     seen["cfg"] = cfg
     return train(cfg, on_step=read_weights), seen
 
@@ -100,6 +105,14 @@ def test_actors_are_built_from_the_configs_records(sync_run):
     assert seen["learner_args"].lr == 0.01 and seen["learner_args"].vocab_policy == "prefix_sliding:8"
     assert seen["engine_args"] == cfg.worker_engine_args(0) == dataclasses.replace(cfg.engine, seed=cfg.engine.seed)
     assert seen["engine_args"].kv == "prefix_sliding:8" and seen["engine_args"].num_blocks == 256
+
+
+def test_actors_are_named_by_run_and_role(sync_run):
+    # Catches: unnamed actors (the dashboard's Actors page shows only class and id) or a name that is not
+    # the run's label and role (README: <run>-<hash>/<role>): each name resolves to that very actor.
+    # Planted by dropping "name" from cluster.resources._options, get_actor fails in the run.
+    _, seen = sync_run
+    assert seen["named"] == {"learner": True, "rollout-0": True, "trace-queue": True}
 
 
 def test_sync_run_checkpoint_and_state_on_disk(sync_run):

@@ -48,10 +48,9 @@ def test_bad_values_name_the_value_and_what_is_valid(field, value, message):
         EngineArgs(**{field: value})
 
 
-def test_overlap_is_refused_under_pasta():
-    # catches: overlap left on under pasta (a queued step would write a <sync/> before its join)
-    with pytest.raises(ValueError, match="overlap=True is not supported under kv=pasta"):
-        EngineArgs(kv="pasta", overlap=True)
+def test_pasta_takes_overlap_and_no_forks():
+    # catches: pasta refusing overlap (its run-ahead is tested in test_pasta_runtime) or a fork limit of 0
+    assert EngineArgs(kv="pasta", overlap=True).overlap is True
     assert EngineArgs(kv="pasta", overlap=False, pasta_max_forks=0).pasta_max_forks == 0
 
 

@@ -10,7 +10,8 @@ from collections import Counter
 
 import pytest
 
-from cluster_jobs import logged_traces, metric_rows, model_dir, ray_session, tiny_job  # noqa: F401 (fixtures)
+from cluster_jobs import model_dir, ray_session  # noqa: F401 (fixtures)
+from cluster_jobs import expected_actor_name, logged_traces, metric_rows, tiny_job
 
 
 
@@ -30,8 +31,11 @@ def killed_worker_run(ray_session, model_dir, tmp_path_factory):
                 os.kill(status.pid, signal.SIGKILL)
         if step == 4:
             seen["pid_after"] = ray_session.get(session.pool.handles[0].status.remote()).pid
+            named = ray_session.get_actor(expected_actor_name(run_dir, "rollout-0"))
+            seen["pid_by_name"] = ray_session.get(named.status.remote()).pid
 
-    cfg = tiny_job(model_dir, tmp_path_factory.mktemp("fault") / "run", "train.mode=async", "train.steps=4",
+    run_dir = tmp_path_factory.mktemp("fault") / "run"
+    cfg = tiny_job(model_dir, run_dir, "train.mode=async", "train.steps=4",
                    "train.max_staleness=10", "rollout.max_inflight_groups=4", "rollout.max_restarts=2",
                    "sampling.max_tokens=48", "sampling.stop_token_ids=[]")
     return train(cfg, on_step=kill_worker), seen
@@ -42,6 +46,9 @@ def test_killed_worker_is_restarted_and_its_groups_reissued(killed_worker_run):
     state = result.state
     assert state.step == 4 and state.worker_restarts == 1
     assert seen["pid_after"] != seen["pid"]  # a new process took the worker's place
+    # Catches: a restarted worker that loses its dashboard name (named per process, or not at all).
+    # Planted by dropping "name" from cluster.resources._options, get_actor fails in the run.
+    assert seen["pid_by_name"] == seen["pid_after"]
     assert seen.get("held") and set(seen["held"]) <= set(state.ledger.reissued)
 
 
@@ -68,19 +75,21 @@ def resumed_runs(ray_session, model_dir, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("resume") / "run"
     args = ("train.mode=sync", "train.steps=4", "checkpoint.every=2")
     first = train(tiny_job(model_dir, run_dir, *args), on_step=lambda session, step, metrics: step < 3)
-    kills = []
+    kills, by_name = [], []
 
     def kill_learner(session, step, metrics):
+        named = ray_session.get_actor(expected_actor_name(run_dir, "learner"))
+        by_name.append((ray_session.get(named.pid.remote()), ray_session.get(session.learner.pid.remote())))
         if step == 3 and not kills:
             kills.append(ray_session.get(session.learner.pid.remote()))
             os.kill(kills[0], signal.SIGKILL)
 
     second = train(tiny_job(model_dir, run_dir, *args, "resume=true"), on_step=kill_learner)
-    return first, second, kills
+    return first, second, kills, by_name
 
 
 def test_resume_continues_to_the_same_final_step(resumed_runs):
-    first, second, _ = resumed_runs
+    first, second, _, _ = resumed_runs
     assert first.stopped_early and first.state.step == 3
     assert sorted(p.name for p in (first.run_dir / "checkpoints").iterdir()) == ["step_000002", "step_000004"]
     assert second.state.step == 4 and (second.run_dir / "checkpoints" / "step_000004" / "COMPLETE").is_file()
@@ -92,8 +101,13 @@ def test_resume_continues_to_the_same_final_step(resumed_runs):
 
 
 def test_learner_crash_resumes_from_the_last_checkpoint(resumed_runs):
-    _, second, kills = resumed_runs
+    _, second, kills, by_name = resumed_runs
     assert len(kills) == 1 and second.state.learner_restarts == 1
+    # Catches: a resumed run, or a learner recreated from its checkpoint, whose actor cannot take (or does
+    # not keep) the run's name: every step of run B finds its current learner by name, the recreated one too.
+    # Planted by dropping "name" from cluster.resources._options, get_actor fails in run B.
+    assert by_name and all(named == current for named, current in by_name), by_name
+    assert by_name[-1][1] != kills[0]  # the last step's learner is the recreated one
     assert second.state.step == 4 and second.state.version == sum(
         int(r["learner/stepped"]) for r in metric_rows(second.run_dir).values())
 
@@ -103,7 +117,7 @@ def test_resumed_runs_log_each_trained_group_once(resumed_runs):
     # checkpoint), the groups logged after that checkpoint were generated and logged again, so the
     # trace log held them twice. The log is rolled back to the checkpoint on resume. Planted by
     # skipping the rollback, groups of step 3 appear 8 times instead of 4.
-    _, second, _ = resumed_runs
+    _, second, _, _ = resumed_runs
     trained = second.state.ledger.trained
     counts = Counter(t["group_id"] for t in logged_traces(second.run_dir))
     assert set(counts) == set(trained) and set(counts.values()) == {4}, counts
@@ -115,7 +129,7 @@ def kept_two_run(resumed_runs, model_dir):
     folders right after it."""
     from cluster.driver import train
 
-    _, second, _ = resumed_runs
+    _, second, _, _ = resumed_runs
     third = train(tiny_job(model_dir, second.run_dir, "train.mode=sync", "train.steps=7", "checkpoint.every=1",
                            "checkpoint.keep=2", "resume=true"))
     folders = sorted(p.name for p in (second.run_dir / "checkpoints").iterdir())

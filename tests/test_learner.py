@@ -106,6 +106,27 @@ def test_step_on_a_4000_token_trace_with_window_256(tiny_model_factory):
     assert any(not torch.equal(before[n], after[n]) for n in before)
 
 
+@pytest.mark.gpu
+def test_peak_memory_grows_with_the_trained_window_not_the_trace_on_cuda(tiny_model_factory):
+    """Catches a peak that is not the step's own (never reset, or read before the backward): the learner's
+    reported CUDA peak holds at least the fp32 weights, their gradients and AdamW's two moments (4 copies of
+    the parameters, counted here), and a whole 4,000-token trace's step peaks above its truncated window's
+    (P + 4·8 = 38 inputs) on the same model; CPU steps report None."""
+    path = tiny_model_factory(arch="qwen3")
+    traces = [make_trace(i, 4000, reward=float(i)) for i in (0, 1)]
+    peaks = {}
+    for mode in ("full", "truncated"):  # the larger first: a peak never reset would carry over
+        learner = Learner(str(path), lr=1e-3, device="cuda", window_mode=mode)
+        params = sum(p.numel() for p in learner.model.parameters()) * 4 / 2**30
+        learner.step([traces])  # AdamW's moments exist from the first step on
+        peaks[mode] = learner.step([traces]).peak_memory_gib
+        assert peaks[mode] >= 4 * params, (mode, peaks[mode], params)
+        del learner
+        torch.cuda.empty_cache()
+    assert peaks["full"] > peaks["truncated"]
+    assert Learner(str(path), lr=1e-3).step([traces]).peak_memory_gib is None
+
+
 def test_chunked_accumulation_equals_full_backprop_when_context_covers_the_receptive_field(tiny_model_factory):
     """Chunks of W = 8 loss tokens with 24 tokens of context see everything 2 layers of window 8 can reach,
     so summing the chunks' gradients gives the whole-trace gradient (seq_mean_token_mean weights per trace)."""

@@ -248,13 +248,16 @@ def run_scripted(llm: LLM, requests: list[tuple[list[int], list | None, Sampling
     return [llm.output(s) for s in seqs], layouts
 
 
-def test_forced_responses_match_the_dense_reference_in_a_mixed_batch(pasta_model):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_forced_responses_match_the_dense_reference_in_a_mixed_batch(pasta_model, overlap):
     # catches: a fork that sees the main thread's tokens after its promise (the main thread going on in the
     # shared block), the main thread seeing a fork before the fork ended (a join that does not wait),
     # left-over slots of a left block not marked dead, the position shift dropped or a fork's positions not
     # restarting at />+1, RoPE fed table positions (or the mask fed RoPE positions), and a forced <async>
-    # missing from the layout
-    llm = pasta_llm(pasta_model, num_blocks=256, max_num_batched_tokens=16)
+    # missing from the layout; with overlap, a queued step that writes a joining <sync/> before its join, a
+    # stopped thread's queued row writing a key into a hole, and a hole left by a thread that is never
+    # scheduled again (a fork ended in a queued step) left unmarked in the table of the thread that joins it
+    llm = pasta_llm(pasta_model, num_blocks=256, max_num_batched_tokens=16, overlap=overlap)
     tags = PastaTokenIds.from_tokenizer(llm.tokenizer)
     prompts = [list(range(40, 61)), list(range(70, 75)), [33, 34, 35]]
     main_a = lay_out(RESPONSE_A, tags, len(prompts[0])).main
@@ -277,7 +280,7 @@ def test_forced_responses_match_the_dense_reference_in_a_mixed_batch(pasta_model
     plain = LLM(pasta_model, kv="full", block_size=4, num_blocks=256).generate([prompts[2]], requests[2][2])[0]
     assert outs[2].token_ids == plain.token_ids and outs[2].logprobs == pytest.approx(plain.logprobs, abs=1e-5)
     assert outs[2].pasta.forks == [] and outs[2].pasta.speedup == pytest.approx(1.0)
-    assert llm.scheduler.blocks.num_free == 256
+    assert llm.scheduler.blocks.num_free == 256 and (llm.stats.queued_ahead > 0) == overlap
 
 
 def expected_spans(layout: Layout, pieces, tags, prompt_len):
@@ -319,11 +322,36 @@ def test_critical_path_and_speedup_counted_by_hand(pasta_model):
     assert llm.scheduler.blocks.num_free == 256
 
 
-def test_edge_cases_of_the_annotation(pasta_model):
+def test_overlap_starts_a_fork_and_joins_a_step_later_counted_by_hand(pasta_model):
+    # catches: run-ahead left off under pasta, or a change to the threads that lets queued steps run on
+    # without it (a fork would start only when its main thread stops being queued ahead, at its <sync/>),
+    # counted against the serial A and B of test_critical_path_and_speedup_counted_by_hand (95 and 31 steps)
+    llm = pasta_llm(pasta_model, num_blocks=256, overlap=True)
+    main = lay_out(RESPONSE_B, PastaTokenIds.from_tokenizer(llm.tokenizer), 5).main
+    (out,), (layout,) = run_scripted(llm, [([40, 41, 42, 43, 44], RESPONSE_B,
+                                           SamplingParams(max_tokens=len(main), **GREEDY))])
+    assert_matches_reference(llm, out, layout)
+    # B: promise 1-13 (the /> sampled at 13, its fork known after step 14 was queued); step 14 writes the />
+    # and samples <sync/>; the fork starts at 15 and samples its 14 tokens at 15-28; step 29 (queued) writes
+    # its </async>; step 30 joins and writes the <sync/>, samples "o"; "k", <sync/>, "!" at 31-33
+    assert out.pasta.steps == 33 and llm.stats.queued_ahead > 0
+    main = lay_out(RESPONSE_A, PastaTokenIds.from_tokenizer(llm.tokenizer), 5).main
+    (out,), (layout,) = run_scripted(llm, [([40, 41, 42, 43, 44], RESPONSE_A,
+                                           SamplingParams(max_tokens=len(main), **GREEDY))])
+    assert_matches_reference(llm, out, layout)
+    # A (95 serial steps): the main thread samples a token every step up to its <sync/> (61); forks a and b
+    # start at 29 and 57 (a step late) and b samples its 6 tokens at 57-62; step 62 (queued) drops the main
+    # thread's <sync/> row, step 63 writes b's </async> and joins; " so" 63-65, promise c 66-77 (its /> at 77),
+    # " end" 78-81; fork c starts at 79 and samples its 19 tokens at 79-97
+    assert out.pasta.steps == 97
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_edge_cases_of_the_annotation(pasta_model, overlap):
     # catches: a promise inside a fork read as a tag (it is text), a fork ended by eos or by its token limit
     # left without </async>, an invalid tokens="..." not defaulted, an unclosed <promise swallowing the
     # <sync/> that interrupts it, and a request that ends with its main thread's eos while a fork runs
-    llm = pasta_llm(pasta_model, num_blocks=256, max_num_batched_tokens=8)
+    llm = pasta_llm(pasta_model, num_blocks=256, max_num_batched_tokens=8, overlap=overlap)
     tags = PastaTokenIds.from_tokenizer(llm.tokenizer)
     po, tc = tags.promise_open, tags.tag_close
     limit = 60
@@ -348,21 +376,23 @@ def test_edge_cases_of_the_annotation(pasta_model):
     assert llm.scheduler.blocks.num_free == 256
 
 
-def test_one_token_per_step_joins_after_the_last_async_close_is_written(pasta_model):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_one_token_per_step_joins_after_the_last_async_close_is_written(pasta_model, overlap):
     # catches: a join that waits only for its forks to stop, not for their last </async> to be written: with
     # one token per step the main thread's <sync/> and the fork's </async> cannot share a forward, so the
     # <sync/> would not see it (the forks-first order of a waiting main thread alone hides this at wider steps)
-    llm = pasta_llm(pasta_model, num_blocks=64, max_num_batched_tokens=1, pasta_max_forks=1)
+    llm = pasta_llm(pasta_model, num_blocks=64, max_num_batched_tokens=1, pasta_max_forks=1, overlap=overlap)
     main = lay_out(RESPONSE_B, PastaTokenIds.from_tokenizer(llm.tokenizer), 5).main
     (out,), (layout,) = run_scripted(llm, [([40, 41, 42, 43, 44], RESPONSE_B,
                                            SamplingParams(max_tokens=len(main), **GREEDY))])
     assert_matches_reference(llm, out, layout)
 
 
-def test_fork_limit_and_a_promise_closed_by_the_last_token_are_text(pasta_model):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_fork_limit_and_a_promise_closed_by_the_last_token_are_text(pasta_model, overlap):
     # catches: a promise past pasta_max_forks forking anyway (or shifting the positions after it), and a
     # fork started by a /> on which the main thread stopped (its KV is never written)
-    llm = pasta_llm(pasta_model, num_blocks=256, pasta_max_forks=1)
+    llm = pasta_llm(pasta_model, num_blocks=256, pasta_max_forks=1, overlap=overlap)
     over = [Promise(' tokens="1"', "ab"), "c", Promise(' tokens="2"', "zz", forks=False), "d", SYNC, "e"]
     last = ["a", Promise(' tokens="1"', "", forks=False)]
     tags = PastaTokenIds.from_tokenizer(llm.tokenizer)
@@ -397,7 +427,8 @@ def test_block_bound_counts_the_forks_and_refuses_what_cannot_fit_alone(pasta_mo
 
 
 
-def test_tiny_pool_with_preemption_equals_each_request_alone(pasta_model):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_tiny_pool_with_preemption_equals_each_request_alone(pasta_model, overlap):
     # catches: a preempted request resumed with its tables rebuilt wrong (a join not redone, holes not marked
     # dead in the new blocks), one thread left behind by a preemption, a shared block returned to the pool
     # while another thread holds it, and outputs that depend on what else shares the batch
@@ -418,7 +449,7 @@ def test_tiny_pool_with_preemption_equals_each_request_alone(pasta_model):
     refs = [run_scripted(alone, [r])[0][0] for r in requests]
     # A's bound: ceil(92 / 4) = 23 blocks for the main thread + 3 forks x (2 + ceil(82 / 4)) = 92 of the 96
     pool = 96
-    llm = pasta_llm(pasta_model, num_blocks=pool, pasta_max_forks=3, max_num_batched_tokens=32)
+    llm = pasta_llm(pasta_model, num_blocks=pool, pasta_max_forks=3, max_num_batched_tokens=32, overlap=overlap)
     preempted = []  # (had forks, its main thread waited at a sync)
     preempt = llm.scheduler._preempt
 
@@ -444,6 +475,7 @@ def test_tiny_pool_with_preemption_equals_each_request_alone(pasta_model):
             assert_matches_reference(llm, out, layout)
     assert sum(o.num_preemptions for o in outs) == llm.stats.preemptions
     assert llm.scheduler.blocks.num_free == pool and all(llm.scheduler.blocks.ref_count(b) == 0 for b in range(pool))
+    assert (llm.stats.queued_ahead > 0) == overlap
 
 
 @pytest.mark.parametrize("device", [pytest.param("cpu", marks=pytest.mark.slow),
@@ -451,11 +483,12 @@ def test_tiny_pool_with_preemption_equals_each_request_alone(pasta_model):
 def test_triton_kernels_mask_pasta_tables_like_the_reference(pasta_model, device):
     # catches: the Triton decode or prefill kernel (or a captured decode graph) masking Pasta tables
     # differently from the dense rule (query positions other than table positions, holes not dead); on CPU
-    # the kernels run under TRITON_INTERPRET=1 (~25 s), on CUDA with decode graphs
+    # the kernels run under TRITON_INTERPRET=1 (~25 s), on CUDA with decode graphs; both with overlap (the
+    # CUDA default), whose queued steps write dead slots and drop stale rows
     import kernels
 
-    llm = pasta_llm(pasta_model, num_blocks=64, max_num_batched_tokens=8, pasta_max_forks=2,
-              device=device)
+    llm = pasta_llm(pasta_model, num_blocks=64, max_num_batched_tokens=8, pasta_max_forks=2, device=device,
+                    overlap=True)
     llm.runner.impl = kernels  # on CPU: the CUDA path's kernels, interpreted
     tags = PastaTokenIds.from_tokenizer(llm.tokenizer)
     short = [Promise(' tokens="1"', "ab"), "c", Promise(' tokens="1"', "de f"), SYNC, "gh"]
@@ -465,10 +498,11 @@ def test_triton_kernels_mask_pasta_tables_like_the_reference(pasta_model, device
     assert_matches_reference(llm, outs[0], layouts[0])
     plain = LLM(pasta_model, kv="full", block_size=4, num_blocks=64, device=device).generate(
         [[9, 10, 11]], SamplingParams(max_tokens=6, **GREEDY))
-    assert outs[1].token_ids == plain[0].token_ids
+    assert outs[1].token_ids == plain[0].token_ids and llm.stats.queued_ahead > 0
 
 
-def test_main_threads_waiting_at_syncs_do_not_starve_their_forks(pasta_model):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_main_threads_waiting_at_syncs_do_not_starve_their_forks(pasta_model, overlap):
     # catches: a deadlock when every main thread waits at a <sync/> and their forks want blocks the pool no
     # longer has (a fork that waits for room instead of preempting the newest request: nothing would ever
     # be freed), and outputs of requests preempted while waiting that differ from each alone
@@ -482,7 +516,7 @@ def test_main_threads_waiting_at_syncs_do_not_starve_their_forks(pasta_model):
     length = len(lay_out(wait, tags, 4).main)
     requests = [(p, wait, SamplingParams(max_tokens=length, **GREEDY)) for p in prompts]
     assert length == 50
-    llm = pasta_llm(pasta_model, num_blocks=29, pasta_max_forks=1)
+    llm = pasta_llm(pasta_model, num_blocks=29, pasta_max_forks=1, overlap=overlap)
     outs, layouts = run_scripted(llm, requests, max_steps=500)
     assert llm.stats.preemptions > 0
     alone = pasta_llm(pasta_model, num_blocks=64, pasta_max_forks=1)
@@ -490,7 +524,7 @@ def test_main_threads_waiting_at_syncs_do_not_starve_their_forks(pasta_model):
         ref = run_scripted(alone, [request])[0][0]
         assert out.token_ids == ref.token_ids and out.logprobs == pytest.approx(ref.logprobs, abs=1e-5)
         assert_matches_reference(llm, out, layout)
-    assert llm.scheduler.blocks.num_free == 29
+    assert llm.scheduler.blocks.num_free == 29 and (llm.stats.queued_ahead > 0) == overlap
 
 
 def test_text_is_the_flattened_response_cut_where_the_main_thread_stopped(pasta_model):
@@ -506,10 +540,11 @@ def test_text_is_the_flattened_response_cut_where_the_main_thread_stopped(pasta_
     assert out.pasta.forks[0].closed_by == "model" and tags.async_close in out.token_ids
 
 
-def test_max_model_len_caps_every_threads_positions(pasta_model):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_max_model_len_caps_every_threads_positions(pasta_model, overlap):
     # catches: a fork closed past max_model_len (its </async> written at position max_model_len or later), and a
     # main thread whose shifted positions are not capped (it would sample past max_model_len - 1)
-    llm = pasta_llm(pasta_model, num_blocks=256, max_model_len=40)
+    llm = pasta_llm(pasta_model, num_blocks=256, max_model_len=40, overlap=overlap)
     # prompt 0..2, <promise 3, attributes 4..14, /> 15; the fork's <async> at 16 samples at 17..38 (22 tokens)
     # and its </async> lands at 39 = max_model_len - 1; the main thread goes on at 15 + 1 + 20 = 36 and stops
     # after sampling the token at position 39

@@ -98,6 +98,10 @@ def test_readme_job_submit_recipe_runs_as_written(tmp_path):
     assert list((run_dir / "traces").glob("part-*.parquet"))
     assert sorted(metric_rows(run_dir)) == [1, 2]
     assert "Started a local Ray instance" not in output  # the job joined the cluster the recipe started
+    # Catches (issue 15): a recipe that submits the job without sliderl's metadata (the dashboard's Jobs page
+    # then shows nothing of the run; the job says so in its log). Planted by dropping --metadata-json from
+    # the README's submit line, this fails.
+    assert "submitted without sliderl's metadata" not in output
 
 
 def test_a_relative_run_dir_in_a_submitted_job_is_refused(tmp_path, monkeypatch, capsys):

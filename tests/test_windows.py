@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from rollout.kv_policy import NEVER, KVPolicy
-from trainer.attention import FlexPolicyAttention, MaskedSDPA, PackedVisibility, flex_bucket, training_attention
+from trainer.attention import (SHORT_DOCUMENT, FlexPolicyAttention, MaskedSDPA, PackedVisibility, auto_backend,
+                               flex_bucket, training_attention)
 from trainer.windows import chunked_windows, full_window, training_windows, truncated_window
 
 P, T, W = 5, 100, 8  # prompt tokens, generated tokens, window: T is much longer than k·W for k = 1, 2, 4
@@ -190,6 +191,24 @@ def test_pad_tokens_see_only_themselves_so_flex_skips_their_square():
     assert per_row.tolist() == [1, 2, 1, 1, 1, 1, 1, 1], per_row.tolist()
 
 
+# Catches: CUDA's auto backend building FlexAttention's block mask over a stream of many short
+# documents — create_block_mask evaluates the rule at all N² pairs of the padded stream: 64 register
+# traces of ~620 tokens in one 64K stream cost ~0.9 s per SFT step on the H200, while per document
+# they hold 64·620² ≈ 25M pairs. A long document (over SHORT_DOCUMENT) keeps flex and its block sparsity
+# (the learner benchmark's 32K windows), and CPU keeps its own rule (dense mask unless batching is cheaper).
+def test_auto_backend_batches_short_documents_per_document_on_cuda_too():
+    def stream(lengths):
+        return PackedVisibility.pack([(torch.arange(n), torch.full((n,), NEVER)) for n in lengths])
+
+    short = stream([620] * 64)
+    assert auto_backend(short, "cuda") == "documents" and auto_backend(short, "cpu") == "documents"
+    long_windows = stream([SHORT_DOCUMENT + 1] * 8)  # 2·8·2049² < (8·2049)²: cheaper per document, but long
+    assert auto_backend(long_windows, "cuda") == "flex" and auto_backend(long_windows, "cpu") == "documents"
+    assert auto_backend(stream([4096]), "cuda") == auto_backend(stream([4096]), "cpu") == "causal"  # one full doc
+    two = stream([100, 100])  # 2·D·T² = 2·2·100² = 40000 is not under N² = 200² = 40000: flex / the dense mask
+    assert auto_backend(two, "cuda") == "flex" and auto_backend(two, "cpu") == "sdpa"
+
+
 def test_flex_buckets_and_bad_backend():
     assert [flex_bucket(n) for n in (1, 128, 129, 1000, 1024, 1025)] == [128, 128, 256, 1024, 1024, 2048]
     vis, _ = packed_case()
@@ -211,6 +230,26 @@ def test_compiled_flex_forward_and_backward_match_sdpa_on_cuda():
     assert (out - ref).abs().max() < 1e-4
     for g, rg in zip(grads, ref_grads):
         assert (g - rg).abs().max() < 1e-3
+
+
+# Catches: the per-document SDPA that CUDA's auto backend now takes for short documents failing or
+# diverging on CUDA (GQA with a boolean mask per document, forward and backward) — checked against the
+# same packed stream's dense mask on the CPU in float64.
+@pytest.mark.gpu
+def test_auto_backend_per_document_on_cuda_matches_the_dense_reference():
+    vis = PackedVisibility.pack([(torch.arange(n), torch.full((n,), NEVER)) for n in (30, 40, 20, 35, 25, 30)])
+    mask = vis.dense_mask()
+    assert auto_backend(vis, "cuda") == "documents"
+    gen = torch.Generator().manual_seed(3)
+    cpu = [torch.randn(len(vis), h, 64, generator=gen, dtype=torch.float64, requires_grad=True) for h in (8, 2, 2)]
+    cuda = [x.detach().float().cuda().requires_grad_() for x in cpu]
+    out = training_attention(vis, "cuda")(0, *cuda)
+    grads = torch.autograd.grad(out.square().sum(), cuda)
+    ref = reference_attention(*cpu, mask)
+    ref_grads = torch.autograd.grad(ref.square().sum(), cpu)
+    assert (out.double().cpu() - ref).abs().max() < 1e-4
+    for g, rg in zip(grads, ref_grads):
+        assert (g.double().cpu() - rg).abs().max() < 1e-3
 
 
 def test_many_short_documents_batch_per_document_and_match_the_reference_with_gradients():
@@ -239,3 +278,21 @@ def test_many_short_documents_batch_per_document_and_match_the_reference_with_gr
     torch.testing.assert_close(attn(0, q, k, v), out)
     for g, x in zip(got, (q, k, v)):
         torch.testing.assert_close(g, x.grad)
+
+
+# Catches: the vectorised deaths of the non-register policies (KVPolicy.death_positions, which no longer
+# walks a DeathTracker token by token: ~1.4 s per learner step of 32 traces of 8K tokens) departing from the
+# engine's own incremental rule — compared with a DeathTracker walk (what the engine follows while decoding)
+# for every windowed and unbounded policy, prompts shorter and longer than the window, and a hand case:
+# prefix_sliding:3 with a 2-token prompt keeps 0-1 forever and kills position p at p + 3.
+@pytest.mark.parametrize("spec", ["full", "prefix_sliding:3", "sliding_window:4", "streaming:2:3", "h2o:256"])
+@pytest.mark.parametrize("prompt_len", [0, 2, 9])
+def test_death_positions_equal_the_engines_token_by_token_deaths(spec, prompt_len):
+    policy = KVPolicy.parse(spec)
+    ids = list(range(100, 117))
+    tracker = policy.tracker(prompt_len)
+    for pos, tok in enumerate(ids):
+        tracker.append(pos, tok)
+    assert policy.death_positions(prompt_len, ids).tolist() == tracker.death
+    if spec == "prefix_sliding:3" and prompt_len == 2:
+        assert policy.death_positions(prompt_len, ids[:6]).tolist() == [NEVER, NEVER, 5, 6, 7, 8]

@@ -29,6 +29,13 @@ Backends (all GQA-aware, scale 1/sqrt(D), output in q's dtype):
         ``[D, T]`` batch with one ``[T, T]`` mask each (``DocumentBatch``), or ``is_causal`` when the
         stream is one document under ``full``.
   dense ``rollout.model.DenseAttention`` over the same mask (reference; float64 capable).
+
+``auto`` on CUDA also takes the per-document SDPA when a stream packs many short documents (every
+one at most ``SHORT_DOCUMENT`` tokens): FlexAttention's block mask is built by evaluating the rule
+at all N² (query, key) pairs of the padded stream, while the documents hold only D·T² of them — an
+SFT step of 64 register traces of ~620 tokens packed into one 64K stream spent ~0.9 s per step
+building its block mask on the H200 (6 runs sharing it), against ~25M mask entries per document
+batch. Inside a short document block sparsity has little to skip, so flex gains nothing there.
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ from rollout.pasta import thread_visible
 
 ATTENTION_BACKENDS = ("auto", "flex", "sdpa", "dense")
 _MIN_FLEX_BUCKET = 128
+SHORT_DOCUMENT = 2048  # tokens: on CUDA, streams of documents no longer than this batch per document
 
 
 @dataclass(frozen=True)
@@ -132,10 +140,13 @@ class PackedVisibility:
             mask[d, :n, :n] = visible(0, 0, index[:, None], index[None, :])
         return DocumentBatch(gather.view(num_docs, width), slot, mask)
 
-    def prefers_document_batch(self) -> bool:
-        """True when padding the documents into one batch needs under half the dense mask's entries."""
+    def prefers_document_batch(self, max_document: int | None = None) -> bool:
+        """True when padding the documents into one batch needs under half the dense mask's entries (and,
+        with ``max_document``, no document is longer than that)."""
         counts = torch.bincount(self.doc, minlength=self.num_docs)
-        return self.num_docs > 1 and 2 * self.num_docs * int(counts.max()) ** 2 < len(self) ** 2
+        longest = int(counts.max())
+        return (self.num_docs > 1 and 2 * self.num_docs * longest ** 2 < len(self) ** 2
+                and (max_document is None or longest <= max_document))
 
     def padded(self, n: int) -> PackedVisibility:
         """Append ``n - N`` pad tokens (document -1, pad i at position i with death i + 1): each sees only
@@ -257,25 +268,36 @@ class FlexPolicyAttention:
         return _tokens_first(out)[:n]
 
 
+def auto_backend(visibility: PackedVisibility, device_type: str) -> str:
+    """What ``auto`` runs for ``visibility`` on a ``device_type`` device: ``causal`` (one ``full`` document),
+    ``documents`` (SDPA per document), ``flex`` or ``sdpa`` (the dense mask)."""
+    if visibility.causal_only and visibility.num_docs == 1:
+        return "causal"
+    if device_type == "cuda":
+        return "documents" if visibility.prefers_document_batch(SHORT_DOCUMENT) else "flex"
+    return "documents" if visibility.prefers_document_batch() else "sdpa"
+
+
 def training_attention(visibility: PackedVisibility, device: torch.device | str,
                        backend: str = "auto") -> AttentionBackend:
     """The attention backend for a packed stream on ``device``; ``backend`` in ``ATTENTION_BACKENDS``.
 
-    auto: causal SDPA for one ``full`` document; otherwise compiled flex on CUDA, masked SDPA on CPU
-    (per document when that is cheaper, see the module docstring).
+    auto (``auto_backend``): causal SDPA for one ``full`` document; otherwise compiled flex on CUDA,
+    masked SDPA on CPU (per document when that is cheaper, and on CUDA when every document is short:
+    see the module docstring). sdpa: per document when cheaper, else the dense mask.
     """
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; valid: {', '.join(ATTENTION_BACKENDS)}")
     device = torch.device(device)
     visibility = visibility.to(device)
     if backend == "auto":
-        if visibility.causal_only and visibility.num_docs == 1:
+        backend = auto_backend(visibility, device.type)
+        if backend == "causal":
             return MaskedSDPA(None)
-        backend = "flex" if device.type == "cuda" else "sdpa"
     if backend == "flex":
         return FlexPolicyAttention(visibility)
     if backend == "dense":
         return DenseAttention(visibility.dense_mask())
-    if visibility.prefers_document_batch():
+    if backend == "documents" or visibility.prefers_document_batch():
         return MaskedSDPA(None, visibility.document_batch())
     return MaskedSDPA(visibility.dense_mask())

@@ -28,6 +28,7 @@ from trainer.checkpoint import (TRAINER_STATE, load_trainer_state, read_hf_sourc
 from trainer.learner_args import LearnerArgs
 from trainer.logprobs import PackedWindows, WindowInput, logprob_mismatch, pack_windows, packed_logits, packed_logprobs
 from trainer.manifest import Manifest, check_intact
+from trainer.optimizer import make_optimizer
 from trainer.windows import training_windows
 
 WINDOWED_KINDS = ("prefix_sliding", "sliding_window", "streaming")
@@ -58,6 +59,8 @@ class StepMetrics:
     stepped: bool  # False when no group carried a training signal (version kept)
     lr: float  # the learning rate of this step
     algorithm: dict[str, float] = field(default_factory=dict)  # selection counts, token-weighted loss metrics
+    peak_memory_gib: float | None = None  # CUDA: max_memory_allocated during the step (weights, optimizer state
+                                          # and activations); None on CPU
 
     def as_dict(self) -> dict[str, float]:
         """Flat floats, the algorithm's entries merged in, bools as 0/1, absent (None) fields left out."""
@@ -92,7 +95,8 @@ class Learner:
     ids, each token predicted within its thread) and needs ``window_mode='full'``.
     ``args.vocab_policy`` (e.g. ``registers:N``) adds that policy's tokens before the first step and
     weight sync (a registers trace can also grow the vocabulary lazily, but only before step 1).
-    The optimizer is AdamW over every parameter, in the model's dtype, at ``args.lr_at(version)``.
+    The optimizer is AdamW over every parameter at ``args.lr_at(version)``, in the model's dtype or, with
+    ``args.master_weights``, over float32 master copies (``trainer.optimizer``).
     """
 
     def __init__(self, model_path: str, args: LearnerArgs | None = None, **kwargs):
@@ -124,8 +128,8 @@ class Learner:
         return reference.eval().requires_grad_(False)
 
     def _make_optimizer(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.model.parameters(), lr=self.args.lr, weight_decay=self.args.weight_decay,
-                                 betas=self.args.adam_betas)
+        return make_optimizer(self.model.parameters(), self.args.lr, self.args.weight_decay, self.args.adam_betas,
+                              self.args.master_weights)
 
     def _bind(self, spec: str) -> KVPolicy:
         """The parsed policy bound to the tokenizer's ids; grows the vocabulary (and optimizer) if it must."""
@@ -156,6 +160,8 @@ class Learner:
         logprobs) raise ValueError; a non-finite loss or gradient raises FloatingPointError.
         """
         start = time.perf_counter()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
         self._check_groups(groups)
         selection = self.algorithm.select(groups)
         units, inputs, skipped = self._units(selection)
@@ -163,7 +169,7 @@ class Learner:
         self.optimizer.zero_grad(set_to_none=True)
         if not units:
             return StepMetrics(0.0, 0.0, None, None, None, 0, 0, 0, 0, 0, skipped, time.perf_counter() - start,
-                               self.version, False, lr, dict(selection.metrics))
+                               self.version, False, lr, dict(selection.metrics), self._peak_memory_gib())
         totals = self._totals(units)
         batches = self._micro_batches(units, inputs)
         sums: dict[str, float] = {}
@@ -176,7 +182,12 @@ class Learner:
         return StepMetrics(sums["loss"], grad_norm, mean("kl_mismatch"), mean("kl_mismatch_k1"),
                            sums.get("logprob_diff_max"), int(sums["num_tokens"]), n, totals.num_traces,
                            sum(len(u) for u in units), len(batches), skipped, time.perf_counter() - start,
-                           self.version, True, lr, {**selection.metrics, **weighted})
+                           self.version, True, lr, {**selection.metrics, **weighted}, self._peak_memory_gib())
+
+    def _peak_memory_gib(self) -> float | None:
+        if self.device.type != "cuda":
+            return None
+        return torch.cuda.max_memory_allocated(self.device) / 2**30
 
     def _check_groups(self, groups: list[list[Trace]]) -> None:
         for trace in (t for group in groups for t in group):

@@ -1,0 +1,195 @@
+"""The report of ``benchmarks/long_rl.py``: learning curves, the arms' table, the verdict per GPU-second, accuracy vs W.
+
+``write_report`` reads what a run left in its folder — ``run.json`` (stage seconds, the arms' exit codes and
+GPU-busy seconds, every greedy evaluation) and per arm ``arms/<arm>/curve.jsonl`` (one row per RL step: its
+metrics and ``wall_s`` since the arms started) and ``final.json`` — and writes ``curves.png``, ``summary.md``
+and ``summary.json``. ``GpuBusy`` measures, while the arms run, how long each arm's processes kept the GPU busy.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import subprocess
+import threading
+from pathlib import Path
+
+from benchmarks.accuracy_vs_w import table as window_table
+
+LAST = 3  # steps averaged for the rollout accuracy at the start and the end of a curve
+
+
+class GpuBusy:
+    """Seconds each arm's processes kept the GPU busy: ``nvidia-smi pmon`` samples every process's SM utilisation
+    each second; a process belongs to the arm named by its ``env_var``. Nothing is counted where nvidia-smi is
+    missing or shows no process of ours (e.g. in a container whose process ids it does not see)."""
+
+    def __init__(self, env_var: str):
+        self.env_var, self.busy, self.arm_of = env_var, {}, {}
+        try:
+            self.proc = subprocess.Popen(["nvidia-smi", "pmon", "-s", "u", "-d", "1"], stdout=subprocess.PIPE,
+                                         stderr=subprocess.DEVNULL, text=True)
+        except OSError:
+            self.proc = None
+            return
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:  # "# gpu pid type sm mem ...": sm is the 4th column, "-" when idle
+            fields = line.split()
+            if len(fields) < 4 or fields[0].startswith("#") or not fields[1].isdigit() or not fields[3].isdigit():
+                continue
+            arm = self._arm(int(fields[1]))
+            if arm is not None:
+                self.busy[arm] = self.busy.get(arm, 0.0) + int(fields[3]) / 100
+
+    def _arm(self, pid: int) -> str | None:
+        if pid not in self.arm_of:
+            prefix = f"{self.env_var}=".encode()
+            try:
+                env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            except OSError:
+                env = []
+            self.arm_of[pid] = next((e[len(prefix):].decode() for e in env if e.startswith(prefix)), None)
+        return self.arm_of[pid]
+
+    def stop(self) -> dict[str, float]:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait()
+            self.thread.join(timeout=5)
+        return dict(self.busy)
+
+
+# ------------------------------------------------------------------------------------------ reading
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+
+
+def arm_record(folder: Path, evals: dict, arm, window: int, share: float, busy: float | None) -> dict:
+    """One arm's numbers: its curve, greedy start and end, GPU-seconds, learner and rollout costs."""
+    rows = read_jsonl(folder / "curve.jsonl")
+    final = json.loads((folder / "final.json").read_text()) if (folder / "final.json").is_file() else None
+    stepped = [r for r in rows if r.get("learner/stepped")]
+    wall = final["wall_s"] if final else (rows[-1]["wall_s"] if rows else 0.0)
+    policy = arm.policy(window)
+    start = next((e for label, e in evals.items() if label.startswith("start-") and e["kv"] == policy), None)
+    end = evals.get(f"end-{arm.name}")
+    gaps = [b["wall_s"] - a["wall_s"] for a, b in zip(rows, rows[1:])]
+    tokens = sum(r["rollout_tokens_per_s"] * g for r, g in zip(rows[1:], gaps))  # received between reports
+    total = lambda key: sum(r.get(key, 0.0) for r in stepped)  # noqa: E731
+    return {
+        "arm": arm.name, "label": arm.label, "kv": policy, "window_mode": arm.window_mode,
+        "steps": rows[-1]["step"] if rows else 0, "trained_steps": len(stepped), "wall_s": wall,
+        "gpu_s": wall * share, "gpu_busy_s": busy, "final": final is not None,
+        "curve": [(r["wall_s"], r["accuracy"]) for r in rows],
+        "rollout_accuracy_first": _mean([r["accuracy"] for r in rows[:LAST]]),
+        "rollout_accuracy_last": _mean([r["accuracy"] for r in rows[-LAST:]]),
+        "start_accuracy": start["accuracy"] if start else None, "end_accuracy": end["accuracy"] if end else None,
+        "eval_problems": (end or start or {}).get("problems"),
+        "learner_step_s": statistics.median([r["learner_step_seconds"] for r in stepped]) if stepped else None,
+        "learner_peak_gib": max((r["learner/peak_memory_gib"] for r in stepped if "learner/peak_memory_gib" in r),
+                                default=None),
+        "rollout_tok_s": tokens / sum(gaps) if gaps and sum(gaps) > 0 else None,
+        "fed_per_trace": total("learner/num_tokens") / total("learner/num_traces") if stepped else None,
+        "loss_per_trace": total("learner/num_loss_tokens") / total("learner/num_traces") if stepped else None,
+    }
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+# ------------------------------------------------------------------------------------------ writing
+
+
+def fmt(value, spec: str, missing: str = "-") -> str:
+    return missing if value is None else format(value, spec)
+
+
+def arms_table(records: list[dict]) -> str:
+    lines = ["| arm | policy | loss on | steps (trained) | greedy start → end | rollout acc first → last 3 steps "
+             "| GPU-s (wall × share) | GPU busy-s (pmon) | learner step s (median) | learner peak GiB "
+             "| rollout tok/s | tokens fed / loss tokens per trace |", "|" + "---|" * 12]
+    for r in records:
+        lines.append(
+            f"| {r['arm']} | {r['kv']} | {r['window_mode']} | {r['steps']} ({r['trained_steps']}) "
+            f"| {fmt(r['start_accuracy'], '.3f')} → {fmt(r['end_accuracy'], '.3f')} "
+            f"| {fmt(r['rollout_accuracy_first'], '.3f')} → {fmt(r['rollout_accuracy_last'], '.3f')} "
+            f"| {r['gpu_s']:.0f} | {fmt(r['gpu_busy_s'], '.0f')} | {fmt(r['learner_step_s'], '.2f')} "
+            f"| {fmt(r['learner_peak_gib'], '.2f')} | {fmt(r['rollout_tok_s'], '.0f')} "
+            f"| {fmt(r['fed_per_trace'], '.0f')} / {fmt(r['loss_per_trace'], '.0f')} |")
+    return "\n".join(lines) + "\n"
+
+
+def verdict(records: list[dict]) -> str:
+    """Which arm ends most accurate for its GPU-seconds, and whether the gap is beyond the evaluations' noise."""
+    scored = [r for r in records if r["end_accuracy"] is not None and r["gpu_s"] > 0]
+    if not scored:
+        return "no arm has a final greedy evaluation: no verdict\n"
+    ranked = sorted(scored, key=lambda r: (r["end_accuracy"], -r["gpu_s"]), reverse=True)
+    lines = []
+    for r in ranked:
+        gain = None if r["start_accuracy"] is None else r["end_accuracy"] - r["start_accuracy"]
+        lines.append(f"- {r['arm']}: greedy {fmt(r['start_accuracy'], '.3f')} → {r['end_accuracy']:.3f} "
+                     f"({fmt(None if gain is None else 100 * gain, '+.1f')} pt) in {r['gpu_s']:.0f} GPU-s: "
+                     f"{r['end_accuracy'] / r['gpu_s'] * 100:.2f} accuracy points per GPU-s")
+    best, runner = ranked[0], (ranked[1] if len(ranked) > 1 else None)
+    n = best["eval_problems"] or 1
+    se = lambda p: math.sqrt(max(p * (1 - p), 1e-12) / n)  # noqa: E731
+    head = f"**Trains best per GPU-second: {best['arm']}** ({best['label']})"
+    if runner is not None:
+        gap, noise = best["end_accuracy"] - runner["end_accuracy"], 2 * math.hypot(se(best["end_accuracy"]),
+                                                                                     se(runner["end_accuracy"]))
+        head += (f", {100 * gap:.1f} pt above {runner['arm']} " +
+                 ("(beyond 2 standard errors of the difference)" if gap > noise else
+                  f"(within 2 standard errors, {100 * noise:.1f} pt, on {n} problems: not resolved)"))
+    return head + "\n\n" + "\n".join(lines) + "\n"
+
+
+def write_curves(records: list[dict], path: Path) -> None:
+    """Rollout accuracy per step against wall seconds, one line per arm; greedy start (hollow) and end (filled)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(8, 5), dpi=110)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for i, r in enumerate(records):
+        color = f"C{i}"
+        if r["curve"]:
+            xs, ys = zip(*r["curve"])
+            ax.plot(xs, ys, ".-", color=color, alpha=0.85, markersize=4, label=f"{r['arm']}: {r['label']}")
+        if r["start_accuracy"] is not None:
+            ax.plot([0], [r["start_accuracy"]], "o", mfc="none", color=color, markersize=9)
+        if r["end_accuracy"] is not None:
+            ax.plot([r["wall_s"]], [r["end_accuracy"]], "o", color=color, markersize=9)
+    ax.set(xlabel="wall seconds since the arms started (four arms share one GPU)", ylabel="accuracy",
+           title="rollout accuracy per RL step (lines); greedy eval at start (o) and end (●)", ylim=(-0.02, 1.02))
+    ax.grid(alpha=0.3)
+    ax.legend(loc="best", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def write_report(out: Path, arms, window: int) -> str:
+    """``curves.png``, ``summary.md`` and ``summary.json`` in ``out`` from the run's files; returns the summary."""
+    run = json.loads((out / "run.json").read_text())
+    evals, share = run["evals"], 1 / len(arms)
+    records = [arm_record(out / "arms" / a.name, evals, a, window, share, run["arms"].get(a.name, {}).get("gpu_busy_s"))
+               for a in arms]
+    write_curves(records, out / "curves.png")
+    windows = [e for label, e in evals.items() if label.startswith("w-")]
+    seconds = ", ".join(f"{k} {v:.0f} s" for k, v in run["seconds"].items())
+    text = (f"# RL where T >> W: {len(arms)} arms on one GPU, {run['arm_seconds']:.0f} s each ({seconds})\n\n"
+            + arms_table(records) + "\n" + verdict(records)
+            + "\nGreedy accuracy of the ps-trunc arm's final weights per window (accuracy vs W):\n\n"
+            + (window_table(windows) if windows else "(not run)\n"))
+    (out / "summary.md").write_text(text)
+    (out / "summary.json").write_text(json.dumps({"arms": records, "accuracy_vs_w": windows, "run": run}, indent=1)
+                                      + "\n")
+    return text

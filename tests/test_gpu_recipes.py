@@ -1,0 +1,185 @@
+"""The GPU recipes (configs/qwen3-math-*.yaml), the checkpoint they are benchmarked on
+(benchmarks/make_checkpoint.py), and the CPU runs of benchmarks/colocate.py and benchmarks/trl_peer.py."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from benchmarks.colocate import DATA_CANDIDATES, step_numbers
+from benchmarks.make_checkpoint import SIZES, make_checkpoint, stop_ids
+from cluster.cli import main as cli
+from cluster.config import load_config
+from cluster.train_config import TrainConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = {"1gpu": ROOT / "configs/qwen3-math-1gpu.yaml", "ngpu": ROOT / "configs/qwen3-math-ngpu.yaml"}
+MATH500 = next((p for p in DATA_CANDIDATES if p.is_file()), DATA_CANDIDATES[-1])
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "qwen3-tiny", "tiny", extra_stop_ids=8, device="cpu")
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_a_recipe_loads_and_keeps_the_papers_training_settings(name, checkpoint, capsys):
+    # catches: a recipe that no longer loads (a misspelt or removed key, a value out of range), and one that
+    # quietly lost what it promises: Prefix Sliding rollouts to 8K, truncated windows with k=4, budget forcing
+    # inside max_tokens, bf16 with float32 masters, checkpointing, the chat template, math_verify, the GPU
+    # placement (1gpu: both actors on one GPU, CUDA IPC, sync; ngpu: a GPU each, NCCL) and that `full`
+    # is one override away
+    cfg = load_config(TrainConfig, str(RECIPES[name]), [f"model.path={checkpoint}"])
+    assert (cfg.task.type, cfg.engine.kv, cfg.sampling.max_tokens) == ("math", "prefix_sliding:1024", 8192)
+    assert (cfg.learner.window_mode, cfg.learner.multiplier, cfg.learner.gradient_checkpointing) == ("truncated", 4, True)
+    assert cfg.sampling.max_thinking_tokens < cfg.sampling.max_tokens and cfg.data.chat_template is True
+    assert (cfg.engine.device, cfg.engine.dtype, cfg.learner.device, cfg.learner.dtype) == ("cuda", "bfloat16", "cuda", "bfloat16")
+    assert cfg.learner.master_weights and cfg.reward.correctness.weight == 1.0 and not cfg.warmstart.enabled
+    if name == "1gpu":
+        assert cfg.rollout.num_workers * cfg.rollout.num_gpus + cfg.learner.num_gpus <= 1
+        assert (cfg.weight_sync.backend, cfg.train.mode) == ("cuda_ipc", "sync")
+    else:
+        assert (cfg.rollout.num_gpus, cfg.learner.num_gpus, cfg.weight_sync.backend) == (1, 1, "broadcast")
+        assert cfg.weight_sync.broadcast_backend == "nccl" and cfg.train.mode == "async"
+    assert load_config(TrainConfig, str(RECIPES[name]), [f"model.path={checkpoint}", "engine.kv=full"]).engine.kv == "full"
+    assert cli(["train", str(RECIPES[name]), f"model.path={checkpoint}", "--help"]) == 0
+    assert "engine.kv = 'prefix_sliding:1024'" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(not MATH500.is_file(), reason="needs ../shared/data/math500-dev.jsonl")
+def test_the_recipe_reads_the_math_file_through_the_chat_template(checkpoint, tmp_path):
+    # catches: recipe column names that are not the MATH file's (problem/answer/id), an eval split the file
+    # does not have, and prompts that do not go through the checkpoint's chat template (the engine must get
+    # exactly apply_chat_template([user: problem + blank line + instruction]) with the generation prompt)
+    from transformers import AutoTokenizer
+
+    from cluster.prompts import BOXED_INSTRUCTION
+    from cluster.run_plan import prepare
+
+    cpu = ["engine.device=cpu", "learner.device=cpu", "rollout.num_gpus=0", "learner.num_gpus=0",
+           "weight_sync.backend=object_store", "engine.dtype=float32", "learner.dtype=float32"]
+    cfg = load_config(TrainConfig, str(RECIPES["1gpu"]), [f"model.path={checkpoint}", f"data.source={MATH500}",
+                                                           f"run_dir={tmp_path / 'run'}", *cpu])
+    plan = prepare(cfg)
+    rows = [json.loads(line) for line in MATH500.read_text().splitlines()]
+    assert len(plan.train_problems) == len(rows) and len(plan.eval_problems) == cfg.eval.num_problems
+    first = next(p for p in plan.train_problems if p.prompt_id == rows[0]["id"])
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    expected = tokenizer.apply_chat_template([{"role": "user", "content": f"{rows[0]['problem']}\n\n{BOXED_INSTRUCTION}"}],
+                                             add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    assert list(first.prompt_token_ids) == list(expected) and first.answer == rows[0]["answer"]
+
+
+def test_the_checkpoint_is_qwen3_shaped_and_both_engines_stop_on_its_extra_end_ids(checkpoint):
+    # catches: shapes that drift from Qwen3's published configs (0.6B: 1024 wide, MLP 3072; 1.7B: 2048, 6144;
+    # both 28 layers, 16/8 heads of 128, 151,936 ids, tied), a chat template without Qwen3's empty think
+    # block for enable_thinking=false, and extra end ids that sliderl's engine or transformers' generate
+    # (TRL's sampler) ignore: every completion that ended early must end on one of them
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rollout import LLM, SamplingParams
+    from rollout.tiny import QWEN3_1P7B
+
+    common = dict(num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936)
+    assert SIZES["0.6b"] | common == SIZES["0.6b"] and (SIZES["0.6b"]["hidden_size"], SIZES["0.6b"]["intermediate_size"]) == (1024, 3072)
+    assert all(SIZES["1.7b"][k] == v for k, v in QWEN3_1P7B.items() if k != "eos_token_id")
+    # 150 ids over [1000, 151936): 1000 + i * 150936 // 150; the last is 1000 + 149 * 150936 // 150 = 150929
+    ids = stop_ids(151936, 150)
+    assert (len(ids), ids[0], ids[1], ids[-1]) == (150, 1000, 2006, 150929)
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "1+1?"}], add_generation_prompt=True,
+                                         tokenize=False, enable_thinking=False)
+    assert text == "<|im_start|>user\n1+1?<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    ends = set(json.loads((checkpoint / "generation_config.json").read_text())["eos_token_id"])
+    assert ends == {258, 256, *stop_ids(261, 8)}
+    prompt = tokenizer(text).input_ids
+    outs = LLM(str(checkpoint), kv="prefix_sliding:16", num_blocks=256).generate(
+        [prompt] * 16, [SamplingParams(max_tokens=48, seed=s) for s in range(16)])
+    extra = ends - {256, 258}
+    early = [o.token_ids for o in outs if len(o.token_ids) < 48]
+    assert all(t[-1] in ends for t in early) and any(t[-1] in extra for t in early)
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    torch.manual_seed(0)
+    out = hf.generate(torch.tensor([prompt] * 16), do_sample=True, max_new_tokens=48)[:, len(prompt):].tolist()
+    firsts = [next((i for i, t in enumerate(row) if t in ends), None) for row in out]
+    assert any(i is not None and i < 47 and row[i] in extra for i, row in zip(firsts, out))
+    assert all(set(row[i + 1:]) <= {256} for i, row in zip(firsts, out) if i is not None)  # stopped there: pads after
+
+
+def test_step_numbers_by_hand():
+    # catches: a wrong step time (not the difference of consecutive elapsed_s), warm-up steps counted, and a
+    # generation time that forgets the learner, the sync or the release. Steps at elapsed 10, 16, 23, 28:
+    # the timed steps (after 1 warm-up) take 6, 7, 5 s -> median 6; learner 2, 3, 2 -> 2; sync 0.5 each;
+    # release 1, 1, 1 -> 1; gen = 6 - 2 - 0.5 - 1 = 2.5; tokens per step = 100 x 2 groups x 4 = 800 (median
+    # of 100, 120, 90 = 100); rollout tok/s per GPU = 800 / 2.5 = 320; learner tok/s = median(50/2, 60/3, 40/2) = 20
+    rows = [dict(elapsed_s=e, learner_step_seconds=ls, weight_sync_seconds=0.5, memory_release_seconds=1.0,
+                 completion_tokens=c, rollout_tokens_per_s=0.0, reward=0.0, **{"learner/num_loss_tokens": n})
+            for e, ls, c, n in ((10, 9, 50, 30), (16, 2, 100, 50), (23, 3, 120, 60), (28, 2, 90, 40))]
+    args = SimpleNamespace(warmup=1, groups=2, group_size=4, mode_is_sync=True, rollout_gpus=1.0)
+    got = step_numbers(args, rows)
+    assert (got["timed_steps"], got["step_s"], got["learner_s"], got["sync_s"], got["release_s"]) == (3, 6, 2, 0.5, 1.0)
+    assert got["gen_s"] == pytest.approx(2.5) and got["tokens_per_step"] == 800
+    assert got["rollout_tok_s_per_gpu"] == pytest.approx(320) and got["learner_tok_s"] == pytest.approx(20)
+
+
+SMOKE = ["--cpu-smoke", "--groups", "2", "--group-size", "2", "--max-tokens", "16", "--steps", "1", "--warmup", "1",
+         "--run-timeout-s", "400"]
+
+
+@pytest.fixture(scope="module")
+def colocated(tmp_path_factory, checkpoint):
+    if not MATH500.is_file():
+        pytest.skip("needs ../shared/data/math500-dev.jsonl")
+    out, work = tmp_path_factory.mktemp("colocate-out"), tmp_path_factory.mktemp("colocate-work")
+    subprocess.run([sys.executable, "benchmarks/colocate.py", *SMOKE, "--modes", "keep", "release", "--model",
+                    str(checkpoint), "--out", str(out), "--work", str(work)], cwd=ROOT, check=True, timeout=900,
+                   capture_output=True, text=True)
+    return out, work
+
+
+@pytest.mark.slow
+def test_colocate_runs_the_recipe_keeping_and_releasing_the_pool(colocated):
+    # catches: rollout.release_between_steps not reaching the driver or the workers (no release seconds in the
+    # step reports, or a run that hangs or fails when the pool is freed and re-allocated through Ray), a
+    # results row that does not match its own metrics, and an output folder with more files than a GPU
+    # machine sends back (at most 8)
+    out, work = colocated
+    rows = {r["mode"]: r for r in map(json.loads, (out / "results.jsonl").read_text().splitlines())}
+    assert [rows[m]["status"] for m in ("keep", "release")] == ["ok", "ok"]
+    release, keep = rows["release"], rows["keep"]
+    assert all(s["memory_release_seconds"] > 0 for s in release["steps"])
+    assert not any("memory_release_seconds" in s for s in keep["steps"])
+    last = release["steps"][-1]
+    assert release["tokens_per_step"] == last["completion_tokens"] * 2 * 2  # 2 groups x 2 samples
+    assert release["step_s"] == pytest.approx(last["elapsed_s"] - release["steps"][-2]["elapsed_s"])
+    assert sorted(p.name for p in out.iterdir()) == ["logs.tar.gz", "results.jsonl"]
+    with tarfile.open(out / "logs.tar.gz") as tar:
+        assert {"run-release-prefix_sliding1024.log", "run-release-prefix_sliding1024/metrics.jsonl"} <= set(tar.getnames())
+
+
+@pytest.mark.slow
+def test_trl_peer_puts_trls_grpo_beside_sliderls_row(colocated, checkpoint, tmp_path):
+    # catches: a TRL run that fails with this model, data and settings (TRL's own API drifts between
+    # releases), step records that miss the generation or its tokens, and a sliderl row taken from a run
+    # of another shape (the check must refuse it)
+    pytest.importorskip("trl")
+    out, _ = colocated
+    args = [sys.executable, "benchmarks/trl_peer.py", *SMOKE, "--model", str(checkpoint), "--sliderl",
+            str(out / "results.jsonl"), "--work", str(tmp_path / "work")]
+    subprocess.run(args + ["--out", str(tmp_path / "out")], cwd=ROOT, check=True, timeout=600, capture_output=True)
+    rows = {r["run"].split(":")[0]: r for r in map(json.loads, (tmp_path / "out/results.jsonl").read_text().splitlines())}
+    trl, ours = rows["trl"], rows["sliderl"]
+    assert trl["status"] == ours["status"] == "ok" and trl["timed_steps"] == 1
+    step = trl["steps"][-1]
+    assert 0 < step["gen_s"] < step["end"] - step["begin"] and 0 < step["tokens"] <= 2 * 2 * 16
+    assert trl["tokens_per_step"] == step["tokens"] and ours["tokens_per_step"] > 0
+    wrong = subprocess.run(args[:3] + ["--groups", "3"] + args[5:] + ["--out", str(tmp_path / "o2")], cwd=ROOT,
+                           capture_output=True, text=True, timeout=600)
+    assert wrong.returncode != 0 and "differs from this one" in wrong.stderr
