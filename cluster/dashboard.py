@@ -33,6 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 LABEL_KEY = "job_name"  # the metadata key the Jobs page shows as the job's Name
 RUN_KEY = "sliderl_run"
 QUEUE, LEARNER, WARM_START = "trace-queue", "learner", "warm-start"
+BASELINE = "baseline-lengths"  # the Ray task of Pasta's Baseline-SFT lengths (cluster.baseline_lengths)
 
 
 # ------------------------------------------------------------------------------------ names
@@ -58,7 +59,8 @@ def run_label(run_dir: str) -> str:
 
 
 def actor_name(cfg: TrainConfig, role: str) -> str:
-    """The Ray name of the run's actor ``role`` (``learner``, ``rollout-0``, ``trace-queue``, ``warm-start``)."""
+    """The Ray name of the run's actor ``role`` (``learner``, ``rollout-0``, ``trace-queue``, ``warm-start``;
+    ``baseline-lengths`` names a task)."""
     return f"{run_label(cfg.run_dir)}/{role}"
 
 

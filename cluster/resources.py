@@ -19,7 +19,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from cluster.config import ConfigError
-from cluster.dashboard import LEARNER, QUEUE, WARM_START, actor_name, job_config, rollout_role
+from cluster.dashboard import BASELINE, LEARNER, QUEUE, WARM_START, actor_name, job_config, rollout_role
 from cluster.model_files import ModelFiles
 from cluster.train_config import TrainConfig
 
@@ -252,7 +252,7 @@ def make_baseline_task(cfg: TrainConfig):
     from cluster.baseline_lengths import greedy_lengths
 
     request = bundles(cfg)[1]
-    return ray.remote(greedy_lengths).options(max_retries=0, **_options(cfg, request)), _threads(cfg.rollout.num_cpus)
+    return ray.remote(greedy_lengths).options(max_retries=0, **_options(cfg, BASELINE, request)), _threads(cfg.rollout.num_cpus)
 
 
 def make_queue(cfg: TrainConfig):
