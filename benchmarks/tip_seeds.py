@@ -11,7 +11,8 @@ For every seed S (all seeds at once, one process chain each)::
 (the two SFT stages run side by side; stage 2 starts from the stage-1 checkpoint rather than re-running
 it as its warm start). Then one table over seeds (mean ± sd) of every entry of the comparison — avg@k,
 pass@k, mean live KV, throughput, decode seconds — and each entry's ratios to Dense, in OUT/summary.md
-and OUT/summary.jsonl. ``--device cuda`` puts every learner and engine on the GPU (one GPU is shared by
+and OUT/summary.jsonl, and the three Pareto plots over seeds (each point an entry's mean ± sd) in
+OUT/over-seeds/. ``--device cuda`` puts every learner and engine on the GPU (one GPU is shared by
 all chains); ``--sft/--train/--eval KEY=VALUE ...`` add settings to those commands.
 
     python benchmarks/tip_seeds.py --seeds 0                   # the CPU default (configs/tip-*.yaml): ~6 min, 2 cores
@@ -36,6 +37,9 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from cluster.comparison import EntryResult  # noqa: E402
+from cluster.comparison_report import write_report  # noqa: E402
+from cluster.evaluation import SampledEval  # noqa: E402
 from cluster.run_checkpoints import MARKER  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -128,6 +132,24 @@ def chain(seed: int, args: argparse.Namespace) -> dict:
     return seconds
 
 
+def over_seeds(out: Path, seeds: list[int]) -> list[EntryResult]:
+    """Each comparison entry with one run per seed (every seed's own checkpoints), as ``sliderl eval`` holds an
+    entry sampled under several seeds: ``write_report`` then draws the table and the three Pareto plots with
+    mean ± sd over the seeds."""
+    rows: dict[str, list[dict]] = {}
+    for seed in seeds:
+        for line in (out / f"s{seed}" / "eval" / "results.jsonl").read_text().splitlines():
+            row = json.loads(line)
+            rows.setdefault(row["label"], []).append(row)
+    results = []
+    for label, per_seed in rows.items():
+        runs = tuple(SampledEval(**{k: v for k, v in r["runs"][0].items() if k != "seed"}) for r in per_seed)
+        first = per_seed[0]
+        results.append(EntryResult(label, first["checkpoint"], first["kv"], runs, tuple(seeds), first["budget_of"],
+                                   first["fraction"], first["budget"]))
+    return results
+
+
 def summarize(out: Path, seeds: list[int], seconds: dict[int, dict]) -> str:
     """Mean ± sd over seeds of every comparison entry, with ratios to Dense; writes summary.md/jsonl."""
     rows: dict[str, list[dict]] = {}
@@ -153,6 +175,7 @@ def summarize(out: Path, seeds: list[int], seconds: dict[int, dict]) -> str:
     lines += ["", "seconds per stage: " + "; ".join(f"seed {s}: " + ", ".join(f"{k} {v:.0f}" for k, v in seconds[s].items())
                                                     for s in seeds)]
     (out / "summary.jsonl").write_text("".join(json.dumps(r) + "\n" for r in summary))
+    write_report(over_seeds(out, seeds), out / "over-seeds")  # results.md/jsonl and pareto_*.png, mean ± sd
     text = "\n".join(lines) + "\n"
     (out / "summary.md").write_text(text)
     return text
@@ -172,8 +195,12 @@ def main() -> None:
     for stage in ("sft", "train", "eval"):
         parser.add_argument(f"--{stage}", dest=f"{stage}_overrides", nargs="+", default=[], metavar="KEY=VALUE",
                             help=f"settings for every {stage} command (e.g. --sft sft.steps=900)")
+    parser.add_argument("--report-only", action="store_true", help="redraw the summary and plots from --out")
     args = parser.parse_args()
     args.out = args.out.resolve()
+    if args.report_only:
+        print(summarize(args.out, args.seeds, {s: {} for s in args.seeds}))
+        return
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     start = time.perf_counter()
     with ThreadPoolExecutor(len(args.seeds)) as pool:

@@ -93,6 +93,20 @@ def pareto_front(points: list[tuple[float, float]], lower_x_is_better: bool) -> 
     return sorted(front, key=lambda i: points[i][0])
 
 
+def label_offsets(x: list[float], y: list[float]) -> list[int]:
+    """Vertical label offsets (points) so that labels of points close on the plot (same accuracy, x within 15%
+    of the x range: baselines that all score 0) step up in turn instead of printing over each other."""
+    span = (max(x) - min(x)) or 1.0
+    offsets = [4] * len(x)
+    placed: list[int] = []
+    for i in sorted(range(len(x)), key=lambda i: x[i]):
+        near = [j for j in placed if abs(y[j] - y[i]) < 0.03 and abs(x[j] - x[i]) < 0.15 * span]
+        taken = {offsets[j] for j in near}
+        offsets[i] = next(dy for dy in range(4, 4 + 11 * (len(near) + 1), 11) if dy not in taken)
+        placed.append(i)
+    return offsets
+
+
 def write_plots(results: list[EntryResult], out_dir: Path) -> list[Path]:
     """The Pareto plots (Agg backend: no display needed); returns their paths."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -109,8 +123,8 @@ def write_plots(results: list[EntryResult], out_dir: Path) -> list[Path]:
         FigureCanvasAgg(fig)
         ax = fig.add_subplot()
         ax.errorbar(x, y, xerr=[r.std(metric) for r in results], yerr=y_err, fmt="o", capsize=3)
-        for xi, yi, r in zip(x, y, results):
-            ax.annotate(r.label, (xi, yi), textcoords="offset points", xytext=(4, 4), fontsize=8)
+        for (xi, yi, r), dy in zip(zip(x, y, results), label_offsets(x, y)):
+            ax.annotate(r.label, (xi, yi), textcoords="offset points", xytext=(4, dy), fontsize=8)
         front = pareto_front(list(zip(x, y)), lower_better)
         ax.plot([x[i] for i in front], [y[i] for i in front], "--o", color="tab:red", markerfacecolor="none",
                  markersize=11, label="Pareto frontier")  # circled, so a one-point frontier shows
