@@ -92,7 +92,8 @@ def chain(seed: int, args: argparse.Namespace) -> dict:
                        f"model.path={d / 'sft' / 'model'}", "warmstart.enabled=false",
                        f"reward.speedup.baseline_model={d / 'base' / 'model'}", f"train.seed={seed}",
                        f"learner.seed={seed}", f"train.steps={args.bonbon_steps}", "checkpoint.every=0",
-                       *device_args(args.device, True), *args.train_overrides]
+                       *device_args(args.device, True), "monitor.include_dashboard=false",  # seeds side by side
+                       *args.train_overrides]
     seconds["bonbon"] = run(train, d / "bonbon.log")
     compare = sliderl + ["eval", str(eval_config(d, seed, args.bonbon_steps, args.device)), *args.eval_overrides]
     seconds["eval"] = run(compare, d / "eval.log")

@@ -53,7 +53,10 @@ def connect(cfg: TrainConfig, metadata: dict[str, str] | None = None) -> bool:
     address = cluster_address(cfg)
     job = {} if metadata is None else {"job_config": job_config(metadata)}
     if address is None:  # "local": a new instance, never a `ray start` cluster found on this machine
-        start_local_ray(num_cpus=cfg.ray.num_cpus, num_gpus=cfg.ray.num_gpus, **cfg.monitor.ray_init_kwargs(), **job)
+        dashboard = cfg.monitor.ray_init_kwargs()
+        if dashboard["include_dashboard"]:
+            dashboard["dashboard_port"] = free_dashboard_port(dashboard["dashboard_host"], dashboard["dashboard_port"])
+        start_local_ray(num_cpus=cfg.ray.num_cpus, num_gpus=cfg.ray.num_gpus, **dashboard, **job)
         return True
     check_reachable(address)
     try:
@@ -61,6 +64,24 @@ def connect(cfg: TrainConfig, metadata: dict[str, str] | None = None) -> bool:
     except (ConnectionError, RuntimeError, ValueError) as err:
         raise ResourceError(f"cannot join the Ray cluster at {address!r}: {' '.join(str(err).split())}") from None
     return True
+
+
+def free_dashboard_port(host: str, port: int, tries: int = 20) -> int:
+    """``port``, or when something already listens there (another local run's dashboard: Ray would fail to
+    start) the next free one of ``tries``, said on the console. Another process may still take the port
+    between this check and Ray's bind; two runs started at the same second can still collide."""
+    for candidate in range(port, min(port + tries, 65536)):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, candidate))
+            except OSError:
+                continue
+        if candidate != port:
+            print(f"sliderl: port {port} on {host} is in use (another Ray dashboard?); this run's dashboard "
+                  f"listens on {candidate} (monitor.dashboard_port sets it)", flush=True)
+        return candidate
+    raise ResourceError(f"monitor.dashboard_port {port} and the {tries - 1} ports after it are in use on {host}; "
+                        "set monitor.dashboard_port to a free port or monitor.include_dashboard=false")
 
 
 # Ray's switch for "this instance is not a cluster": its node IP becomes 127.0.0.1, so GCS, raylet,

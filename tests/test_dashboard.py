@@ -130,6 +130,35 @@ def test_a_driver_sliderl_starts_carries_the_job_metadata(tmp_path):
     assert table[job_id] == metadata and metadata["job_name"] == run_label(str(tmp_path / "runs" / "smoke"))
 
 
+def test_a_second_local_run_takes_the_next_free_dashboard_port(tmp_path, capsys):
+    # Catches: two local runs on one machine (seeds side by side) where the second one's Ray fails to start
+    # because the first one's dashboard holds monitor.dashboard_port (it happened to benchmarks/pasta_seeds.py:
+    # "Failed to find a valid port for dashboard after 0 retries"). A listening socket stands in for the
+    # first dashboard; Ray must start and its dashboard answer on another port. Planted by handing the
+    # configured port to Ray unchanged (free_dashboard_port dropped from connect), ray.init raises.
+    import socket
+
+    import ray
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    cfg = load_config(TrainConfig, str(ROOT / "configs" / "smoke.yaml"),
+                      [f"run_dir={tmp_path / 'run'}", "ray.num_cpus=1", f"monitor.dashboard_port={port}"])
+    try:
+        assert connect(cfg)
+        try:
+            url = ray._private.worker.global_worker.node.webui_url  # host:port of the dashboard Ray started
+        finally:
+            ray.shutdown()
+    finally:
+        taken.close()
+    used = int(url.rsplit(":", 1)[1])
+    said = capsys.readouterr().out
+    assert used != port and f"port {port} on 127.0.0.1 is in use" in said and f"listens on {used}" in said
+
+
 # ------------------------------------------------------------------------------ the live run
 
 
