@@ -45,11 +45,18 @@ def test_summary_by_hand(tmp_path):
 # next one looks, the eval's checkpoints not rewritten per seed, a BoNBoN run without its baseline).
 @pytest.mark.slow
 def test_smoke_run_of_one_seed(tmp_path):
+    # A 4-step model's samples (and Baseline-SFT's answer) all run to max_tokens, none right: every sample scores
+    # speedup 1 + λ·0 and BoNBoN finds no pair, so the run would rightly fail as "nothing trained". BoNBoN's
+    # quality is a thinking penalty here (the random text's whitespace words before its first </think>), which
+    # spreads each group's scores.
+    spread = ["reward.thinking_penalty.budget=1", "reward.thinking_penalty.coef=0.01",
+              "learner.algo.quality_key=thinking_penalty"]
     tiny = ["model.hidden_size=32", "model.num_layers=1", "model.num_heads=2", "model.num_kv_heads=1",
             "model.intermediate_size=64"]
     cmd = [sys.executable, "benchmarks/pasta_seeds.py", "--seeds", "0", "--out", str(tmp_path), "--bonbon-steps", "1",
            "--sft", "sft.steps=4", "sft.batch_size=4", "sft.check_every=4", "data.held_out=2", *tiny,
            "--train", "train.groups_per_step=2", "rollout.group_size=4", "task.train_size=2", "sampling.max_tokens=48",
+           *spread,
            "eval.before=false", "eval.after=false", "monitor.wandb.mode=disabled", "monitor.include_dashboard=false",
            "monitor.plots=false", "--eval", "eval.num_problems=4", "sampling.max_tokens=24"]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1200)
