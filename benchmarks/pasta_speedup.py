@@ -344,7 +344,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--problems", type=int, default=8, help="held-out problems (the task's eval split)")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per problem and engine (median)")
     parser.add_argument("--num-chains", type=int, nargs=2, default=[2, 4], help="scripted: the task's chains")
-    parser.add_argument("--num-steps", type=int, nargs=2, default=[8, 12], help="scripted: the task's steps per chain")
+    parser.add_argument("--num-steps", type=int, nargs=2, default=[5, 6],
+                        help="scripted: the task's steps per chain (most chains x most steps <= 26 step letters)")
     parser.add_argument("--task-seed", type=int, default=0, help="scripted: the task's seed")
     parser.add_argument("--hidden-size", type=int, default=None, help=f"scripted, CPU: width ({TINY['hidden_size']})")
     parser.add_argument("--layers", type=int, default=None, help=f"scripted, CPU: tiny depth ({TINY['num_layers']})")
