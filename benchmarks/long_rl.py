@@ -117,7 +117,7 @@ SMOKE = Scale(
            # a tiny model is never correct: a small KV penalty (traces differ in length, so in mean visible KV)
            # gives every group a reward spread, so the learner steps and reports its tokens
            "reward.kv_penalty.budget=8", "reward.kv_penalty.coef=0.01"),
-    sft_examples=24, train_prompts=16, eval_problems=8, arm_seconds=90, eval_reserve_s=60, windows=(8, 32),
+    sft_examples=24, train_prompts=16, eval_problems=4, arm_seconds=50, eval_reserve_s=60, windows=(8, 32),
     parallel_evals=4, budget_s=1200)  # a shared 2-core machine: Ray and every eval process start slowly
 
 
