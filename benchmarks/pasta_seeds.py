@@ -85,9 +85,12 @@ def chain(seed: int, args: argparse.Namespace) -> dict:
     base = sliderl + ["sft", str(SFT), "kv=full", "data.task_solution=solution_plain", f"output_dir={d / 'base'}",
                       *common]
     sft = sliderl + ["sft", str(SFT), f"output_dir={d / 'sft'}", *common]
-    with ThreadPoolExecutor(2) as pool:
-        baseline, stage1 = pool.submit(run, base, d / "base.log"), pool.submit(run, sft, d / "sft.log")
-        seconds = {"baseline_sft": baseline.result(), "pasta_sft": stage1.result()}
+    if args.reuse_sft and all((d / name / "model").is_dir() for name in ("base", "sft")):
+        seconds = {}  # stage 2 again on this seed's SFT checkpoints (e.g. other --train settings)
+    else:
+        with ThreadPoolExecutor(2) as pool:
+            baseline, stage1 = pool.submit(run, base, d / "base.log"), pool.submit(run, sft, d / "sft.log")
+            seconds = {"baseline_sft": baseline.result(), "pasta_sft": stage1.result()}
     train = sliderl + ["train", str(BONBON), f"run_dir={d / 'bonbon'}", "model.type=hf",
                        f"model.path={d / 'sft' / 'model'}", "warmstart.enabled=false",
                        f"reward.speedup.baseline_model={d / 'base' / 'model'}", f"train.seed={seed}",
@@ -177,6 +180,9 @@ def main() -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--out", type=Path, default=Path("runs/pasta-seeds"))
     parser.add_argument("--bonbon-steps", type=int, default=10, help="stage 2's steps (its last checkpoint is evaluated)")
+    parser.add_argument("--reuse-sft", action="store_true", help="keep a seed's Baseline-SFT and Pasta-SFT checkpoints "
+                        "where OUT/sS/{base,sft}/model exist (stage 2 and the evaluation run again; OUT/sS/bonbon must "
+                        "not exist)")
     for stage in ("sft", "train", "eval"):
         parser.add_argument(f"--{stage}", dest=f"{stage}_overrides", nargs="+", default=[], metavar="KEY=VALUE",
                             help=f"settings for every {stage} command (e.g. --sft sft.steps=900)")
