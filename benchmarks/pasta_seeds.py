@@ -179,7 +179,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--out", type=Path, default=Path("runs/pasta-seeds"))
-    parser.add_argument("--bonbon-steps", type=int, default=10, help="stage 2's steps (its last checkpoint is evaluated)")
+    parser.add_argument("--bonbon-steps", type=int, default=30, help="stage 2's steps (its last checkpoint is evaluated)")
     parser.add_argument("--reuse-sft", action="store_true", help="keep a seed's Baseline-SFT and Pasta-SFT checkpoints "
                         "where OUT/sS/{base,sft}/model exist (stage 2 and the evaluation run again; OUT/sS/bonbon must "
                         "not exist)")
