@@ -140,12 +140,42 @@ def test_training_stops_at_the_first_check_that_reaches_the_target(tmp_path, bas
     assert marker["result"]["steps_run"] == 6 and marker["kv_policy"] == KV
 
 
+def test_a_time_boxed_stage_stops_at_a_step_boundary_and_writes_its_checkpoint(tmp_path, base_model, monkeypatch):
+    # catches: sft.max_seconds ignored (all 12 steps run, a time-boxed GPU recipe overruns its call) or the
+    # stage stopping without its checkpoint and marker. A fake clock advances 10 s per step (the load takes
+    # none): with max_seconds=25 the steps end at 10, 20, 30 s, so training stops after step 3 of 12.
+    import trainer.sft as sft
+    from trainer.learner import Learner
+
+    import time
+    import types
+
+    clock = iter(range(0, 10_000))  # trainer.sft's own clock only: nothing else reads it
+    monkeypatch.setattr(sft, "time", types.SimpleNamespace(perf_counter=lambda: 10.0 * next(clock),
+                                                          process_time=time.process_time))
+    step = Learner.step
+    calls = []
+
+    def counted(self, groups):
+        calls.append(1)
+        return step(self, groups)
+
+    monkeypatch.setattr(Learner, "step", counted)
+    result = run_sft(base_model, tmp_path / "out", examples(24), [], KV, ARGS,
+                     SFTArgs(steps=12, batch_size=2, max_seconds=25))
+    assert len(calls) == 3 and result.steps_run == 3
+    assert json.loads((tmp_path / "out" / MARKER).read_text())["result"]["steps_run"] == 3
+    assert (tmp_path / "out" / "config.json").is_file()
+
+
 def test_bad_sft_settings_are_rejected_with_a_clear_message(tmp_path, base_model):
     # catches: bounds not checked in the records, or an RL algorithm silently running an SFT stage
     with pytest.raises(ValueError, match="steps must be >= 1, got 0"):
         SFTArgs(steps=0)
     with pytest.raises(ValueError, match=r"target_accuracy must be in \[0, 1\].*got 1.5"):
         SFTArgs(target_accuracy=1.5)
+    with pytest.raises(ValueError, match=r"max_seconds must be >= 0 \(0: no limit\), got -1"):
+        SFTArgs(max_seconds=-1)
     with pytest.raises(ValueError, match="learner_args.algo must be SFTOptions"):
         run_sft(base_model, tmp_path / "x", examples(4), [], KV, LearnerArgs(algo=GRPOOptions()), SFT)
     with pytest.raises(ValueError, match="needs held-out examples"):

@@ -69,12 +69,16 @@ class SFTArgs:
     """Stop at the first check whose held-out exact match reaches this, in [0, 1]; 0 trains all steps."""
     log_every: int = 0
     """Print the loss every this many steps (>= 0; 0: silent). Does not change the weights."""
+    max_seconds: float = 0.0
+    """Stop at the first step boundary this many wall seconds after the stage started (>= 0; 0: no limit); write
+    the checkpoint as at the end; a time-boxed stage (the lr schedule still spans ``steps``)."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "check_every"):
             require_field(self, name, getattr(self, name) >= 1, ">= 1")
         require_field(self, "target_accuracy", 0 <= self.target_accuracy <= 1, "in [0, 1] (0: train all steps)")
         require_field(self, "log_every", self.log_every >= 0, ">= 0")
+        require_field(self, "max_seconds", self.max_seconds >= 0, ">= 0 (0: no limit)")
 
 
 @dataclass(frozen=True)
@@ -141,7 +145,11 @@ def run_sft(model_path: str | Path, out_dir: str | Path, train_examples: list[SF
             accuracy = f"  held-out exact match {checks[-1][1]:.2f}" if checks else ""
             print(f"sft step {step}/{sft_args.steps}  loss {losses[-1]:.4f}{accuracy}  "
                   f"{time.perf_counter() - t0:.0f}s ({time.process_time() - cpu0:.0f} cpu-s)", flush=True)
-        if reached:
+        out_of_time = sft_args.max_seconds > 0 and time.perf_counter() - t0 >= sft_args.max_seconds
+        if out_of_time and not reached:
+            print(f"sft: stopped at step {step}/{sft_args.steps} after {time.perf_counter() - t0:.0f} s "
+                  f"(sft.max_seconds={sft_args.max_seconds:g})", flush=True)
+        if reached or out_of_time:
             break
     out = Path(out_dir)
     learner.save_checkpoint(out)
