@@ -58,6 +58,8 @@ SFT_RECIPE, RL_RECIPE = ROOT / "configs" / "long-sft.yaml", ROOT / "configs" / "
 ARM_ENV = "SLIDERL_ARM"  # every process of an arm inherits it: how GpuBusy tells the arms' processes apart
 RAY_ENV = {"RAY_raylet_start_wait_time_s": "120"}  # four Ray instances start at once: give each raylet time
 CHUNK = 40  # problems per generator process call
+ARM_FLOOR_S = 150  # the arms' least share of the budget: the SFT is time-boxed to leave it
+SFT_LOAD_S = 30  # the SFT process's start (imports, data, model) before its clock's training steps
 
 
 @dataclass(frozen=True)
@@ -307,7 +309,11 @@ def main() -> None:
         parser.error(f"--out {args.out} holds an earlier run (its arms would refuse to start over their checkpoints); "
                      "give a fresh folder, or --report-only to redraw its report")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    run(args, scale, args.out.resolve())
+    try:
+        run(args, scale, args.out.resolve())
+    finally:  # a failed or stopped run's logs come back too
+        if args.copy_to is not None:
+            copy_light(args.out.resolve(), args.copy_to)
 
 
 def run(args: argparse.Namespace, scale: Scale, out: Path) -> None:
@@ -320,9 +326,12 @@ def run(args: argparse.Namespace, scale: Scale, out: Path) -> None:
                         for line in files[f].read_text().splitlines()) + PROMPT_SLACK
     seconds["data"] = time.perf_counter() - start
     model = out / "sft" / "model"
-    sft = [sys.executable, "-m", "cluster.cli", "sft", str(SFT_RECIPE), *sft_overrides(scale, out, files, args.sft_kv)]
-    seconds["sft"] = run_logged(sft, out / "sft.log",  # an SFT that leaves the arms under a minute is a failed run
-                                scale.budget_s - seconds["data"] - scale.eval_reserve_s - 60)
+    # the SFT stops itself (sft.max_seconds) where the arms would be left less than ARM_FLOOR_S; a hung one is
+    # stopped at a minute more
+    sft_seconds = scale.budget_s - seconds["data"] - scale.eval_reserve_s - ARM_FLOOR_S
+    sft = [sys.executable, "-m", "cluster.cli", "sft", str(SFT_RECIPE), *sft_overrides(scale, out, files, args.sft_kv),
+           f"sft.max_seconds={max(1.0, sft_seconds - SFT_LOAD_S):.0f}"]
+    seconds["sft"] = run_logged(sft, out / "sft.log", sft_seconds + 60)
     configs = {arm.name: arm_config(arm, scale, out, files, model, prompt_tokens, sft_cfg.task.generator())
                for arm in ARMS}
 
@@ -349,8 +358,6 @@ def run(args: argparse.Namespace, scale: Scale, out: Path) -> None:
                                               "evals": rows, "argv": sys.argv[1:]}, indent=1) + "\n")
     print(write_report(out, ARMS, scale.window))
     print(f"total {time.perf_counter() - start:.0f} s (" + ", ".join(f"{k} {v:.0f}" for k, v in seconds.items()) + ")")
-    if args.copy_to is not None:
-        copy_light(out, args.copy_to)
 
 
 LIGHT = ("summary.md", "summary.json", "curves.png", "run.json", "sft.log", "sft/model/sft.json", "arms/*/train.yaml",
