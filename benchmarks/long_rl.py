@@ -26,8 +26,14 @@ The report is ``benchmarks/long_rl_report.py``; ``--report-only`` redraws it fro
 GPU-seconds: the arms share the GPU for the same wall time, so each is charged wall × 1/4 of it; where
 ``nvidia-smi pmon`` runs, the seconds it saw each arm's processes busy on the GPU are reported beside.
 
-    python benchmarks/long_rl.py --out $OUT/long-rl               # H200, ~9 minutes
+    python benchmarks/long_rl.py --out $OUT/long-rl               # H200, one call of ~9 minutes (a short SFT)
     python benchmarks/long_rl.py --smoke --out /tmp/long-rl        # CPU, a tiny model: the same pipeline
+
+In one 10-minute call the SFT gets ~200 s (about 150 steps of 400 on the H200, 2026-12-01: too few, every arm's
+rollouts scored 0 and nothing trained), so on the GPU the stages take two calls, the checkpoint carried between:
+
+    python benchmarks/long_rl.py --sft-only --budget-s 560 --out /tmp/long-rl --copy-to $OUT/long-rl   # SFT + start
+    python benchmarks/long_rl.py --sft-from shared/long-sft/model --budget-s 560 --out /tmp/long-rl --copy-to $OUT/long-rl
 """
 
 from __future__ import annotations
@@ -294,6 +300,9 @@ def main() -> None:
                         "e.g. full gives the full arm its natural start and the others a foreign one)")
     parser.add_argument("--sft-only", action="store_true", help="stop after the SFT and its start evaluations "
                         "(a calibration: is the warm start partly right under prefix sliding?)")
+    parser.add_argument("--sft-from", type=Path, help="start the arms from this SFT checkpoint (an earlier run's "
+                        "sft/model, e.g. one an --sft-only call brought back) instead of training one: the SFT and "
+                        "the arms then fit two GPU calls of <= 10 minutes")
     parser.add_argument("--procs", type=int, default=os.cpu_count() or 1, help="processes generating problems")
     parser.add_argument("--report-only", action="store_true", help="redraw the report from --out")
     parser.add_argument("--copy-to", type=Path, help="copy the report, logs, curves and ps-trunc's final checkpoint "
@@ -308,6 +317,11 @@ def main() -> None:
     if (args.out / "arms").exists() or (args.out / "sft").exists():
         parser.error(f"--out {args.out} holds an earlier run (its arms would refuse to start over their checkpoints); "
                      "give a fresh folder, or --report-only to redraw its report")
+    if args.sft_from is not None and not (args.sft_from / "config.json").is_file():
+        parser.error(f"--sft-from {args.sft_from}: no config.json there; give a checkpoint folder such as an earlier "
+                     "run's OUT/sft/model")
+    if args.sft_from is not None and args.sft_only:
+        parser.error("--sft-from and --sft-only exclude each other: the first skips the SFT, the second runs only it")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
         run(args, scale, args.out.resolve())
@@ -325,13 +339,16 @@ def run(args: argparse.Namespace, scale: Scale, out: Path) -> None:
     prompt_tokens = max(len(json.loads(line)["prompt"]) for f in ("train", "eval")
                         for line in files[f].read_text().splitlines()) + PROMPT_SLACK
     seconds["data"] = time.perf_counter() - start
-    model = out / "sft" / "model"
-    # the SFT stops itself (sft.max_seconds) where the arms would be left less than ARM_FLOOR_S; a hung one is
-    # stopped at a minute more
-    sft_seconds = scale.budget_s - seconds["data"] - scale.eval_reserve_s - ARM_FLOOR_S
-    sft = [sys.executable, "-m", "cluster.cli", "sft", str(SFT_RECIPE), *sft_overrides(scale, out, files, args.sft_kv),
-           f"sft.max_seconds={max(1.0, sft_seconds - SFT_LOAD_S):.0f}"]
-    seconds["sft"] = run_logged(sft, out / "sft.log", sft_seconds + 60)
+    if args.sft_from is not None:
+        model, seconds["sft"] = args.sft_from.resolve(), 0.0
+    else:
+        model = out / "sft" / "model"
+        # the SFT stops itself (sft.max_seconds) where the arms would be left less than ARM_FLOOR_S (all of the
+        # budget but the evaluations' with --sft-only); a hung one is stopped a minute later
+        sft_seconds = scale.budget_s - seconds["data"] - scale.eval_reserve_s - (0 if args.sft_only else ARM_FLOOR_S)
+        sft = [sys.executable, "-m", "cluster.cli", "sft", str(SFT_RECIPE),
+               *sft_overrides(scale, out, files, args.sft_kv), f"sft.max_seconds={max(1.0, sft_seconds - SFT_LOAD_S):.0f}"]
+        seconds["sft"] = run_logged(sft, out / "sft.log", sft_seconds + 60)
     configs = {arm.name: arm_config(arm, scale, out, files, model, prompt_tokens, sft_cfg.task.generator())
                for arm in ARMS}
 
@@ -342,6 +359,7 @@ def run(args: argparse.Namespace, scale: Scale, out: Path) -> None:
 
     if args.sft_only:
         rows = evaluate(start_entries(scale, model))
+        (out / "run.json").write_text(json.dumps({"seconds": seconds, "evals": rows, "argv": sys.argv[1:]}, indent=1))
         print(window_table(list(rows.values())) + f"\ndata {seconds['data']:.0f} s, sft {seconds['sft']:.0f} s, "
               f"total {time.perf_counter() - start:.0f} s")
         return
@@ -360,7 +378,8 @@ def run(args: argparse.Namespace, scale: Scale, out: Path) -> None:
     print(f"total {time.perf_counter() - start:.0f} s (" + ", ".join(f"{k} {v:.0f}" for k, v in seconds.items()) + ")")
 
 
-LIGHT = ("summary.md", "summary.json", "curves.png", "run.json", "sft.log", "sft/model/sft.json", "arms/*/train.yaml",
+LIGHT = ("summary.md", "summary.json", "curves.png", "run.json", "sft.log", "sft/model/*",  # a checkpoint: all of it, its manifest checks
+         "arms/*/train.yaml",
          "arms/*/train.log", "arms/*/curve.jsonl", "arms/*/final.json", "arms/ps-trunc/final/*", "eval/*/eval.log",
          "eval/*/results.jsonl")
 

@@ -24,6 +24,7 @@ from cluster.train_config import TrainConfig
 
 RUN_FAILED = 1
 USER_ERROR = 2
+INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a Ctrl-C
 DISPLAY_CHARS = 120
 
 
@@ -41,6 +42,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError, FileNotFoundError) as err:
         print(f"sliderl {args.command}: error: {' '.join(str(err).split())}", file=sys.stderr)
         return USER_ERROR
+    except KeyboardInterrupt:  # Ctrl-C (or a time-boxing SIGINT): the job's own cleanup ran on the way out
+        print(f"sliderl {args.command}: interrupted; what it wrote so far (checkpoints, traces, metrics) is kept",
+              file=sys.stderr)
+        return INTERRUPTED
 
 
 def _help_request(argv: list[str]) -> tuple[str, str | None, list[str]] | None:
@@ -267,10 +272,7 @@ def run_train(config_path: str | None, overrides: list[str]) -> int:
         print(f"sliderl train: run failed: {' '.join(str(err).split())}", file=sys.stderr)
         return RUN_FAILED
     print()
-    print(result.summary, end="")
-    for label, evaluation in (("before", result.eval_before), ("after", result.eval_after)):
-        if evaluation is not None:
-            print(f"  eval {label:<7}     {evaluation.line()}")
+    print(result.summary, end="")  # it holds the eval before/after lines
     if result.eval_before is not None and result.eval_after is not None:
         before, after = result.eval_before.accuracy, result.eval_after.accuracy
         print(f"  eval change      accuracy {before:.3f} -> {after:.3f} ({100 * (after - before):+.1f} points)")

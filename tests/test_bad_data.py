@@ -87,10 +87,13 @@ def test_a_run_that_trains_nothing_exits_1_and_says_why(tmp_path, tiny_model_fac
 
     model = tiny_model_factory("qwen3")
     code = main(["train", *tiny_overrides(model, tmp_path / "run"), "reward={correctness: 1.0}", "train.steps=2",
-                 "ray.num_cpus=2", "monitor.include_dashboard=false"])
-    err = capsys.readouterr().err
+                 "ray.num_cpus=2", "monitor.include_dashboard=false", "eval.after=true"])
+    out, err = capsys.readouterr()
     assert code == 1, err
     assert "no optimizer step was taken in 2 steps: every group was skipped (zero_variance_groups=4)" in err, err
+    # also catches the summary printing the evaluation twice (the run's summary has the line, and the CLI added
+    # its own): exactly one "eval after" line
+    assert out.count("\n  eval after") == 1, out[-2000:]
 
 
 def test_a_reward_that_raises_skips_its_group_and_the_worker_goes_on(tiny_model_factory, capsys):

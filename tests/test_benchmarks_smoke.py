@@ -1,6 +1,7 @@
 """benchmarks/learner_gpu.py: its FLOP and token accounting against hand-computed values, and its --tiny run."""
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -125,9 +126,22 @@ def test_long_rl_smoke_run_has_every_arm_curve_and_window(tmp_path):
     # policy: the whole benchmark at its CPU size (SFT, four Ray arms at once, the batch of greedy evaluations).
     # Independent check of the policies: an engine under prefix_sliding:W never shows a query more than the
     # prompt (< 40 tokens here) + W keys, under sliding_window:W at most W.
-    out = subprocess.run([sys.executable, "benchmarks/long_rl.py", "--smoke", "--out", str(tmp_path)],
+    # Run as on the GPU, in two calls: --sft-only, its light files copied elsewhere (as $OUT brings them back), then
+    # --sft-from that copy. Also catches a copy that leaves out the checkpoint's weights, or --sft-from ignored (the
+    # second call training an SFT of its own).
+    bench = [sys.executable, "benchmarks/long_rl.py", "--smoke"]
+    first = subprocess.run([*bench, "--sft-only", "--out", str(tmp_path / "a"), "--copy-to", str(tmp_path / "back")],
+                           capture_output=True, text=True, timeout=900)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    carried = tmp_path / "back" / "sft" / "model"
+    assert (carried / "config.json").is_file() and list(carried.glob("*.safetensors"))
+    shutil.rmtree(tmp_path / "a")  # the second call sees only what came back
+    tmp_path = tmp_path / "b"
+    out = subprocess.run([*bench, "--sft-from", str(carried), "--out", str(tmp_path)],
                          capture_output=True, text=True, timeout=1500)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert not (tmp_path / "sft").exists() and not (tmp_path / "sft.log").exists()
+    assert f"path: {carried}" in (tmp_path / "arms" / "ps-trunc" / "train.yaml").read_text()
     summary = json.loads((tmp_path / "summary.json").read_text())
     records = {r["arm"]: r for r in summary["arms"]}
     assert list(records) == ["ps-trunc", "ps-whole", "full", "sw"]
