@@ -32,8 +32,8 @@ GPU-seconds: the arms share the GPU for the same wall time, so each is charged w
 In one 10-minute call the SFT gets ~200 s (about 150 steps of 400 on the H200, 2026-12-01: too few, every arm's
 rollouts scored 0 and nothing trained), so on the GPU the stages take two calls, the checkpoint carried between:
 
-    python benchmarks/long_rl.py --sft-only --budget-s 560 --out /tmp/long-rl --copy-to $OUT/long-rl   # SFT + start
-    python benchmarks/long_rl.py --sft-from shared/long-sft/model --budget-s 560 --out /tmp/long-rl --copy-to $OUT/long-rl
+    python benchmarks/long_rl.py --sft-only --budget-s 520 --out /tmp/long-rl --copy-to $OUT/long-rl   # SFT + start
+    python benchmarks/long_rl.py --sft-from shared/long-sft/model --budget-s 520 --arm-seconds 270 --out /tmp/long-rl --copy-to $OUT/long-rl
 """
 
 from __future__ import annotations
