@@ -372,7 +372,7 @@ def run_checkpoint_eval(checkpoint: str | None, overrides: list[str]) -> int:
 def run_compare(config_path: str, overrides: list[str]) -> int:
     """``sliderl eval COMPARE.yaml``: every entry of eval.compare sampled k times per problem; table and plots."""
     from cluster.comparison import run_comparison
-    from cluster.comparison_report import text_table, write_report
+    from cluster.comparison_report import text_table, write_report, write_tables
 
     cfg = load_config(TrainConfig, config_path, overrides)
     compare = cfg.eval.compare
@@ -387,9 +387,15 @@ def run_compare(config_path: str, overrides: list[str]) -> int:
     print(to_yaml(cfg), end="", flush=True)
     out_dir = Path(compare.output_dir)
     save_config(cfg, out_dir / "config.yaml")
-    results = run_comparison(cfg, checkpoints, problems, cfg.verifier(), report=lambda r: print(
-        f"sliderl eval: {r.label} ({r.kv}): avg@k {r.mean('avg_at_k'):.3f}, mean live KV "
-        f"{r.mean('mean_live_kv'):.1f}, mean critical path {r.mean('mean_critical_path'):.1f} tokens", flush=True))
+    finished = []
+
+    def report(r) -> None:  # each finished entry is on disk at once: a comparison cut short keeps its rows
+        print(f"sliderl eval: {r.label} ({r.kv}): avg@k {r.mean('avg_at_k'):.3f}, mean live KV "
+              f"{r.mean('mean_live_kv'):.1f}, mean critical path {r.mean('mean_critical_path'):.1f} tokens", flush=True)
+        finished.append(r)
+        write_tables(finished, out_dir)
+
+    results = run_comparison(cfg, checkpoints, problems, cfg.verifier(), report=report)
     written = write_report(results, out_dir)
     print(f"\n{len(problems)} problems x k={compare.k}, seeds {list(compare.seeds)}, temperature "
           f"{compare.temperature}, top-p {compare.top_p}\n")

@@ -138,14 +138,21 @@ def write_plots(results: list[EntryResult], out_dir: Path) -> list[Path]:
     return written
 
 
+def write_tables(results: list[EntryResult], out_dir: Path) -> list[Path]:
+    """results.md and results.jsonl in ``out_dir`` (each replaced whole, never left half-written); their paths."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    texts = {"results.md": markdown_table(results),
+             "results.jsonl": "".join(json.dumps(result_record(r)) + "\n" for r in results)}
+    for name, text in texts.items():
+        staging = out_dir / f".{name}.tmp"
+        staging.write_text(text)
+        staging.replace(out_dir / name)
+    return [out_dir / name for name in texts]
+
+
 def write_report(results: list[EntryResult], out_dir: Path) -> list[Path]:
     """results.md, results.jsonl and the plots in ``out_dir``; returns every path written."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "results.md").write_text(markdown_table(results))
-    with (out_dir / "results.jsonl").open("w") as f:
-        for result in results:
-            f.write(json.dumps(result_record(result)) + "\n")
-    return [out_dir / "results.md", out_dir / "results.jsonl", *write_plots(results, out_dir)]
+    return [*write_tables(results, out_dir), *write_plots(results, out_dir)]
 
 
-__all__ = ["markdown_table", "pareto_front", "result_record", "text_table", "write_report"]
+__all__ = ["markdown_table", "pareto_front", "result_record", "text_table", "write_report", "write_tables"]

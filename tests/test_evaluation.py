@@ -191,3 +191,34 @@ def test_compare_runs_through_the_cli(tiny_model_factory, tmp_path, capsys):
     for row in rows:
         assert 0.0 <= row["avg_at_k"] <= row["pass_at_k"] <= 1.0 and row["num_problems"] == 4 and row["k"] == 2
         assert row["tokens_per_second"] > 0 and row["decode_seconds"] > 0
+
+
+def test_a_comparison_cut_short_keeps_the_entries_it_finished(tiny_model_factory, tmp_path, monkeypatch, capsys):
+    # Catches: results.jsonl/results.md written only at the end, so a comparison stopped in its third entry (a
+    # Ctrl-C here; a time box or a lost machine alike: tip_seeds' GPU call lost its two finished seeds' rows
+    # this way) leaves nothing. The first two entries really run; the third is interrupted. Planted by dropping
+    # the per-entry write in the CLI, results.jsonl does not exist and this fails.
+    import cluster.comparison as comparison
+
+    real, calls = comparison.run_entry, []
+
+    def cut_at_the_third(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(comparison, "run_entry", cut_at_the_third)
+    model = tiny_model_factory("qwen3")
+    out = tmp_path / "out"
+    code = main(["eval", RECIPE, *SMALL, f"eval.compare.output_dir={out}", _entries(
+        f"{{label: Dense, checkpoint: {model}, kv: full}}",
+        f"{{label: Streaming, checkpoint: {model}, kv: 'streaming:4:{{budget-4}}', budget_of: Dense, "
+        "budgets: [0.25, 1.0]}")])
+    assert code == 130, capsys.readouterr().err
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert [r["label"] for r in rows] == ["Dense", "Streaming@25%"]
+    assert rows[0]["num_problems"] == 4 and len(rows[0]["runs"]) == 1
+    table = (out / "results.md").read_text()
+    assert "Streaming@25%" in table and "Streaming@100%" not in table
+    assert not list(out.glob(".*.tmp"))
