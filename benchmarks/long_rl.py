@@ -345,9 +345,11 @@ def run(args: argparse.Namespace, scale: Scale, out: Path) -> None:
         model = out / "sft" / "model"
         # the SFT stops itself (sft.max_seconds) where the arms would be left less than ARM_FLOOR_S (all of the
         # budget but the evaluations' with --sft-only); a hung one is stopped a minute later
-        sft_seconds = scale.budget_s - seconds["data"] - scale.eval_reserve_s - (0 if args.sft_only else ARM_FLOOR_S)
+        arms_floor = 0 if args.sft_only else ARM_FLOOR_S
+        sft_seconds = scale.budget_s - seconds["data"] - scale.eval_reserve_s - arms_floor
+        box = f"sft.max_seconds={max(1.0, sft_seconds - SFT_LOAD_S):.0f}"
         sft = [sys.executable, "-m", "cluster.cli", "sft", str(SFT_RECIPE),
-               *sft_overrides(scale, out, files, args.sft_kv), f"sft.max_seconds={max(1.0, sft_seconds - SFT_LOAD_S):.0f}"]
+               *sft_overrides(scale, out, files, args.sft_kv), box]
         seconds["sft"] = run_logged(sft, out / "sft.log", sft_seconds + 60)
     configs = {arm.name: arm_config(arm, scale, out, files, model, prompt_tokens, sft_cfg.task.generator())
                for arm in ARMS}
@@ -359,7 +361,8 @@ def run(args: argparse.Namespace, scale: Scale, out: Path) -> None:
 
     if args.sft_only:
         rows = evaluate(start_entries(scale, model))
-        (out / "run.json").write_text(json.dumps({"seconds": seconds, "evals": rows, "argv": sys.argv[1:]}, indent=1))
+        record = {"seconds": seconds, "evals": rows, "argv": sys.argv[1:]}
+        (out / "run.json").write_text(json.dumps(record, indent=1) + "\n")
         print(window_table(list(rows.values())) + f"\ndata {seconds['data']:.0f} s, sft {seconds['sft']:.0f} s, "
               f"total {time.perf_counter() - start:.0f} s")
         return
@@ -378,9 +381,10 @@ def run(args: argparse.Namespace, scale: Scale, out: Path) -> None:
     print(f"total {time.perf_counter() - start:.0f} s (" + ", ".join(f"{k} {v:.0f}" for k, v in seconds.items()) + ")")
 
 
-LIGHT = ("summary.md", "summary.json", "curves.png", "run.json", "sft.log", "sft/model/*",  # a checkpoint: all of it, its manifest checks
-         "arms/*/train.yaml",
-         "arms/*/train.log", "arms/*/curve.jsonl", "arms/*/final.json", "arms/ps-trunc/final/*", "eval/*/eval.log",
+LIGHT = ("summary.md", "summary.json", "curves.png", "run.json", "sft.log",
+         "sft/model/*",  # the whole checkpoint: its manifest lists every file, and a load checks them
+         "arms/*/train.yaml", "arms/*/train.log", "arms/*/curve.jsonl", "arms/*/final.json", "arms/ps-trunc/final/*",
+         "eval/*/eval.log",
          "eval/*/results.jsonl")
 
 

@@ -195,7 +195,7 @@ def test_compare_runs_through_the_cli(tiny_model_factory, tmp_path, capsys):
 
 def test_a_comparison_cut_short_keeps_the_entries_it_finished(tiny_model_factory, tmp_path, monkeypatch, capsys):
     # Catches: results.jsonl/results.md written only at the end, so a comparison stopped in its third entry (a
-    # Ctrl-C here; a time box or a lost machine alike: tip_seeds' GPU call lost its two finished seeds' rows
+    # Ctrl-C here; a time box or a lost machine alike: tip_seeds' GPU call lost every seed's 7 finished rows
     # this way) leaves nothing. The first two entries really run; the third is interrupted. Planted by dropping
     # the per-entry write in the CLI, results.jsonl does not exist and this fails.
     import cluster.comparison as comparison

@@ -18,9 +18,9 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.slow
 def test_ctrl_c_exits_130_in_one_line_and_keeps_the_checkpoints(tiny_model_factory, tmp_path):
     # Catches: a SIGINT (a user's Ctrl-C, or tip_seeds' time box) ending `sliderl train` in a KeyboardInterrupt
-    # traceback with exit 1, or a cleanup on the way out that removes what the run wrote. A real job on its own
-    # local Ray instance is interrupted once its first complete checkpoint is on disk. Planted by dropping the
-    # CLI's KeyboardInterrupt handler: the exit is 1 with a traceback, and this fails.
+    # traceback, or a cleanup on the way out that removes what the run wrote. A real job on its own local Ray
+    # instance is interrupted once its first complete checkpoint is on disk. Planted by dropping the CLI's
+    # KeyboardInterrupt handler: Python's default ends the process by the signal (returncode -2), and this fails.
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "cluster.cli", "train", *tiny_overrides(tiny_model_factory("qwen3"), run),
            "train.steps=10000", "checkpoint.every=1", "ray.num_cpus=2", "train.mode=sync"]

@@ -144,11 +144,11 @@ def test_a_time_boxed_stage_stops_at_a_step_boundary_and_writes_its_checkpoint(t
     # catches: sft.max_seconds ignored (all 12 steps run, a time-boxed GPU recipe overruns its call) or the
     # stage stopping without its checkpoint and marker. A fake clock advances 10 s per step (the load takes
     # none): with max_seconds=25 the steps end at 10, 20, 30 s, so training stops after step 3 of 12.
-    import trainer.sft as sft
-    from trainer.learner import Learner
-
     import time
     import types
+
+    import trainer.sft as sft
+    from trainer.learner import Learner
 
     clock = iter(range(0, 10_000))  # trainer.sft's own clock only: nothing else reads it
     monkeypatch.setattr(sft, "time", types.SimpleNamespace(perf_counter=lambda: 10.0 * next(clock),

@@ -145,11 +145,12 @@ def run_sft(model_path: str | Path, out_dir: str | Path, train_examples: list[SF
             accuracy = f"  held-out exact match {checks[-1][1]:.2f}" if checks else ""
             print(f"sft step {step}/{sft_args.steps}  loss {losses[-1]:.4f}{accuracy}  "
                   f"{time.perf_counter() - t0:.0f}s ({time.process_time() - cpu0:.0f} cpu-s)", flush=True)
-        out_of_time = sft_args.max_seconds > 0 and time.perf_counter() - t0 >= sft_args.max_seconds
-        if out_of_time and not reached:
-            print(f"sft: stopped at step {step}/{sft_args.steps} after {time.perf_counter() - t0:.0f} s "
+        if reached:
+            break
+        elapsed = time.perf_counter() - t0
+        if sft_args.max_seconds > 0 and elapsed >= sft_args.max_seconds and step < sft_args.steps:
+            print(f"sft: stopped at step {step}/{sft_args.steps} after {elapsed:.0f} s "
                   f"(sft.max_seconds={sft_args.max_seconds:g})", flush=True)
-        if reached or out_of_time:
             break
     out = Path(out_dir)
     learner.save_checkpoint(out)
