@@ -30,10 +30,18 @@ GPU-seconds: the arms share the GPU for the same wall time, so each is charged w
     python benchmarks/long_rl.py --smoke --out /tmp/long-rl        # CPU, a tiny model: the same pipeline
 
 In one 10-minute call the SFT gets ~200 s (about 150 steps of 400 on the H200, 2026-12-01: too few, every arm's
-rollouts scored 0 and nothing trained), so on the GPU the stages take two calls, the checkpoint carried between:
+rollouts scored 0 and nothing trained), so on the GPU the stages take separate calls, the SFT's weights carried
+between (``--copy-to`` writes them without the optimizer state as ``sft/weights``, ~4 MB), and ``--arms`` runs
+two arms per call (four sharing one GPU got ~7 RL steps each in 260 s, 2026-12-02); ``--report-only --merge``
+joins the calls' runs into one report, each arm charged its own share of the GPU:
 
     python benchmarks/long_rl.py --sft-only --budget-s 520 --out /tmp/long-rl --copy-to $OUT/long-rl   # SFT + start
-    python benchmarks/long_rl.py --sft-from shared/long-sft/model --budget-s 520 --arm-seconds 270 --out /tmp/long-rl --copy-to $OUT/long-rl
+    # here: cp -r <files_at>/long-rl/sft/weights shared/long-sft/weights   (the repository's ignored shared/ travels)
+    python benchmarks/long_rl.py --sft-from shared/long-sft/weights --arms ps-trunc ps-whole --budget-s 500 \
+        --arm-seconds 300 --out /tmp/long-rl --copy-to $OUT/long-rl-ps
+    python benchmarks/long_rl.py --sft-from shared/long-sft/weights --arms full sw --budget-s 500 \
+        --arm-seconds 300 --out /tmp/long-rl --copy-to $OUT/long-rl-full-sw
+    python benchmarks/long_rl.py --report-only --out runs/long-rl --merge long-rl-ps long-rl-full-sw   # here
 """
 
 from __future__ import annotations
@@ -59,6 +67,8 @@ from benchmarks.long_rl_report import GpuBusy, write_report  # noqa: E402
 from cluster.config import load_config, save_config  # noqa: E402
 from cluster.sft_config import SFTJobConfig  # noqa: E402
 from cluster.train_config import TrainConfig  # noqa: E402
+from trainer.checkpoint import TRAINER_STATE  # noqa: E402
+from trainer.manifest import MANIFEST, Manifest  # noqa: E402
 
 SFT_RECIPE, RL_RECIPE = ROOT / "configs" / "long-sft.yaml", ROOT / "configs" / "long-rl.yaml"
 ARM_ENV = "SLIDERL_ARM"  # every process of an arm inherits it: how GpuBusy tells the arms' processes apart
@@ -262,20 +272,23 @@ def arm_main(argv: list[str]) -> int:
     return 0
 
 
-def start_entries(scale: Scale, model: Path) -> list[EvalEntry]:
-    """The start: the SFT model under each distinct arm policy (``start-<first arm with it>``)."""
+def start_entries(scale: Scale, model: Path, arms) -> list[EvalEntry]:
+    """The start: the SFT model under each distinct policy of ``arms`` (``start-<first of ARMS with it>``, so that
+    runs of different arms name one start alike)."""
     policies: dict[str, str] = {}
-    for arm in ARMS:
+    wanted = {arm.policy(scale.window) for arm in arms}
+    for arm in (a for a in ARMS if a.policy(scale.window) in wanted):
         policies.setdefault(arm.policy(scale.window), f"start-{arm.name}")
     return [EvalEntry(label, str(model), kv) for kv, label in policies.items()]
 
 
-def end_entries(scale: Scale, out: Path) -> list[EvalEntry]:
-    """Each arm's final weights under its own policy, and accuracy vs W on ps-trunc's (``w-ps<W>``, ``w-sw<W>``)."""
-    finals = {arm.name: out / "arms" / arm.name / "final" for arm in ARMS}
-    entries = [EvalEntry(f"end-{arm.name}", str(finals[arm.name]), arm.policy(scale.window)) for arm in ARMS
+def end_entries(scale: Scale, out: Path, arms) -> list[EvalEntry]:
+    """Each of ``arms``' final weights under its own policy, and accuracy vs W on ps-trunc's (``w-ps<W>``,
+    ``w-sw<W>``) when it is one of them."""
+    finals = {arm.name: out / "arms" / arm.name / "final" for arm in arms}
+    entries = [EvalEntry(f"end-{arm.name}", str(finals[arm.name]), arm.policy(scale.window)) for arm in arms
                if (finals[arm.name] / "config.json").is_file()]
-    if scale.windows and (finals["ps-trunc"] / "config.json").is_file():
+    if scale.windows and "ps-trunc" in finals and (finals["ps-trunc"] / "config.json").is_file():
         entries += [replace(e, label=f"w-{e.label}") for e in window_entries(
             str(finals["ps-trunc"]), list(scale.windows), [scale.window])]
     return entries
@@ -303,6 +316,11 @@ def main() -> None:
     parser.add_argument("--sft-from", type=Path, help="start the arms from this SFT checkpoint (an earlier run's "
                         "sft/model, e.g. one an --sft-only call brought back) instead of training one: the SFT and "
                         "the arms then fit two GPU calls of <= 10 minutes")
+    parser.add_argument("--arms", nargs="+", choices=[a.name for a in ARMS], default=[a.name for a in ARMS],
+                        help="run only these arms (together on the GPU, each charged its share of it); a later "
+                        "--report-only --merge puts the runs of several calls into one report")
+    parser.add_argument("--merge", nargs="+", type=Path, default=[], metavar="DIR",
+                        help="with --report-only: first merge these runs' arms and evaluations into --out")
     parser.add_argument("--procs", type=int, default=os.cpu_count() or 1, help="processes generating problems")
     parser.add_argument("--report-only", action="store_true", help="redraw the report from --out")
     parser.add_argument("--copy-to", type=Path, help="copy the report, logs, curves and ps-trunc's final checkpoint "
@@ -311,7 +329,11 @@ def main() -> None:
     scale = SMOKE if args.smoke else GPU
     scale = replace(scale, sft=(*scale.sft, *args.sft), train=(*scale.train, *args.train),
                     arm_seconds=args.arm_seconds or scale.arm_seconds, budget_s=args.budget_s or scale.budget_s)
+    if args.merge and not args.report_only:
+        parser.error("--merge goes with --report-only: it joins finished runs into one report")
     if args.report_only:
+        if args.merge:
+            merge_runs([d.resolve() for d in args.merge], args.out.resolve())
         print(write_report(args.out.resolve(), ARMS, scale.window))
         return
     if (args.out / "arms").exists() or (args.out / "sft").exists():
@@ -351,16 +373,18 @@ def run(args: argparse.Namespace, scale: Scale, out: Path) -> None:
         sft = [sys.executable, "-m", "cluster.cli", "sft", str(SFT_RECIPE),
                *sft_overrides(scale, out, files, args.sft_kv), box]
         seconds["sft"] = run_logged(sft, out / "sft.log", sft_seconds + 60)
+    arms = [arm for arm in ARMS if arm.name in args.arms]
     configs = {arm.name: arm_config(arm, scale, out, files, model, prompt_tokens, sft_cfg.task.generator())
-               for arm in ARMS}
+               for arm in arms}
+    first = configs[arms[0].name]  # any arm's config serves the evaluations: only its engine and data are read
 
     def evaluate(entries: list[EvalEntry]) -> dict[str, dict]:
         left = max(60.0, scale.budget_s - (time.perf_counter() - start) - 10)
-        return run_evals(entries, str(configs["ps-trunc"]), [], scale.eval_problems, prompt_tokens, out / "eval",
+        return run_evals(entries, str(first), [], scale.eval_problems, prompt_tokens, out / "eval",
                          scale.parallel_evals, left)
 
     if args.sft_only:
-        rows = evaluate(start_entries(scale, model))
+        rows = evaluate(start_entries(scale, model, ARMS))
         record = {"seconds": seconds, "evals": rows, "argv": sys.argv[1:]}
         (out / "run.json").write_text(json.dumps(record, indent=1) + "\n")
         print(window_table(list(rows.values())) + f"\ndata {seconds['data']:.0f} s, sft {seconds['sft']:.0f} s, "
@@ -370,15 +394,39 @@ def run(args: argparse.Namespace, scale: Scale, out: Path) -> None:
     arm_seconds = max(30.0, min(scale.arm_seconds, left))
     print(f"data {seconds['data']:.0f} s, sft {seconds['sft']:.0f} s; arms for {arm_seconds:.0f} s", flush=True)
     t_arms = time.perf_counter()
-    arms = run_arms(configs, arm_seconds)
+    ran = run_arms(configs, arm_seconds)
+    for record in ran.values():  # the arms shared the GPU for the same wall time: each is charged its share
+        record.update(share=1 / len(ran), arm_seconds=arm_seconds)
     seconds["arms"] = time.perf_counter() - t_arms
     t_eval = time.perf_counter()
-    rows = evaluate(start_entries(scale, model) + end_entries(scale, out))
+    rows = evaluate(start_entries(scale, model, arms) + end_entries(scale, out, arms))
     seconds["eval"] = time.perf_counter() - t_eval
-    (out / "run.json").write_text(json.dumps({"seconds": seconds, "arm_seconds": arm_seconds, "arms": arms,
+    (out / "run.json").write_text(json.dumps({"seconds": seconds, "arm_seconds": arm_seconds, "arms": ran,
                                               "evals": rows, "argv": sys.argv[1:]}, indent=1) + "\n")
     print(write_report(out, ARMS, scale.window))
     print(f"total {time.perf_counter() - start:.0f} s (" + ", ".join(f"{k} {v:.0f}" for k, v in seconds.items()) + ")")
+
+
+def merge_runs(runs: list[Path], out: Path) -> None:
+    """Join finished runs of different arms (``--arms``, one call each) into ``out``: their ``arms/<arm>`` folders
+    and one ``run.json`` whose arms keep their own share of the GPU and deadline; evaluations by label (a start
+    measured twice keeps the first run's), seconds per run."""
+    merged = {"seconds": {}, "arm_seconds": None, "arms": {}, "evals": {}, "merged_from": [str(r) for r in runs]}
+    for i, run_dir in enumerate(runs):
+        record = json.loads((run_dir / "run.json").read_text())
+        if "arms" not in record:
+            raise SystemExit(f"--merge {run_dir}: its run.json has no arms (an --sft-only run?)")
+        for name, arm in record["arms"].items():
+            if name in merged["arms"]:
+                raise SystemExit(f"--merge: arm {name} is in two of the runs ({run_dir}); merge one run per arm")
+            merged["arms"][name] = {"share": 1 / len(record["arms"]), "arm_seconds": record["arm_seconds"], **arm}
+            shutil.copytree(run_dir / "arms" / name, out / "arms" / name, dirs_exist_ok=True)
+        for label, row in record["evals"].items():
+            merged["evals"].setdefault(label, row)
+        merged["seconds"].update({f"{key} ({i + 1})": value for key, value in record["seconds"].items()})
+    merged["arm_seconds"] = max(a["arm_seconds"] for a in merged["arms"].values())
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "run.json").write_text(json.dumps(merged, indent=1) + "\n")
 
 
 LIGHT = ("summary.md", "summary.json", "curves.png", "run.json", "sft.log",
@@ -389,12 +437,27 @@ LIGHT = ("summary.md", "summary.json", "curves.png", "run.json", "sft.log",
 
 
 def copy_light(out: Path, dest: Path) -> None:
-    """The run's small files (``LIGHT``) from ``out`` to ``dest``, at the same relative paths."""
+    """The run's small files (``LIGHT``) from ``out`` to ``dest``, at the same relative paths, and the SFT's weights
+    without its optimizer state as ``sft/weights`` (what the arms' call needs: a third of the size)."""
     for pattern in LIGHT:
         for path in out.glob(pattern):
             target = dest / path.relative_to(out)
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(path, target)
+    if (out / "sft" / "model" / MANIFEST).is_file():
+        weights_only(out / "sft" / "model", dest / "sft" / "weights")
+
+
+def weights_only(checkpoint: Path, dest: Path) -> None:
+    """``checkpoint`` without ``trainer_state.pt`` (the optimizer state a continued SFT would need, twice the
+    weights' size) in ``dest``, its manifest without it: the arms load it as any HF checkpoint, checked."""
+    manifest = Manifest.read(checkpoint)
+    manifest.files.pop(TRAINER_STATE, None)
+    dest.mkdir(parents=True, exist_ok=True)
+    for path in checkpoint.iterdir():  # the marker sft.json too (not in the manifest: it is written last)
+        if path.is_file() and path.name not in (TRAINER_STATE, MANIFEST):
+            shutil.copy2(path, dest / path.name)
+    manifest.write(dest)
 
 
 if __name__ == "__main__":

@@ -168,7 +168,7 @@ def write_curves(records: list[dict], path: Path) -> None:
             ax.plot([0], [r["start_accuracy"]], "o", mfc="none", color=color, markersize=9)
         if r["end_accuracy"] is not None:
             ax.plot([r["wall_s"]], [r["end_accuracy"]], "o", color=color, markersize=9)
-    ax.set(xlabel="wall seconds since the arms started (four arms share one GPU)", ylabel="accuracy",
+    ax.set(xlabel="wall seconds since the arms started (arms that ran together share one GPU)", ylabel="accuracy",
            title="rollout accuracy per RL step (lines); greedy eval at start (o) and end (●)", ylim=(-0.02, 1.02))
     ax.grid(alpha=0.3)
     ax.legend(loc="best", fontsize=8)
@@ -179,13 +179,18 @@ def write_curves(records: list[dict], path: Path) -> None:
 def write_report(out: Path, arms, window: int) -> str:
     """``curves.png``, ``summary.md`` and ``summary.json`` in ``out`` from the run's files; returns the summary."""
     run = json.loads((out / "run.json").read_text())
-    evals, share = run["evals"], 1 / len(arms)
-    records = [arm_record(out / "arms" / a.name, evals, a, window, share, run["arms"].get(a.name, {}).get("gpu_busy_s"))
-               for a in arms]
+    evals = run["evals"]
+    arms = [a for a in arms if a.name in run["arms"]]  # the arms this run (or the runs merged into it) ran
+    ran = {a.name: run["arms"][a.name] for a in arms}
+    # each arm is charged wall x its share of the GPU: 1 / the number of arms that ran beside it (older runs: all)
+    records = [arm_record(out / "arms" / a.name, evals, a, window, ran[a.name].get("share", 1 / len(arms)),
+                          ran[a.name].get("gpu_busy_s")) for a in arms]
     write_curves(records, out / "curves.png")
     windows = [e for label, e in evals.items() if label.startswith("w-")]
     seconds = ", ".join(f"{k} {v:.0f} s" for k, v in run["seconds"].items())
-    text = (f"# RL where T >> W: {len(arms)} arms on one GPU, {run['arm_seconds']:.0f} s each ({seconds})\n\n"
+    together = sorted({round(1 / r.get("share", 1 / len(arms))) for r in ran.values()})
+    text = (f"# RL where T >> W: {len(arms)} arms on one GPU ({' or '.join(map(str, together))} at a time), "
+            f"{run['arm_seconds']:.0f} s each ({seconds})\n\n"
             + arms_table(records) + "\n" + verdict(records)
             + "\nGreedy accuracy of the ps-trunc arm's final weights per window (accuracy vs W):\n\n"
             + (window_table(windows) if windows else "(not run)\n"))

@@ -120,6 +120,55 @@ def test_long_rl_arms_put_the_loss_where_they_say(tiny_model_factory):
         assert metrics.peak_memory_gib is None  # CPU: the learner reports CUDA memory only
 
 
+def _arm_run(folder, arms: dict[str, float], arm_seconds: float) -> None:
+    """A finished long_rl.py run of ``arms`` (name -> the wall seconds of its final step), as run() leaves it:
+    run.json with the arms' share of the GPU, and per arm curve.jsonl (two steps, the second trained) and
+    final.json."""
+    share = 1 / len(arms)
+    for name, wall in arms.items():
+        arm = folder / "arms" / name
+        arm.mkdir(parents=True)
+        rows = [{"step": 1, "wall_s": wall / 2, "accuracy": 0.25, "rollout_tokens_per_s": 100.0},
+                {"step": 2, "wall_s": wall, "accuracy": 0.5, "rollout_tokens_per_s": 100.0, "learner/stepped": True,
+                 "learner_step_seconds": 1.0, "learner/num_tokens": 40, "learner/num_traces": 4,
+                 "learner/num_loss_tokens": 8}]
+        (arm / "curve.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (arm / "final.json").write_text(json.dumps({"step": 2, "wall_s": wall}))
+    evals = {f"end-{name}": {"label": f"end-{name}", "kv": "full", "accuracy": 0.5, "problems": 64} for name in arms}
+    (folder / "run.json").write_text(json.dumps({
+        "seconds": {"data": 1.0, "arms": arm_seconds}, "arm_seconds": arm_seconds, "evals": evals,
+        "arms": {name: {"exit": 0, "gpu_busy_s": None, "share": share, "arm_seconds": arm_seconds} for name in arms}}))
+
+
+def test_long_rl_merges_runs_of_different_arms_each_charged_its_own_share(tmp_path):
+    # Catches a report of runs with --arms (one call per pair of arms, merged by --report-only --merge) that charges
+    # every arm 1/4 of the GPU, or 1/len(all arms), instead of the share it had: ps-trunc and ps-whole ran together
+    # (1/2 each), full alone (1/1). By hand: ps-trunc 100 s x 1/2 = 50 GPU-s, ps-whole 90 x 1/2 = 45, full 80 x 1 =
+    # 80. Planting `share = 1 / len(arms)` in write_report gives 33, 30 and 27. Also: an arm in two runs is refused.
+    from benchmarks.long_rl import GPU, ARMS, end_entries, start_entries
+
+    _arm_run(tmp_path / "pair", {"ps-trunc": 100.0, "ps-whole": 90.0}, 110.0)
+    _arm_run(tmp_path / "alone", {"full": 80.0}, 95.0)
+    cmd = [sys.executable, "benchmarks/long_rl.py", "--report-only", "--out", str(tmp_path / "merged"), "--merge"]
+    out = subprocess.run([*cmd, str(tmp_path / "pair"), str(tmp_path / "alone")], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    records = {r["arm"]: r for r in json.loads((tmp_path / "merged" / "summary.json").read_text())["arms"]}
+    assert list(records) == ["ps-trunc", "ps-whole", "full"]  # sw did not run: no row for it
+    assert {k: round(r["gpu_s"], 6) for k, r in records.items()} == {"ps-trunc": 50.0, "ps-whole": 45.0, "full": 80.0}
+    assert (tmp_path / "merged" / "arms" / "full" / "curve.jsonl").is_file()
+    twice = subprocess.run([*cmd, str(tmp_path / "pair"), str(tmp_path / "pair")], capture_output=True, text=True,
+                           timeout=300)
+    assert twice.returncode != 0 and "arm ps-trunc is in two of the runs" in twice.stderr
+    # a run of some arms measures the starts of their policies only, and accuracy vs W only with ps-trunc's weights
+    sw, whole = [a for a in ARMS if a.name == "sw"], [a for a in ARMS if a.name == "ps-whole"]
+    assert [(e.label, e.kv) for e in start_entries(GPU, tmp_path, sw)] == [("start-sw", "sliding_window:512")]
+    assert [(e.label, e.kv) for e in start_entries(GPU, tmp_path, whole)] == [("start-ps-trunc", "prefix_sliding:512")]
+    (tmp_path / "arms" / "ps-whole" / "final").mkdir(parents=True)
+    (tmp_path / "arms" / "ps-whole" / "final" / "config.json").write_text("{}")
+    assert [e.label for e in end_entries(GPU, tmp_path, whole)] == ["end-ps-whole"]
+
+
 @pytest.mark.slow
 def test_long_rl_smoke_run_has_every_arm_curve_and_window(tmp_path):
     # Catches a pipeline that drops an arm, an evaluation or the accuracy-vs-W rows, or evaluates under the wrong
@@ -128,13 +177,17 @@ def test_long_rl_smoke_run_has_every_arm_curve_and_window(tmp_path):
     # prompt (< 40 tokens here) + W keys, under sliding_window:W at most W.
     # Run as on the GPU, in two calls: --sft-only, its light files copied elsewhere (as $OUT brings them back), then
     # --sft-from that copy. Also catches a copy that leaves out the checkpoint's weights, or --sft-from ignored (the
-    # second call training an SFT of its own).
+    # second call training an SFT of its own), or a weights-only copy whose manifest still lists the optimizer state
+    # (every load of it would refuse it as damaged).
     bench = [sys.executable, "benchmarks/long_rl.py", "--smoke"]
     first = subprocess.run([*bench, "--sft-only", "--out", str(tmp_path / "a"), "--copy-to", str(tmp_path / "back")],
                            capture_output=True, text=True, timeout=900)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
-    carried = tmp_path / "back" / "sft" / "model"
+    # the arms start from the weights without the optimizer state (a third of the checkpoint: what fits a GPU call)
+    carried = tmp_path / "back" / "sft" / "weights"
     assert (carried / "config.json").is_file() and list(carried.glob("*.safetensors"))
+    assert (tmp_path / "back" / "sft" / "model" / "trainer_state.pt").is_file()
+    assert not (carried / "trainer_state.pt").exists() and "trainer_state" not in (carried / "manifest.json").read_text()
     shutil.rmtree(tmp_path / "a")  # the second call sees only what came back
     tmp_path = tmp_path / "b"
     out = subprocess.run([*bench, "--sft-from", str(carried), "--out", str(tmp_path)],
