@@ -5,19 +5,27 @@ tokens) under ``prefix_sliding:32`` (T ~ 8 W), the same 0.8M-parameter model (``
 ``STEPS`` SFT steps of 32 pairs, then greedy accuracy on 64 held-out problems under prefix_sliding:32,
 sliding_window:32 and full, and the first 16 completions' boxed answers beside the right ones:
 
-    python benchmarks/long_rl_pilot.py as-is 150 /tmp/pilot/as-is     # the task as the benchmark runs it
-    python benchmarks/long_rl_pilot.py copy 150 /tmp/pilot/copy       # no prologue: the answer is a's initial value
-    python benchmarks/long_rl_pilot.py copy 150 /tmp/pilot/h256 model.hidden_size=256 model.num_heads=8 \\
+    python benchmarks/long_rl_pilot.py as-is --out /tmp/pilot/as-is        # the task as the benchmark runs it
+    python benchmarks/long_rl_pilot.py copy --out /tmp/pilot/copy          # no prologue: the answer is a's initial value
+    python benchmarks/long_rl_pilot.py copy --out /tmp/pilot/h256 --model model.hidden_size=256 model.num_heads=8 \
         model.num_kv_heads=4 model.intermediate_size=1024
+    python benchmarks/long_rl_pilot.py copy --out /tmp/pilot/trunc --truncated-steps 150   # then 150 steps on the end
 
-``copy`` drops the prologue operation from the prompt and the trace (``a=61 b=47 c=23; 9x b+3 c-2`` -> answer 61):
-the answer is then a copy from the prompt, which only the prefix keeps, without the arithmetic.
+``--truncated-steps N`` continues the SFT from its checkpoint for N steps with the loss on each trace's last W
+tokens only (``learner.window_mode=truncated``, k·W of context): the answer's tokens are then ~1/16 of the loss
+rather than ~1/100 (1/3,000 at the benchmark's 8.3K tokens).
+
+``copy`` is the task without its prologue operation (``task.prologue=false``: ``a=61 b=47 c=23; 9x b+3 c-2`` ->
+answer 61, as configs/long-sft.yaml now sets it): the answer is a copy from the prompt, which only the prefix keeps,
+without the arithmetic; ``as-is`` keeps the prologue (``a=61 ...; a-4; 9x ...`` -> 57).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -25,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.accuracy_vs_w import EvalEntry, run_evals  # noqa: E402
-from benchmarks.long_rl import RL_RECIPE, SFT_RECIPE, _write, run_logged, write_data  # noqa: E402
+from benchmarks.long_rl import RL_RECIPE, SFT_RECIPE, run_logged, write_data  # noqa: E402
 from cluster.config import load_config  # noqa: E402
 from cluster.sft_config import SFTJobConfig  # noqa: E402
 
@@ -35,41 +43,40 @@ CPU = ["engine.device=cpu", "learner.device=cpu", "rollout.num_gpus=0", "learner
        "learner.num_cpus=0.5", "ray.num_cpus=2"]
 
 
-def without_prologue(row: dict, completion: str | None) -> dict:
-    """``row`` with the prologue operation dropped from its prompt (and its completion's first line); the answer
-    becomes a's initial value."""
-    head, _, loop = row["prompt"].strip().split("; ")
-    initial = head.split()[0].split("=")[1]
-    row["prompt"] = f"{head}; {loop}\n"
-    if completion is None:
-        row["answer"] = initial
-    else:
-        lines = row[completion].split("\n")
-        del lines[1]  # the prologue's line, after "<think>"
-        row[completion] = re.sub(r"\\boxed\{\d+\}", lambda _: "\\boxed{" + initial + "}", "\n".join(lines))
-    return row
-
-
 def main() -> None:
-    variant, steps, out, model = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3]), sys.argv[4:]
-    if variant not in ("as-is", "copy"):
-        raise SystemExit(f"variant must be as-is or copy, got {variant!r}")
-    sft = [*TASK, *model, "model.max_position_embeddings=1024", "learner.device=cpu", "learner.micro_batch_tokens=16384",
-           f"sft.steps={steps}", f"sft.check_every={steps}", "sft.log_every=25", "kv=prefix_sliding:32"]
-    files = write_data(load_config(SFTJobConfig, str(SFT_RECIPE), sft).task.generator(), out / "data", 32 * steps, 16,
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("variant", choices=("as-is", "copy"))
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--steps", type=int, default=150, help="SFT steps of 32 pairs on whole traces")
+    parser.add_argument("--truncated-steps", type=int, default=0, help="then this many on each trace's last W tokens")
+    parser.add_argument("--model", nargs="*", default=[], metavar="KEY=VALUE", help="model settings")
+    parser.add_argument("--eval-only", action="store_true", help="evaluate the checkpoints already in --out")
+    args = parser.parse_args()
+    out, steps = args.out, args.steps
+    task = [*TASK, f"task.prologue={args.variant == 'as-is'}"]
+    sft = [*task, *args.model, "model.max_position_embeddings=1024", "learner.device=cpu", "kv=prefix_sliding:32",
+           "learner.micro_batch_tokens=16384", "sft.log_every=25"]
+    examples = 32 * (steps + args.truncated_steps)
+    files = write_data(load_config(SFTJobConfig, str(SFT_RECIPE), sft).task.generator(), out / "data", examples, 16,
                        64, 2)
-    if variant == "copy":
-        for name, completion in (("sft", "completion"), ("train", None), ("eval", None)):
-            rows = [json.loads(line) for line in files[name].read_text().splitlines()]
-            _write(files[name], [without_prologue(r, completion) for r in rows])
-    run_logged([sys.executable, "-m", "cluster.cli", "sft", str(SFT_RECIPE), *sft, f"output_dir={out / 'sft'}",
-                f"data.source={files['sft']}", "data.prompt_field=prompt", "data.completion_field=completion"],
-               out / "sft.log", 3600)
+    data = [f"data.source={files['sft']}", "data.prompt_field=prompt", "data.completion_field=completion"]
+    command = [sys.executable, "-m", "cluster.cli", "sft", str(SFT_RECIPE), *sft, *data]
+    if not args.eval_only:
+        run_logged([*command, f"output_dir={out / 'sft'}", f"sft.steps={steps}", f"sft.check_every={steps}"],
+                   out / "sft.log", 3600)
     checkpoint = out / "sft" / "model"
-    train = [*TASK, *CPU, "sampling.max_tokens=320", f"data.source={files['train']}", f"data.eval_source={files['eval']}",
+    if args.truncated_steps and not args.eval_only:
+        n = args.truncated_steps
+        run_logged([*command, f"output_dir={out / 'sft-end'}", f"sft.steps={n}", f"sft.check_every={n}",
+                    "model.type=hf", f"model.path={checkpoint}", "learner.window_mode=truncated",
+                    "learner.multiplier=4"], out / "sft-end.log", 3600)
+    if args.truncated_steps:
+        checkpoint = out / "sft-end" / "model"
+    train = [*task, *CPU, "sampling.max_tokens=320", f"data.source={files['train']}", f"data.eval_source={files['eval']}",
              "data.eval_split=train", "model.type=hf", f"model.path={checkpoint}"]
     entries = [EvalEntry(label, str(checkpoint), kv) for label, kv in
                (("ps32", "prefix_sliding:32"), ("sw32", "sliding_window:32"), ("full", "full"))]
+    shutil.rmtree(out / "eval", ignore_errors=True)  # an earlier evaluation's folders
     for row in run_evals(entries, str(RL_RECIPE), train, 64, 80, out / "eval", 1, 1800).values():
         print(f"{row['label']:5} accuracy {row['accuracy']:.3f}")
 

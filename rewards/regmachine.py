@@ -47,6 +47,10 @@ TIP's target of half of Dense's mean lies between them, so reaching it is the RL
 7-9 repeats the optimum itself was 48% of Dense's mean: the fill before the first kill weighs on a
 short trace.)
 
+With ``prologue=False`` the prompt has no prologue operation (``a=61 b=47 c=23; 3x b+3 c-2``) and the answer is
+``a``'s initial value: a copy from the prompt that no trace line restates (issue 16's long traces, where only a
+kept prompt prefix holds it).
+
 Every value stays in ``[min_value, max_value]`` (two digits): a loop operation's operand and sign are
 drawn first, then a start value from the range the whole loop keeps in bounds. Splits are disjoint by
 a hash of the prompt, as in ``rewards.arith``.
@@ -91,7 +95,7 @@ class Program:
     """A problem: initial values, the prologue operation, the loop body and count, the printed variable."""
 
     start: tuple[tuple[str, int], ...]
-    prologue: tuple[str, str, int]  # (var, sign, operand)
+    prologue: tuple[str, str, int] | None  # (var, sign, operand); None: the printed variable is never written
     body: tuple[tuple[str, str, int], ...]
     repeats: int
     label_width: int = 1
@@ -99,20 +103,21 @@ class Program:
 
     @property
     def printed(self) -> str:
-        return self.prologue[0]
+        return self.start[0][0]
 
     def prompt(self) -> str:
         values = " ".join(f"{v}={x}" for v, x in self.start)
-        var, sign, k = self.prologue
+        prologue = "" if self.prologue is None else "{}{}{}; ".format(*self.prologue)
         body = " ".join(f"{v}{s}{o}" for v, s, o in self.body)
-        return f"{values}; {var}{sign}{k}; {self.repeats}x {body}\n"
+        return f"{values}; {prologue}{self.repeats}x {body}\n"
 
     def steps(self) -> list[Step]:
         """The reasoning steps in order, each pointing at the step it reads."""
         value = dict(self.start)
         writer = {v: -1 for v in value}
         steps: list[Step] = []
-        ops = [(0, self.prologue)] + [(i, op) for i in range(1, self.repeats + 1) for op in self.body]
+        ops = [(0, self.prologue)] if self.prologue is not None else []
+        ops += [(i, op) for i in range(1, self.repeats + 1) for op in self.body]
         for iteration, (var, sign, k) in ops:
             new = value[var] + k if sign == "+" else value[var] - k
             steps.append(Step(iteration, var, value[var], sign, k, new, writer[var]))
@@ -120,7 +125,8 @@ class Program:
         return steps
 
     def answer(self) -> int:
-        return [s for s in self.steps() if s.var == self.printed][-1].new
+        written = [s for s in self.steps() if s.var == self.printed]
+        return written[-1].new if written else dict(self.start)[self.printed]
 
     def last_readers(self) -> list[int]:
         """For each step, the index of the last step that reads it; ``len(steps)`` for the step the
@@ -130,7 +136,9 @@ class Program:
         for i, s in enumerate(steps):
             if s.reads >= 0:
                 last[s.reads] = i
-        last[[i for i, s in enumerate(steps) if s.var == self.printed][-1]] = len(steps)
+        written = [i for i, s in enumerate(steps) if s.var == self.printed]
+        if written:  # without a prologue the answer reads the prompt, which no schedule kills
+            last[written[-1]] = len(steps)
         return last
 
 
@@ -188,6 +196,11 @@ class RegisterMachineTask:
     """Every value lies in min_value..max_value."""
     max_value: int = 99
     """See min_value; the range must fit max_operand times the most repeats."""
+    prologue: bool = True
+    """False: no prologue operation, so the answer is the printed variable's initial value, a copy from the prompt
+    that no line of the trace restates: under a window shorter than the trace only a kept prompt prefix holds it
+    (issue 16's long traces; with the prologue the answer also needs its arithmetic, which a small model learns
+    from far fewer of its rare answer tokens)."""
     num_registers: int = 32
     """Thought registers of the policy (registers:N) the annotations are written for."""
     lazy_registers: int = 32
@@ -236,8 +249,8 @@ class RegisterMachineTask:
         start[kept] = rng.randint(lo, hi)
         k = rng.randint(1, self.max_operand)
         signs = [s for s, x in (("+", start[kept] + k), ("-", start[kept] - k)) if lo <= x <= hi]
-        return Program(tuple((v, start[v]) for v in names), (kept, rng.choice(signs), k), tuple(body), repeats,
-                       len(str(self.repeats[1])))
+        prologue = (kept, rng.choice(signs), k) if self.prologue else None
+        return Program(tuple((v, start[v]) for v in names), prologue, tuple(body), repeats, len(str(self.repeats[1])))
 
     def problems(self, n: int, split: str = "train") -> list[dict]:
         """The first ``n`` problems of ``split``: ``{prompt_id, prompt, answer, solution, solution_dense,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 import statistics
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -32,11 +33,13 @@ def simulate(prompt: str, solution: str) -> dict:
     traces) the step holding that value must not have been killed by an earlier register reuse —
     including the reuse by the line's own register token, which takes effect before the line is read.
     """
-    head, prologue, loop = prompt.strip().split("; ")
+    parts = prompt.strip().split("; ")  # without a prologue (prologue=False): the initial values and the loop
+    head, prologue, loop = parts if len(parts) == 3 else (parts[0], None, parts[1])
     value = {v: int(x) for v, x in (kv.split("=") for kv in head.split())}
     holder_of_value = {v: None for v in value}  # var -> line index holding its current value (None: prompt)
     repeats, body = loop.split("x ", 1)
-    ops = [(0, prologue)] + [(i, op) for i in range(1, int(repeats) + 1) for op in body.split()]
+    ops = [(0, prologue)] if prologue else []
+    ops += [(i, op) for i in range(1, int(repeats) + 1) for op in body.split()]
     think, _, answer_part = solution.partition("</think>")
     lines = think.removeprefix("<think>\n").splitlines()
     assert len(lines) == len(ops), (len(lines), len(ops))
@@ -56,10 +59,10 @@ def simulate(prompt: str, solution: str) -> dict:
         reads_ok &= source is None or source not in dead
         assert int(old) == value[var] and int(new) == value[var] + (int(operand) if sign == "+" else -int(operand))
         value[var], holder_of_value[var] = int(new), index
-    printed = prologue[0]
+    printed = head[0]  # the first variable, a
     boxed = re.search(r"\\boxed\{(\d+)\}", answer_part).group(1)
     return {"answer": int(boxed), "expected": value[printed], "reads_live": reads_ok,
-            "answer_live": holder_of_value[printed] not in dead}
+            "answer_live": holder_of_value[printed] not in dead, "writes_printed": holder_of_value[printed] is not None}
 
 
 def recipe_task(name: str = "tip-sft") -> RegisterMachineTask:
@@ -89,6 +92,21 @@ def test_schedules_are_valid_under_an_independent_simulator(case, key):
         result = simulate(row["prompt"], row[key])
         assert result["answer"] == result["expected"] == int(row["answer"])
         assert result["reads_live"] and result["answer_live"], (row["prompt"], row[key])
+
+
+# Catches: prologue=False ignored (the prompt keeps its prologue and a line writes a), or an answer that is not a's
+# initial value when no line writes a (e.g. another variable's). Issue 16's long-trace task (configs/long-sft.yaml,
+# shortened to 6-8 iterations here for speed): the answer must be a copy from the prompt that no trace line restates.
+def test_without_a_prologue_the_answer_is_a_copy_from_the_prompt():
+    task = recipe_task("long-sft")
+    assert task.prologue is False
+    for row in replace(task, repeats=(6, 8)).problems(40):
+        head, loop = row["prompt"].strip().split("; ")  # no prologue between them
+        assert int(row["answer"]) == int(head.split()[0].removeprefix("a="))
+        for key in ("solution_dense", "solution", "solution_optimal"):
+            result = simulate(row["prompt"], row[key])
+            assert result["answer"] == result["expected"] == int(row["answer"]) and result["reads_live"]
+            assert not result["writes_printed"], row[key]
 
 
 def _live_kv(tokenizer, reg_ids, end_think, prompt, completion, spec):
