@@ -28,6 +28,7 @@ GPU-seconds: the arms share the GPU for the same wall time, so each is charged w
 
     python benchmarks/long_rl.py --out $OUT/long-rl               # H200, one call of ~9 minutes (a short SFT)
     python benchmarks/long_rl.py --smoke --out /tmp/long-rl        # CPU, a tiny model: the same pipeline
+    python benchmarks/long_rl.py --scale tenth --out /tmp/lr-tenth  # CPU, the model on a tenth of the trace (W = 32)
 
 In one 10-minute call the SFT gets ~200 s (about 150 steps of 400 on the H200, 2026-12-01: too few, every arm's
 rollouts scored 0 and nothing trained), so on the GPU the stages take separate calls, the SFT's weights carried
@@ -137,6 +138,18 @@ SMOKE = Scale(
            "reward.kv_penalty.budget=8", "reward.kv_penalty.coef=0.01"),
     sft_examples=24, train_prompts=16, eval_problems=4, arm_seconds=50, eval_reserve_s=60, windows=(8, 32),
     parallel_evals=4, budget_s=1200)  # a shared 2-core machine: Ray and every eval process start slowly
+TENTH_TASK = ("task.num_variables=3", "task.repeats=[8,10]", "task.num_registers=4", "task.lazy_registers=4")
+TENTH = Scale(  # a tenth of the GPU run's trace on CPU (benchmarks/long_rl_pilot.py's task): ~270 tokens, W = 32
+    window=32,
+    sft=(*TENTH_TASK, "model.max_position_embeddings=1024", "learner.device=cpu", "learner.micro_batch_tokens=16384",
+         "sft.steps=300", "sft.check_every=300"),
+    train=(*TENTH_TASK, "engine.device=cpu", "learner.device=cpu", "rollout.num_gpus=0", "learner.num_gpus=0",
+           "rollout.num_cpus=0.5", "learner.num_cpus=0.5", "ray.num_cpus=2", "sampling.max_tokens=320",
+           "rollout.max_inflight_groups=4", "rollout.queue_size=8", "train.groups_per_step=4", "engine.max_num_seqs=32",
+           "learner.micro_batch_tokens=4096", "checkpoint.every=0"),
+    sft_examples=9600, train_prompts=256, eval_problems=64, arm_seconds=300, eval_reserve_s=240, windows=(16, 32, 64),
+    parallel_evals=2, budget_s=2400)
+SCALES = {"gpu": GPU, "smoke": SMOKE, "tenth": TENTH}
 
 
 # ------------------------------------------------------------------------------------------ data
@@ -303,6 +316,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("runs/long-rl"))
     parser.add_argument("--smoke", action="store_true", help="CPU, a tiny model and task: the pipeline in minutes")
+    parser.add_argument("--scale", choices=SCALES, help="gpu (the default), smoke (= --smoke), or tenth: a tenth of "
+                        "the trace on CPU (~270 tokens, W = 32, the same model; tens of minutes on 2 cores)")
     parser.add_argument("--budget-s", type=float, help="wall seconds for everything (default: 540 on the GPU, 1200 "
                         "for --smoke)")
     parser.add_argument("--arm-seconds", type=float, help="the arms' deadline after their start (at most; the "
@@ -326,7 +341,7 @@ def main() -> None:
     parser.add_argument("--copy-to", type=Path, help="copy the report, logs, curves and ps-trunc's final checkpoint "
                         "here at the end (~10 MB; --out also holds the data and trace logs, hundreds of MB)")
     args = parser.parse_args()
-    scale = SMOKE if args.smoke else GPU
+    scale = SCALES[args.scale or ("smoke" if args.smoke else "gpu")]
     scale = replace(scale, sft=(*scale.sft, *args.sft), train=(*scale.train, *args.train),
                     arm_seconds=args.arm_seconds or scale.arm_seconds, budget_s=args.budget_s or scale.budget_s)
     if args.merge and not args.report_only:

@@ -127,27 +127,29 @@ def arms_table(records: list[dict]) -> str:
 
 
 def verdict(records: list[dict]) -> str:
-    """Which arm ends most accurate for its GPU-seconds, and whether the gap is beyond the evaluations' noise."""
-    scored = [r for r in records if r["end_accuracy"] is not None and r["gpu_s"] > 0]
+    """Which arm gained the most greedy accuracy (end − start) per GPU-second, and whether that gain — and its lead
+    over the runner-up's — is beyond the evaluations' noise (two standard errors of the difference)."""
+    scored = [r for r in records if r["end_accuracy"] is not None and r["start_accuracy"] is not None and r["gpu_s"] > 0]
     if not scored:
-        return "no arm has a final greedy evaluation: no verdict\n"
-    ranked = sorted(scored, key=lambda r: (r["end_accuracy"], -r["gpu_s"]), reverse=True)
-    lines = []
-    for r in ranked:
-        gain = None if r["start_accuracy"] is None else r["end_accuracy"] - r["start_accuracy"]
-        lines.append(f"- {r['arm']}: greedy {fmt(r['start_accuracy'], '.3f')} → {r['end_accuracy']:.3f} "
-                     f"({fmt(None if gain is None else 100 * gain, '+.1f')} pt) in {r['gpu_s']:.0f} GPU-s: "
-                     f"{r['end_accuracy'] / r['gpu_s'] * 100:.2f} accuracy points per GPU-s")
-    best, runner = ranked[0], (ranked[1] if len(ranked) > 1 else None)
-    n = best["eval_problems"] or 1
-    se = lambda p: math.sqrt(max(p * (1 - p), 1e-12) / n)  # noqa: E731
-    head = f"**Trains best per GPU-second: {best['arm']}** ({best['label']})"
-    if runner is not None:
-        gap, noise = best["end_accuracy"] - runner["end_accuracy"], 2 * math.hypot(se(best["end_accuracy"]),
-                                                                                     se(runner["end_accuracy"]))
-        head += (f", {100 * gap:.1f} pt above {runner['arm']} " +
-                 ("(beyond 2 standard errors of the difference)" if gap > noise else
-                  f"(within 2 standard errors, {100 * noise:.1f} pt, on {n} problems: not resolved)"))
+        return "no arm has both a start and a final greedy evaluation: no verdict\n"
+    se = lambda r, p: math.sqrt(max(p * (1 - p), 1e-12) / (r["eval_problems"] or 1))  # noqa: E731
+    noise = lambda r: 2 * math.hypot(se(r, r["start_accuracy"]), se(r, r["end_accuracy"]))  # noqa: E731
+    gain = lambda r: r["end_accuracy"] - r["start_accuracy"]  # noqa: E731
+    ranked = sorted(scored, key=lambda r: (gain(r) / r["gpu_s"], -r["gpu_s"]), reverse=True)
+    lines = [f"- {r['arm']}: greedy {r['start_accuracy']:.3f} → {r['end_accuracy']:.3f} ({100 * gain(r):+.1f} pt, "
+             f"noise ±{100 * noise(r):.1f}) in {r['gpu_s']:.0f} GPU-s: {100 * gain(r) / r['gpu_s']:+.3f} pt per GPU-s"
+             for r in ranked]
+    best = ranked[0]
+    if gain(best) <= noise(best):
+        head = ("**No arm's greedy accuracy rose beyond the evaluations' noise** (two standard errors of its start-to-end "
+                "difference): no verdict on which trains best per GPU-second")
+    else:
+        head = f"**Trains best per GPU-second: {best['arm']}** ({best['label']})"
+        if len(ranked) > 1:
+            runner = ranked[1]
+            lead, both = gain(best) - gain(runner), math.hypot(noise(best), noise(runner))
+            head += (f", {100 * lead:.1f} pt more gain than {runner['arm']} " +
+                     ("(beyond the noise)" if lead > both else f"(within the noise, ±{100 * both:.1f} pt: not resolved)"))
     return head + "\n\n" + "\n".join(lines) + "\n"
 
 
