@@ -348,7 +348,10 @@ def main() -> None:
         parser.error("--merge goes with --report-only: it joins finished runs into one report")
     if args.report_only:
         if args.merge:
-            merge_runs([d.resolve() for d in args.merge], args.out.resolve())
+            try:
+                merge_runs([d.resolve() for d in args.merge], args.out.resolve())
+            except ValueError as err:
+                parser.error(str(err))
         print(write_report(args.out.resolve(), ARMS, scale.window))
         return
     if (args.out / "arms").exists() or (args.out / "sft").exists():
@@ -425,15 +428,23 @@ def run(args: argparse.Namespace, scale: Scale, out: Path) -> None:
 def merge_runs(runs: list[Path], out: Path) -> None:
     """Join finished runs of different arms (``--arms``, one call each) into ``out``: their ``arms/<arm>`` folders
     and one ``run.json`` whose arms keep their own share of the GPU and deadline; evaluations by label (a start
-    measured twice keeps the first run's), seconds per run."""
+    measured twice keeps the first run's), seconds per run. Every run is checked before anything is written
+    (ValueError naming the run)."""
+    records = []  # (folder, run.json), in order: the same folder given twice is two runs (refused below)
+    for run_dir in runs:
+        path = run_dir / "run.json"
+        if not path.is_file():
+            raise ValueError(f"--merge {run_dir}: no run.json there; give the folders of finished long_rl.py runs")
+        records.append((run_dir, json.loads(path.read_text())))
+        if "arms" not in records[-1][1]:
+            raise ValueError(f"--merge {run_dir}: its run.json has no arms (an --sft-only run?)")
+    names = [name for _, record in records for name in record["arms"]]
+    if len(set(names)) < len(names):
+        twice = sorted({n for n in names if names.count(n) > 1})
+        raise ValueError(f"--merge: {', '.join(twice)} ran in more than one of the runs; merge one run per arm")
     merged = {"seconds": {}, "arm_seconds": None, "arms": {}, "evals": {}, "merged_from": [str(r) for r in runs]}
-    for i, run_dir in enumerate(runs):
-        record = json.loads((run_dir / "run.json").read_text())
-        if "arms" not in record:
-            raise SystemExit(f"--merge {run_dir}: its run.json has no arms (an --sft-only run?)")
-        for name, arm in record["arms"].items():
-            if name in merged["arms"]:
-                raise SystemExit(f"--merge: arm {name} is in two of the runs ({run_dir}); merge one run per arm")
+    for i, (run_dir, record) in enumerate(records):
+        for name, arm in record["arms"].items():  # runs before --arms: every arm ran with all the others
             merged["arms"][name] = {"share": 1 / len(record["arms"]), "arm_seconds": record["arm_seconds"], **arm}
             shutil.copytree(run_dir / "arms" / name, out / "arms" / name, dirs_exist_ok=True)
         for label, row in record["evals"].items():

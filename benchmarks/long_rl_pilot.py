@@ -1,9 +1,9 @@
 """Issue 16's warm start at a tenth of the scale, on CPU: how often is the SFT model right, and how nearly.
 
-The register machine of ``configs/long-sft.yaml`` shrunk to 3 variables x 8-10 loop iterations (~270 completion
-tokens) under ``prefix_sliding:32`` (T ~ 8 W), the same 0.8M-parameter model (``MODEL=...`` overrides change it),
-``STEPS`` SFT steps of 32 pairs, then greedy accuracy on 64 held-out problems under prefix_sliding:32,
-sliding_window:32 and full, and the first 16 completions' boxed answers beside the right ones:
+The register machine of ``configs/long-sft.yaml`` at ``long_rl.py --scale tenth``'s size: 3 variables x 8-10 loop
+iterations (~270 completion tokens) under ``prefix_sliding:32`` (T ~ 8 W), the same 0.8M-parameter model (``--model
+KEY=VALUE ...`` changes it), ``--steps`` SFT steps of 32 pairs, then greedy accuracy on 64 held-out problems under
+prefix_sliding:32, sliding_window:32 and full, and the first 16 completions' boxed answers beside the right ones:
 
     python benchmarks/long_rl_pilot.py as-is --out /tmp/pilot/as-is        # the task as the benchmark runs it
     python benchmarks/long_rl_pilot.py copy --out /tmp/pilot/copy          # no prologue: the answer is a's initial value
@@ -33,14 +33,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.accuracy_vs_w import EvalEntry, run_evals  # noqa: E402
-from benchmarks.long_rl import RL_RECIPE, SFT_RECIPE, run_logged, write_data  # noqa: E402
+from benchmarks.long_rl import RL_RECIPE, SFT_RECIPE, TENTH, run_logged, write_data  # noqa: E402
 from cluster.config import load_config  # noqa: E402
 from cluster.sft_config import SFTJobConfig  # noqa: E402
 
-TASK = ["task.num_variables=3", "task.repeats=[8,10]", "task.num_registers=4", "task.lazy_registers=4"]
 BOXED = re.compile(r"\\boxed\{(\d+)\}")
-CPU = ["engine.device=cpu", "learner.device=cpu", "rollout.num_gpus=0", "learner.num_gpus=0", "rollout.num_cpus=0.5",
-       "learner.num_cpus=0.5", "ray.num_cpus=2"]
 
 
 def main() -> None:
@@ -53,9 +50,8 @@ def main() -> None:
     parser.add_argument("--eval-only", action="store_true", help="evaluate the checkpoints already in --out")
     args = parser.parse_args()
     out, steps = args.out, args.steps
-    task = [*TASK, f"task.prologue={args.variant == 'as-is'}"]
-    sft = [*task, *args.model, "model.max_position_embeddings=1024", "learner.device=cpu", "kv=prefix_sliding:32",
-           "learner.micro_batch_tokens=16384", "sft.log_every=25"]
+    prologue = f"task.prologue={args.variant == 'as-is'}"
+    sft = [*TENTH.sft, prologue, *args.model, f"kv=prefix_sliding:{TENTH.window}", "sft.log_every=25"]
     examples = 32 * (steps + args.truncated_steps)
     files = write_data(load_config(SFTJobConfig, str(SFT_RECIPE), sft).task.generator(), out / "data", examples, 16,
                        64, 2)
@@ -72,7 +68,7 @@ def main() -> None:
                     "learner.multiplier=4"], out / "sft-end.log", 3600)
     if args.truncated_steps:
         checkpoint = out / "sft-end" / "model"
-    train = [*task, *CPU, "sampling.max_tokens=320", f"data.source={files['train']}", f"data.eval_source={files['eval']}",
+    train = [*TENTH.train, prologue, f"data.source={files['train']}", f"data.eval_source={files['eval']}",
              "data.eval_split=train", "model.type=hf", f"model.path={checkpoint}"]
     entries = [EvalEntry(label, str(checkpoint), kv) for label, kv in
                (("ps32", "prefix_sliding:32"), ("sw32", "sliding_window:32"), ("full", "full"))]

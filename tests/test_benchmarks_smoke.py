@@ -157,9 +157,10 @@ def test_long_rl_merges_runs_of_different_arms_each_charged_its_own_share(tmp_pa
     assert list(records) == ["ps-trunc", "ps-whole", "full"]  # sw did not run: no row for it
     assert {k: round(r["gpu_s"], 6) for k, r in records.items()} == {"ps-trunc": 50.0, "ps-whole": 45.0, "full": 80.0}
     assert (tmp_path / "merged" / "arms" / "full" / "curve.jsonl").is_file()
-    twice = subprocess.run([*cmd, str(tmp_path / "pair"), str(tmp_path / "pair")], capture_output=True, text=True,
-                           timeout=300)
-    assert twice.returncode != 0 and "arm ps-trunc is in two of the runs" in twice.stderr
+    twice = subprocess.run([*cmd[:3], "--out", str(tmp_path / "twice"), "--merge", str(tmp_path / "pair"),
+                            str(tmp_path / "pair")], capture_output=True, text=True, timeout=300)
+    assert twice.returncode == 2 and "ps-trunc, ps-whole ran in more than one of the runs" in twice.stderr
+    assert not (tmp_path / "twice").exists()  # refused before anything was written
     # a run of some arms measures the starts of their policies only, and accuracy vs W only with ps-trunc's weights
     sw, whole = [a for a in ARMS if a.name == "sw"], [a for a in ARMS if a.name == "ps-whole"]
     assert [(e.label, e.kv) for e in start_entries(GPU, tmp_path, sw)] == [("start-sw", "sliding_window:512")]
