@@ -38,6 +38,9 @@ joins the calls' runs into one report, each arm charged its own share of the GPU
 
     python benchmarks/long_rl.py --sft-only --budget-s 520 --out /tmp/long-rl --copy-to $OUT/long-rl   # SFT + start
     # here: cp -r <files_at>/long-rl/sft/weights shared/long-sft/weights   (the repository's ignored shared/ travels)
+    # one SFT call was not enough on 2026-12-02 (greedy 0.047); a second from its weights gave 0.750:
+    python benchmarks/long_rl.py --sft-only --budget-s 515 --out /tmp/long-rl --copy-to $OUT/long-rl \
+        --sft model.type=hf model.path=shared/long-sft/weights        # carry .whl and shared/long-sft; copy again
     python benchmarks/long_rl.py --sft-from shared/long-sft/weights --arms ps-trunc ps-whole --budget-s 500 \
         --arm-seconds 300 --out /tmp/long-rl --copy-to $OUT/long-rl-ps
     python benchmarks/long_rl.py --sft-from shared/long-sft/weights --arms full sw --budget-s 500 \
@@ -251,12 +254,27 @@ def run_arms(configs: dict[str, Path], seconds: float) -> dict[str, dict]:
     return {name: {"exit": proc.returncode, "gpu_busy_s": seconds_busy.get(name)} for name, (proc, _) in procs.items()}
 
 
+def step_decision(lengths: list[float], learner_s: float, left_s: float, last: bool) -> tuple[bool, bool]:
+    """At a step boundary: (go on, write the weights to final/ now). ``lengths``: the wall seconds of the steps so
+    far, the first holding the arm's start-up (Ray, the first wave of rollouts, the learner's compiles);
+    ``learner_s``: the learner's time for the step just done; ``left_s``: seconds to the deadline.
+
+    The next step is expected to take the longest step after the first, or while there is none, the learner's
+    first step (its compiles included, the start-up not: charging the start-up again stopped a whole-trace arm
+    after one step with 100 s left, 2026-12-02). The weights are written when the run stops, and before a step
+    that is not sure to end in time — the longest step so far, the first included, would end past the
+    deadline — so that an arm killed after the deadline still has the weights of its last finished step."""
+    expected = max(lengths[1:]) if len(lengths) > 1 else learner_s
+    go_on = not last and expected < left_s
+    return go_on, not go_on or max(lengths) >= left_s
+
+
 def arm_main(argv: list[str]) -> int:
     """``long_rl.py arm CONFIG --t0 T --deadline D``: one arm, ``sliderl train CONFIG`` stopped at the deadline.
 
-    After every step, one row of ``curve.jsonl`` (the step's metrics, ``wall_s`` since T); at the first step
-    boundary from which the longest step so far (the first, which holds the start-up, only until there is another)
-    would end past the deadline, the learner's weights go to ``final/`` and the run stops."""
+    After every step, one row of ``curve.jsonl`` (the step's metrics, ``wall_s`` since T); ``step_decision`` says
+    at each step boundary whether to go on and whether to write the learner's weights to ``final/`` first (with
+    ``final.json``: its step), so that an arm killed past the deadline still leaves its last weights."""
     import ray
 
     from cluster.driver import train
@@ -275,11 +293,17 @@ def arm_main(argv: list[str]) -> int:
         with open(folder / "curve.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
         lengths.append(now - args.t0 - sum(lengths))
-        if step < cfg.train.steps and now + max(lengths[1:] or lengths) < args.deadline:
-            return True
-        ray.get(session.learner.save_checkpoint.remote(str(folder / "final")))
-        (folder / "final.json").write_text(json.dumps({"step": step, "wall_s": round(time.time() - args.t0, 3)}))
-        return False
+        go_on, save = step_decision(lengths, report.learner_step_seconds, args.deadline - now,
+                                    step >= cfg.train.steps)
+        if save:  # beside the last one, then swapped in: a kill while writing leaves the previous weights whole
+            final, fresh, old = (folder / name for name in ("final", "final.next", "final.old"))
+            ray.get(session.learner.save_checkpoint.remote(str(fresh)))
+            if final.exists():
+                final.rename(old)
+            fresh.rename(final)
+            shutil.rmtree(old, ignore_errors=True)
+            (folder / "final.json").write_text(json.dumps({"step": step, "wall_s": round(time.time() - args.t0, 3)}))
+        return go_on
 
     train(cfg, on_step=on_step)
     return 0

@@ -120,6 +120,24 @@ def test_long_rl_arms_put_the_loss_where_they_say(tiny_model_factory):
         assert metrics.peak_memory_gib is None  # CPU: the learner reports CUDA memory only
 
 
+def test_long_rl_arm_expects_its_next_step_without_the_start_up_and_keeps_weights_when_at_risk():
+    # Catches the stop rule that stopped the H200's ps-whole arm after one step (2026-12-02): its first step took
+    # 182 s from the arm's start, 86 s of it the learner's (compiles included), with 107 s to the deadline. Charging
+    # the start-up again (expecting 182 s) stops it; expecting the learner's 86 s goes on. Since 182 s would not fit,
+    # the weights are written first, so a kill after the deadline keeps them. Values by hand.
+    from benchmarks.long_rl import step_decision
+
+    assert step_decision([182.0], 86.0, 107.0, last=False) == (True, True)
+    # later steps: the longest after the first (41 s) is expected; 137 s (the first) fits in 150 s: no write
+    assert step_decision([137.0, 2.3, 41.0], 2.2, 150.0, last=False) == (True, False)
+    # 41 s does not fit in 30 s: stop, writing the weights
+    assert step_decision([137.0, 2.3, 41.0], 2.2, 30.0, last=False) == (False, True)
+    # the recipe's last step: stop and write, however much time is left
+    assert step_decision([137.0, 2.3], 2.2, 500.0, last=True) == (False, True)
+    # a first step whose learner part alone would not fit: stop at once
+    assert step_decision([182.0], 120.0, 107.0, last=False) == (False, True)
+
+
 def _arm_run(folder, arms: dict[str, float], arm_seconds: float) -> None:
     """A finished long_rl.py run of ``arms`` (name -> the wall seconds of its final step), as run() leaves it:
     run.json with the arms' share of the GPU, and per arm curve.jsonl (two steps, the second trained) and
