@@ -203,9 +203,11 @@ def run_logged(cmd: list[str], log: Path, timeout_s: float) -> float:
     return time.perf_counter() - start
 
 
-def sft_overrides(scale: Scale, out: Path, files: dict[str, Path], kv: str | None) -> list[str]:
-    """The shared SFT's settings: under ``kv`` (default prefix_sliding:W), on the written pairs."""
-    return [*scale.sft, f"kv={kv or f'prefix_sliding:{scale.window}'}", f"output_dir={out / 'sft'}",
+def sft_overrides(scale: Scale, out: Path, files: dict[str, Path], kv: list[str] | None) -> list[str]:
+    """The shared SFT's settings: under ``kv`` (default prefix_sliding:W; several: the examples take turns), on the
+    written pairs."""
+    kv = kv or [f"prefix_sliding:{scale.window}"]
+    return [*scale.sft, f"kv={kv[0] if len(kv) == 1 else '[' + ','.join(kv) + ']'}", f"output_dir={out / 'sft'}",
             f"data.source={files['sft']}", "data.prompt_field=prompt", "data.completion_field=completion"]
 
 
@@ -348,8 +350,10 @@ def main() -> None:
                         "budget less the evaluations' reserve may shorten it)")
     parser.add_argument("--sft", nargs="*", default=[], metavar="KEY=VALUE", help="more settings for the SFT")
     parser.add_argument("--train", nargs="*", default=[], metavar="KEY=VALUE", help="more settings for every arm")
-    parser.add_argument("--sft-kv", help="the shared SFT's visibility (default prefix_sliding:W, the method's; "
-                        "e.g. full gives the full arm its natural start and the others a foreign one)")
+    parser.add_argument("--sft-kv", nargs="+", metavar="KV", help="the shared SFT's visibility (default "
+                        "prefix_sliding:W, the method's; full gives the full arm its natural start and the others a "
+                        "foreign one); several: example i is trained under the (i mod n)-th, so that one model "
+                        "decodes under each, e.g. prefix_sliding:512 full")
     parser.add_argument("--sft-only", action="store_true", help="stop after the SFT and its start evaluations "
                         "(a calibration: is the warm start partly right under prefix sliding?)")
     parser.add_argument("--sft-from", type=Path, help="start the arms from this SFT checkpoint (an earlier run's "

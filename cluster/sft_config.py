@@ -17,10 +17,9 @@ from cluster.data import check_source
 from cluster.prompts import PromptSettings
 from cluster.storage import check_location
 from cluster.task_config import GENERATED_TASKS, ArithTaskConfig, TaskSource
-from rollout.kv_policy import KVPolicy
 from trainer.algorithms import SFTOptions
 from trainer.learner_args import LearnerArgs
-from trainer.sft import SFTArgs
+from trainer.sft import SFTArgs, policy_record, policy_specs
 
 DEFAULT_CACHE = "~/.cache/sliderl"
 
@@ -121,15 +120,19 @@ class SFTJobConfig(SFTStage):
     """Initial weights: type tiny (random, built locally) or hf (a local directory)."""
     task: TaskSource = Field(default_factory=ArithTaskConfig)
     """With data.source=task: the generated task (arith, regmachine, pasta) whose reference solutions are the pairs."""
-    kv: str = "full"
-    """Visibility every example is trained under (the KV policy its rollouts will use), e.g. prefix_sliding:24."""
+    kv: str | list[str] = "full"
+    """Visibility every example is trained under (the KV policy its rollouts will use), e.g. prefix_sliding:24; or
+    a list, e.g. [prefix_sliding:512, full]: example i (and held-out example i) is trained under the (i mod n)-th,
+    so that one model decodes under each."""
     output_dir: str = Field(default_factory=run_folder("sft"))
     """Where config.yaml, the checkpoint (model/) and sft.json (steps, held-out checks, losses) are written."""
 
     @field_validator("kv")
     @classmethod
-    def _canonical_kv(cls, spec: str) -> str:
-        return KVPolicy.parse(spec).spec
+    def _canonical_kv(cls, spec: str | list[str]) -> str | list[str]:
+        if not spec:
+            raise ValueError("kv=[] names no policy; give one (e.g. prefix_sliding:512) or several")
+        return policy_record(policy_specs(spec))
 
     @model_validator(mode="after")
     def _data_has_solutions(self) -> SFTJobConfig:

@@ -200,3 +200,26 @@ def test_register_sft_tokenizes_registers_as_the_engine_does(tmp_path, base_mode
     reg_ids = set(reference.tokenizer.convert_tokens_to_ids([f"<reg_{i}>" for i in range(16)]))
     assert all(reg_ids & set(t.completion_token_ids) for t in traces)
     assert result.losses[0] == pytest.approx(reference.evaluate([traces]).loss, abs=2e-4)
+
+
+def test_an_sft_over_several_policies_trains_example_i_under_the_i_th_mod_n(tmp_path, base_model):
+    # catches: a list of policies where every example trains under the first (or under one chosen per batch),
+    # so that a model meant to decode under prefix_sliding:8 and full learns only one of them. The first step's
+    # loss (the start weights) must be the teacher-forced loss of its 4 examples under ps:8, full, ps:8, full,
+    # computed by a separate learner, and not the loss under one policy for all: completions of 12+ tokens after
+    # a prompt of 10+ make the two visibilities differ (a random model's loss still depends on what it sees).
+    from trainer.learner import Learner
+
+    pairs = examples(4)
+    policies = [KV, "full"]
+    result = run_sft(base_model, tmp_path / "mix", pairs, [], policies, ARGS, SFTArgs(steps=1, batch_size=4))
+    reference = Learner(str(base_model), ARGS)
+
+    def loss(kvs: list[str]) -> float:
+        return reference.evaluate([[sft_trace(reference.tokenizer, e, kv, i)
+                                    for i, (e, kv) in enumerate(zip(pairs, kvs))]]).loss
+
+    mixed, only_ps, only_full = loss([KV, "full", KV, "full"]), loss([KV] * 4), loss(["full"] * 4)
+    assert min(abs(mixed - only_ps), abs(mixed - only_full)) > 1e-4  # the test can tell the three apart
+    assert result.losses[0] == pytest.approx(mixed, abs=1e-5)
+    assert json.loads((tmp_path / "mix" / MARKER).read_text())["kv_policy"] == ["prefix_sliding:8", "full"]

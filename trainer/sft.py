@@ -26,6 +26,7 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -109,10 +110,32 @@ def sft_trace(tokenizer, example: SFTExample, kv_policy: str, index: int) -> Tra
     return Trace(f"sft-{index}", f"sft-{index}", str(index), -1, 0, kv_policy, prompt, completion, [], "stop")
 
 
+def policy_specs(kv_policy: str | Sequence[str]) -> list[str]:
+    """The stage's policies in canonical form: one, or several (example i trains under the i-th mod their number)."""
+    specs = [kv_policy] if isinstance(kv_policy, str) else list(kv_policy)
+    if not specs:
+        raise ValueError("an SFT stage needs at least one KV policy")
+    return [KVPolicy.parse(spec).spec for spec in specs]
+
+
+def policy_record(specs: list[str]) -> str | list[str]:
+    """How sft.json and the cache key write the policies: one as its spec (as before lists were allowed), several
+    as the list."""
+    return specs[0] if len(specs) == 1 else specs
+
+
+def vocab_spec(specs: list[str]) -> str:
+    """The policy whose tokens join the vocabulary: the first that has any (registers, pasta), else the first."""
+    return next((s for s in specs if KVPolicy.parse(s).kind in ("registers", "pasta")), specs[0])
+
+
 def run_sft(model_path: str | Path, out_dir: str | Path, train_examples: list[SFTExample],
-            held_out_examples: list[SFTExample], kv_policy: str, learner_args: LearnerArgs,
+            held_out_examples: list[SFTExample], kv_policy: str | Sequence[str], learner_args: LearnerArgs,
             sft_args: SFTArgs) -> SFTResult:
     """Train ``model_path`` on ``train_examples`` under ``kv_policy``; write the checkpoint and marker to ``out_dir``.
+
+    ``kv_policy``: one policy, or several: then example i (train and held-out alike) is trained and checked under
+    the (i mod n)-th, so that one model learns to decode under each (e.g. [prefix_sliding:512, full]).
 
     learner_args: its ``algo`` must be ``SFTOptions`` (use ``window_mode='full'`` to put the loss on
     every completion token; a cosine ``lr_schedule`` needs ``total_steps``, e.g. ``sft_args.steps``).
@@ -124,14 +147,15 @@ def run_sft(model_path: str | Path, out_dir: str | Path, train_examples: list[SF
     if sft_args.target_accuracy > 0 and not held_out_examples:
         raise ValueError(f"target_accuracy={sft_args.target_accuracy} needs held-out examples to check; "
                          "give some or set target_accuracy=0")
-    kv_policy = KVPolicy.parse(kv_policy).spec
+    specs = policy_specs(kv_policy)
     t0, cpu0 = time.perf_counter(), time.process_time()
     # the stage's policy tokens (registers:N's <reg_i>) join the vocabulary before the examples are
     # tokenized, so "<reg_3>" in a completion is one token, the one the engine acts on
     learner = Learner(str(model_path), learner_args if learner_args.vocab_policy else
-                      dataclasses.replace(learner_args, vocab_policy=kv_policy))
-    train = [sft_trace(learner.tokenizer, e, kv_policy, i) for i, e in enumerate(train_examples)]
-    held_out = [sft_trace(learner.tokenizer, e, kv_policy, -1 - i) for i, e in enumerate(held_out_examples)]
+                      dataclasses.replace(learner_args, vocab_policy=vocab_spec(specs)))
+    train = [sft_trace(learner.tokenizer, e, specs[i % len(specs)], i) for i, e in enumerate(train_examples)]
+    held_out = [sft_trace(learner.tokenizer, e, specs[i % len(specs)], -1 - i)
+                for i, e in enumerate(held_out_examples)]
     losses, checks = [], []
     for step in range(1, sft_args.steps + 1):
         first = (step - 1) * sft_args.batch_size
@@ -156,14 +180,14 @@ def run_sft(model_path: str | Path, out_dir: str | Path, train_examples: list[SF
     learner.save_checkpoint(out)
     result = SFTResult(str(out), len(losses), checks[-1][1] if checks else None, checks, losses,
                        round(time.perf_counter() - t0, 2), round(time.process_time() - cpu0, 2))
-    record = {"result": dataclasses.asdict(result), "kv_policy": kv_policy,
+    record = {"result": dataclasses.asdict(result), "kv_policy": policy_record(specs),
               "learner_args": dataclasses.asdict(learner_args), "sft_args": dataclasses.asdict(sft_args)}
     (out / MARKER).write_text(json.dumps(record, indent=1) + "\n")
     return result
 
 
 def cached_sft(cache_dir: str | Path, model_path: str | Path, train_examples: list[SFTExample],
-               held_out_examples: list[SFTExample], kv_policy: str, learner_args: LearnerArgs,
+               held_out_examples: list[SFTExample], kv_policy: str | Sequence[str], learner_args: LearnerArgs,
                sft_args: SFTArgs) -> SFTResult:
     """``run_sft`` into ``cache_dir/sft-<fingerprint>``, or the finished checkpoint already there (no training)."""
     key = fingerprint(model_path, train_examples, held_out_examples, kv_policy, learner_args, sft_args)
@@ -200,13 +224,13 @@ def publish(staging: Path, path: Path) -> None:
 
 
 def fingerprint(model_path: str | Path, train_examples: list[SFTExample], held_out_examples: list[SFTExample],
-                kv_policy: str, learner_args: LearnerArgs, sft_args: SFTArgs) -> str:
+                kv_policy: str | Sequence[str], learner_args: LearnerArgs, sft_args: SFTArgs) -> str:
     """12 hex digits over everything that changes the trained weights (``log_every`` does not)."""
     blob = json.dumps({
         "model": model_fingerprint(model_path),
         "train": [example_key(e) for e in train_examples],
         "held_out": [example_key(e) for e in held_out_examples],
-        "kv_policy": KVPolicy.parse(kv_policy).spec,
+        "kv_policy": policy_record(policy_specs(kv_policy)),
         "learner_args": dataclasses.asdict(learner_args),
         "sft_args": {**dataclasses.asdict(sft_args), "log_every": None},
     }, sort_keys=True, default=str)
