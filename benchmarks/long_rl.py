@@ -263,7 +263,7 @@ def step_decision(lengths: list[float], learner_s: float, left_s: float, last: b
 
     The next step is expected to take the longest step after the first, or while there is none, the learner's
     first step (its compiles included, the start-up not: charging the start-up again stopped a whole-trace arm
-    after one step with 100 s left, 2026-12-02). The weights are written when the run stops, and before a step
+    after one step with 107 s left, 2026-12-02). The weights are written when the run stops, and before a step
     that is not sure to end in time — the longest step so far, the first included, would end past the
     deadline — so that an arm killed after the deadline still has the weights of its last finished step."""
     expected = max(lengths[1:]) if len(lengths) > 1 else learner_s
@@ -301,6 +301,7 @@ def arm_main(argv: list[str]) -> int:
             final, fresh, old = (folder / name for name in ("final", "final.next", "final.old"))
             ray.get(session.learner.save_checkpoint.remote(str(fresh)))
             if final.exists():
+                shutil.rmtree(old, ignore_errors=True)  # left by a kill between the two renames
                 final.rename(old)
             fresh.rename(final)
             shutil.rmtree(old, ignore_errors=True)

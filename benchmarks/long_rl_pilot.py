@@ -77,20 +77,17 @@ def main() -> None:
         run_logged([*command, f"output_dir={out / 'sft'}", f"sft.steps={steps}", f"sft.check_every={steps}"],
                    out / "sft.log", 3600)
     checkpoint = out / "sft" / "model"
-    if args.mix_steps and not args.eval_only:
-        n = args.mix_steps
-        run_logged([*command, f"output_dir={out / 'sft-mix'}", f"sft.steps={n}", f"sft.check_every={n}",
-                    "model.type=hf", f"model.path={checkpoint}", f"kv=[{','.join(args.mix_kv)}]"],
-                   out / "sft-mix.log", 3600)
-    if args.mix_steps:
-        checkpoint = out / "sft-mix" / "model"
-    if args.truncated_steps and not args.eval_only:
-        n = args.truncated_steps
-        run_logged([*command, f"output_dir={out / 'sft-end'}", f"sft.steps={n}", f"sft.check_every={n}",
-                    "model.type=hf", f"model.path={checkpoint}", "learner.window_mode=truncated",
-                    "learner.multiplier=4"], out / "sft-end.log", 3600)
+    second = None  # a second stage from the first's checkpoint: (folder, steps, its settings)
     if args.truncated_steps:
-        checkpoint = out / "sft-end" / "model"
+        second = ("sft-end", args.truncated_steps, ["learner.window_mode=truncated", "learner.multiplier=4"])
+    elif args.mix_steps:
+        second = ("sft-mix", args.mix_steps, [f"kv=[{','.join(args.mix_kv)}]"])
+    if second is not None:
+        name, n, settings = second
+        if not args.eval_only:
+            run_logged([*command, f"output_dir={out / name}", f"sft.steps={n}", f"sft.check_every={n}",
+                        "model.type=hf", f"model.path={checkpoint}", *settings], out / f"{name}.log", 3600)
+        checkpoint = out / name / "model"
     train = [*TENTH.train, prologue, f"data.source={files['train']}", f"data.eval_source={files['eval']}",
              "data.eval_split=train", "model.type=hf", f"model.path={checkpoint}"]
     w = TENTH.window

@@ -130,8 +130,6 @@ class SFTJobConfig(SFTStage):
     @field_validator("kv")
     @classmethod
     def _canonical_kv(cls, spec: str | list[str]) -> str | list[str]:
-        if not spec:
-            raise ValueError("kv=[] names no policy; give one (e.g. prefix_sliding:512) or several")
         return policy_record(policy_specs(spec))
 
     @model_validator(mode="after")

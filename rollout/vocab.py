@@ -11,6 +11,12 @@ from rollout.pasta import PASTA_TOKENS
 END_THINK = "</think>"
 
 
+def policy_tokens(policy: KVPolicy | str) -> list[str]:
+    """The tokens ``policy`` adds to a vocabulary: registers:N's ``<reg_i>``, pasta's tags, none for the others."""
+    policy = KVPolicy.parse(policy)
+    return {"registers": register_tokens(policy.num_registers), "pasta": list(PASTA_TOKENS)}.get(policy.kind, [])
+
+
 def bind_policy_vocab(policy: KVPolicy | str, tokenizer, model: DecoderLM | None = None) -> KVPolicy:
     """The policy bound to ``tokenizer``'s ids, adding what the policy needs.
 
@@ -23,8 +29,7 @@ def bind_policy_vocab(policy: KVPolicy | str, tokenizer, model: DecoderLM | None
     policy = KVPolicy.parse(policy)
     vocab = tokenizer.get_vocab()
     end_think = vocab.get(END_THINK)
-    needed = {"registers": register_tokens(policy.num_registers), "pasta": list(PASTA_TOKENS)}.get(policy.kind, [])
-    missing = [t for t in needed if t not in vocab]
+    missing = [t for t in policy_tokens(policy) if t not in vocab]
     if missing:
         tokenizer.add_tokens(missing, special_tokens=True)
     if policy.kind == "registers":

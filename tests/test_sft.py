@@ -169,7 +169,8 @@ def test_a_time_boxed_stage_stops_at_a_step_boundary_and_writes_its_checkpoint(t
 
 
 def test_bad_sft_settings_are_rejected_with_a_clear_message(tmp_path, base_model):
-    # catches: bounds not checked in the records, or an RL algorithm silently running an SFT stage
+    # catches: bounds not checked in the records, or an RL algorithm silently running an SFT stage, or a list of
+    # policies that is empty or holds two vocabularies
     with pytest.raises(ValueError, match="steps must be >= 1, got 0"):
         SFTArgs(steps=0)
     with pytest.raises(ValueError, match=r"target_accuracy must be in \[0, 1\].*got 1.5"):
@@ -180,6 +181,12 @@ def test_bad_sft_settings_are_rejected_with_a_clear_message(tmp_path, base_model
         run_sft(base_model, tmp_path / "x", examples(4), [], KV, LearnerArgs(algo=GRPOOptions()), SFT)
     with pytest.raises(ValueError, match="needs held-out examples"):
         run_sft(base_model, tmp_path / "x", examples(4), [], KV, ARGS, SFTArgs(target_accuracy=0.5))
+    # two policies with vocabularies of their own: only one can join before tokenizing, the other's examples
+    # would be tokenized as bytes
+    with pytest.raises(ValueError, match="pasta and registers:16 each add their own tokens"):
+        run_sft(base_model, tmp_path / "x", examples(4), [], ["registers:16", "full", "pasta"], ARGS, SFT)
+    with pytest.raises(ValueError, match=r"kv=\[\] names no policy"):
+        run_sft(base_model, tmp_path / "x", examples(4), [], [], ARGS, SFT)
 
 
 def test_register_sft_tokenizes_registers_as_the_engine_does(tmp_path, base_model):

@@ -33,6 +33,7 @@ from typing import ClassVar
 
 from rollout.kv_policy import KVPolicy
 from rollout.trace import Trace
+from rollout.vocab import policy_tokens
 from trainer.algorithms import RECORD_CONFIG, require_field
 from trainer.learner import Learner
 from trainer.learner_args import LearnerArgs
@@ -111,11 +112,18 @@ def sft_trace(tokenizer, example: SFTExample, kv_policy: str, index: int) -> Tra
 
 
 def policy_specs(kv_policy: str | Sequence[str]) -> list[str]:
-    """The stage's policies in canonical form: one, or several (example i trains under the i-th mod their number)."""
+    """The stage's policies in canonical form: one, or several (example i trains under the i-th mod their number).
+    ValueError for none, or for two that add different tokens to the vocabulary (only one set can join it before
+    the examples are tokenized)."""
     specs = [kv_policy] if isinstance(kv_policy, str) else list(kv_policy)
     if not specs:
-        raise ValueError("an SFT stage needs at least one KV policy")
-    return [KVPolicy.parse(spec).spec for spec in specs]
+        raise ValueError("kv=[] names no policy; give one (e.g. prefix_sliding:512) or several")
+    specs = [KVPolicy.parse(spec).spec for spec in specs]
+    with_tokens = sorted({s for s in specs if policy_tokens(s)})
+    if len(with_tokens) > 1:
+        raise ValueError(f"kv={specs}: {' and '.join(with_tokens)} each add their own tokens to the vocabulary; "
+                         "an SFT stage can take one of them (mixed with policies that add none, e.g. full)")
+    return specs
 
 
 def policy_record(specs: list[str]) -> str | list[str]:
@@ -125,8 +133,8 @@ def policy_record(specs: list[str]) -> str | list[str]:
 
 
 def vocab_spec(specs: list[str]) -> str:
-    """The policy whose tokens join the vocabulary: the first that has any (registers, pasta), else the first."""
-    return next((s for s in specs if KVPolicy.parse(s).kind in ("registers", "pasta")), specs[0])
+    """The policy whose tokens join the vocabulary: the one that has any (registers, pasta), else the first."""
+    return next((s for s in specs if policy_tokens(s)), specs[0])
 
 
 def run_sft(model_path: str | Path, out_dir: str | Path, train_examples: list[SFTExample],
