@@ -10,8 +10,10 @@ code 2 before anything starts; a training run that cannot continue prints why an
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import functools
 import json
+import signal
 import sys
 import time
 from pathlib import Path
@@ -31,6 +33,8 @@ DISPLAY_CHARS = 120
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``sliderl`` console script; returns the exit code."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    if hasattr(signal, "SIGUSR1") and sys.__stderr__ is not None:  # `kill -USR1 <pid>`: where a hung job is
+        faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)  # every thread's stack; goes on
     parser = build_parser(_help_request(argv))
     try:
         args = parser.parse_args(argv)
