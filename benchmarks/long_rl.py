@@ -38,7 +38,7 @@ joins the calls' runs into one report, each arm charged its own share of the GPU
 
     python benchmarks/long_rl.py --sft-only --budget-s 520 --out /tmp/long-rl --copy-to $OUT/long-rl   # SFT + start
     # here: cp -r <files_at>/long-rl/sft/weights shared/long-sft/weights   (the repository's ignored shared/ travels;
-    # the device may leave out $OUT's deeper folders: --copy-to /tmp/x and tar it into $OUT)
+    # the device once left out long-rl/sft/weights as too deep: --copy-to /tmp/x and tar what you need into $OUT)
     # one SFT call was not enough on 2026-12-02 (greedy 0.047); a second from its weights gave 0.750, and a third
     # with the examples taking turns (--sft-kv prefix_sliding:512 full ... sft.steps=300) 0.969 / full 0.938:
     python benchmarks/long_rl.py --sft-only --budget-s 515 --out /tmp/long-rl --copy-to $OUT/long-rl \

@@ -28,26 +28,31 @@ def test_ctrl_c_exits_130_in_one_line_and_keeps_the_checkpoints(tiny_model_facto
     # a while would hold its end open, and a pipe read would wait for it although the CLI has exited.
     out_path, err_path = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
     with out_path.open("w") as out, err_path.open("w") as err_file:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=err_file, text=True,
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=err_file,
                                 env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    deadline = time.time() + 240
-    while not list(run.glob(f"checkpoints/step_*/{MARKER}")) and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.5)
-    assert proc.poll() is None, err_path.read_text()[-3000:]
-    assert list(run.glob(f"checkpoints/step_*/{MARKER}")), "no checkpoint within 240 s"
-    proc.send_signal(signal.SIGINT)
     try:
-        proc.wait(timeout=120)
-    except subprocess.TimeoutExpired:  # a hung shutdown (twice in full-suite runs, 2026-12-02): say where it hangs
-        proc.send_signal(signal.SIGUSR1)  # the CLI's faulthandler writes every thread's stack to stderr
-        time.sleep(3)
-        proc.kill()
-        proc.wait(timeout=60)
-        pytest.fail("sliderl train still running 120 s after SIGINT; its threads then (SIGUSR1):\n"
-                    + err_path.read_text()[-12000:])
-    err = err_path.read_text()
-    assert proc.returncode == 130, err[-3000:]
-    assert "Traceback" not in err, err[-3000:]
-    assert err.strip().splitlines()[-1] == ("sliderl train: interrupted; what it wrote so far (checkpoints, traces, "
-                                            "metrics) is kept")
-    assert list(run.glob(f"checkpoints/step_*/{MARKER}")) and (run / "metrics.jsonl").is_file()
+        deadline = time.time() + 240
+        while not list(run.glob(f"checkpoints/step_*/{MARKER}")) and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.5)
+        assert proc.poll() is None, err_path.read_text()[-3000:]
+        assert list(run.glob(f"checkpoints/step_*/{MARKER}")), "no checkpoint within 240 s"
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:  # a hung shutdown (twice in full-suite runs, 2026-12-02): say where it hangs
+            proc.send_signal(signal.SIGUSR1)  # the CLI's faulthandler writes every thread's stack to stderr
+            time.sleep(3)
+            proc.kill()
+            proc.wait(timeout=60)
+            pytest.fail("sliderl train still running 120 s after SIGINT; its threads then (SIGUSR1):\n"
+                        + err_path.read_text()[-12000:])
+        err = err_path.read_text()
+        assert proc.returncode == 130, err[-3000:]
+        assert "Traceback" not in err, err[-3000:]
+        assert err.strip().splitlines()[-1] == ("sliderl train: interrupted; what it wrote so far (checkpoints, "
+                                                "traces, metrics) is kept")
+        assert list(run.glob(f"checkpoints/step_*/{MARKER}")) and (run / "metrics.jsonl").is_file()
+    finally:  # whichever assertion fires, the job does not outlive the test
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=60)
