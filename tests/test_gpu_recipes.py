@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import json
+import math
+import re
 import subprocess
 import sys
 import tarfile
@@ -168,11 +170,13 @@ def test_colocate_runs_the_recipe_keeping_and_releasing_the_pool(colocated):
 def test_trl_peer_puts_trls_grpo_beside_sliderls_row(colocated, checkpoint, tmp_path):
     # catches: a TRL run that fails with this model, data and settings (TRL's own API drifts between
     # releases), step records that miss the generation or its tokens, and a sliderl row taken from a run
-    # of another shape (the check must refuse it)
+    # of another shape (the check must refuse it); a length budget of 4 tokens makes rewards vary inside a group,
+    # so TRL's step has a gradient: catches a non-finite or zero update (the H200 run of 2026-12-02 logged
+    # grad_norm nan); planted by dropping --kv-budget 4 (all rewards 0: grad_norm 0, this fails)
     pytest.importorskip("trl")
     out, _ = colocated
     args = [sys.executable, "benchmarks/trl_peer.py", *SMOKE, "--model", str(checkpoint), "--sliderl",
-            str(out / "results.jsonl"), "--work", str(tmp_path / "work")]
+            str(out / "results.jsonl"), "--work", str(tmp_path / "work"), "--kv-budget", "4"]
     subprocess.run(args + ["--out", str(tmp_path / "out")], cwd=ROOT, check=True, timeout=600, capture_output=True)
     rows = {r["run"].split(":")[0]: r for r in map(json.loads, (tmp_path / "out/results.jsonl").read_text().splitlines())}
     trl, ours = rows["trl"], rows["sliderl"]
@@ -180,6 +184,8 @@ def test_trl_peer_puts_trls_grpo_beside_sliderls_row(colocated, checkpoint, tmp_
     step = trl["steps"][-1]
     assert 0 < step["gen_s"] < step["end"] - step["begin"] and 0 < step["tokens"] <= 2 * 2 * 16
     assert trl["tokens_per_step"] == step["tokens"] and ours["tokens_per_step"] > 0
+    norms = [float(n) for n in re.findall(r"'grad_norm': '([^']*)'", (tmp_path / "out/trl.log").read_text())]
+    assert len(norms) == 2 and all(math.isfinite(n) and n > 0 for n in norms), norms
     wrong = subprocess.run(args[:3] + ["--groups", "3"] + args[5:] + ["--out", str(tmp_path / "o2")], cwd=ROOT,
                            capture_output=True, text=True, timeout=600)
     assert wrong.returncode != 0 and "differs from this one" in wrong.stderr
