@@ -6,8 +6,8 @@
     python benchmarks/trl_peer.py --cpu-smoke --out DIR
 
 TRL (``TRL_WHEELS``; not a dependency of sliderl) runs GRPO the way its documentation shows, without
-vLLM: the model loaded by ``from_pretrained`` (float32 weights; ``--trl-dtype bfloat16``: bf16), bf16 autocast, gradient checkpointing,
-completions sampled by transformers' ``generate`` (``--trl-generation cb``: transformers' continuous
+vLLM: the model loaded by ``from_pretrained`` (float32 weights, ``--trl-dtype bfloat16`` for bf16 ones), bf16
+autocast, gradient checkpointing, completions sampled by transformers' ``generate`` (``--trl-generation cb``: transformers' continuous
 batching instead). One optimizer step = ``--groups`` prompts x ``--group-size`` completions of at most
 ``--max-tokens`` tokens (``per_device_train_batch_size = group size``, ``gradient_accumulation_steps =
 groups``: one generation per step, trained in ``groups`` micro-batches of one group), temperature 1,
@@ -93,7 +93,7 @@ def trl_run(spec_path: Path) -> None:
         per_device_train_batch_size=spec["group_size"], gradient_accumulation_steps=spec["groups"],
         num_generations=spec["group_size"], max_completion_length=spec["max_tokens"], temperature=1.0,
         bf16=not cpu, use_cpu=cpu, gradient_checkpointing=True, logging_steps=1, report_to=[], save_strategy="no",
-        seed=0, model_init_kwargs={"dtype": "float32" if cpu else spec.get("dtype", "float32")}, disable_tqdm=True,
+        seed=0, model_init_kwargs={"dtype": "float32" if cpu else spec["dtype"]}, disable_tqdm=True,
         use_transformers_continuous_batching=spec["generation"] == "cb")
     trainer = GRPOTrainer(model=spec["model"], reward_funcs=[correctness, length_penalty], args=config,
                           train_dataset=rows, processing_class=AutoTokenizer.from_pretrained(spec["model"]),
@@ -202,8 +202,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-tokens", type=int, default=1024)
     parser.add_argument("--kv-budget", type=int, default=256, help="the length/KV penalty's budget (tokens)")
     parser.add_argument("--trl-generation", choices=("generate", "cb"), default="generate")
-    # float32 weights under bf16 autocast, as sliderl keeps float32 masters; bfloat16 weights gave grad_norm nan on
-    # the H200 on the first step (2026-12-02, docs/benchmarks.md issue 15)
+    # float32 weights under bf16 autocast, as sliderl's learner keeps float32 masters (on the H200 on 2026-12-02 both
+    # dtypes logged grad_norm nan on the first step: docs/benchmarks.md, issue 15)
     parser.add_argument("--trl-dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--sliderl", type=Path, help="colocate.py's results.jsonl holding the keep run")
     parser.add_argument("--run-timeout-s", type=float, default=280.0)
