@@ -48,6 +48,10 @@ joins the calls' runs into one report, each arm charged its own share of the GPU
     python benchmarks/long_rl.py --sft-from shared/long-sft/weights --arms full sw --budget-s 500 \
         --arm-seconds 300 --out /tmp/long-rl --copy-to $OUT/long-rl-full-sw
     python benchmarks/long_rl.py --report-only --out runs/long-rl --merge long-rl-ps long-rl-full-sw   # here
+
+An arms' call re-runs the start evaluations unless ``--start-evals`` hands it the ``run.json`` of the --sft-only
+call that trained ``--sft-from`` (copied back beside ``sft/weights``): its start rows are taken as they are, after
+checking that they measured the same weights (the weights files' sha256) on as many problems.
 """
 
 from __future__ import annotations
@@ -140,8 +144,12 @@ SMOKE = Scale(
            "engine.max_num_seqs=8", "learner.micro_batch_tokens=256", "checkpoint.every=0",
            # a tiny model is never correct: a small KV penalty (traces differ in length, so in mean visible KV)
            # gives every group a reward spread, so the learner steps and reports its tokens
-           "reward.kv_penalty.budget=8", "reward.kv_penalty.coef=0.01"),
-    sft_examples=24, train_prompts=16, eval_problems=4, arm_seconds=50, eval_reserve_s=60, windows=(8, 32),
+           "reward.kv_penalty.budget=8", "reward.kv_penalty.coef=0.01",
+           # three steps at most: the deadline is a guard here, not the stop (see arm_seconds)
+           "train.steps=3"),
+    # arm_seconds: four Ray clusters start at once on 2 cores, and the first step ends 54-66 s after the start here
+    # (2026-12-02); at 50 s (killed at 80) a slower CI machine killed ps-whole before its first step
+    sft_examples=24, train_prompts=16, eval_problems=4, arm_seconds=100, eval_reserve_s=60, windows=(8, 32),
     parallel_evals=4, budget_s=1200)  # a shared 2-core machine: Ray and every eval process start slowly
 TENTH_TASK = ("task.num_variables=3", "task.repeats=[8,10]", "task.num_registers=4", "task.lazy_registers=4")
 TENTH = Scale(  # a tenth of the GPU run's trace on CPU (benchmarks/long_rl_pilot.py's task): ~270 tokens, W = 32
@@ -362,6 +370,9 @@ def main() -> None:
     parser.add_argument("--sft-from", type=Path, help="start the arms from this SFT checkpoint (an earlier run's "
                         "sft/model, e.g. one an --sft-only call brought back) instead of training one: the SFT and "
                         "the arms then fit two GPU calls of <= 10 minutes")
+    parser.add_argument("--start-evals", type=Path, metavar="RUN_JSON", help="with --sft-from: the run.json of the "
+                        "--sft-only call that trained it; its start evaluations are reused, not run again (checked: "
+                        "the same weights, the same number of problems)")
     parser.add_argument("--arms", nargs="+", choices=[a.name for a in ARMS], default=[a.name for a in ARMS],
                         help="run only these arms (together on the GPU, each charged its share of it); a later "
                         "--report-only --merge puts the runs of several calls into one report")
@@ -393,6 +404,13 @@ def main() -> None:
                      "run's OUT/sft/model")
     if args.sft_from is not None and args.sft_only:
         parser.error("--sft-from and --sft-only exclude each other: the first skips the SFT, the second runs only it")
+    if args.start_evals is not None:
+        try:
+            args.reused = reused_starts(args.start_evals, args.sft_from, scale)
+        except ValueError as err:
+            parser.error(str(err))
+    else:
+        args.reused = {}
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
         run(args, scale, args.out.resolve())
@@ -434,7 +452,7 @@ def run(args: argparse.Namespace, scale: Scale, out: Path) -> None:
 
     if args.sft_only:
         rows = evaluate(start_entries(scale, model, ARMS))
-        record = {"seconds": seconds, "evals": rows, "argv": sys.argv[1:]}
+        record = {"seconds": seconds, "evals": rows, "argv": sys.argv[1:], "start_weights": weight_digests(model)}
         (out / "run.json").write_text(json.dumps(record, indent=1) + "\n")
         print(window_table(list(rows.values())) + f"\ndata {seconds['data']:.0f} s, sft {seconds['sft']:.0f} s, "
               f"total {time.perf_counter() - start:.0f} s")
@@ -448,7 +466,10 @@ def run(args: argparse.Namespace, scale: Scale, out: Path) -> None:
         record.update(share=1 / len(ran), arm_seconds=arm_seconds)
     seconds["arms"] = time.perf_counter() - t_arms
     t_eval = time.perf_counter()
-    rows = evaluate(start_entries(scale, model, arms) + end_entries(scale, out, arms))
+    starts = [e for e in start_entries(scale, model, arms) if e.label not in args.reused]
+    ends = evaluate(starts + end_entries(scale, out, arms))
+    rows = {**{e.label: args.reused[e.label] for e in start_entries(scale, model, arms) if e.label in args.reused},
+            **ends}
     seconds["eval"] = time.perf_counter() - t_eval
     (out / "run.json").write_text(json.dumps({"seconds": seconds, "arm_seconds": arm_seconds, "arms": ran,
                                               "evals": rows, "argv": sys.argv[1:]}, indent=1) + "\n")
@@ -503,6 +524,34 @@ def copy_light(out: Path, dest: Path) -> None:
             shutil.copy2(path, target)
     if (out / "sft" / "model" / MANIFEST).is_file():
         weights_only(out / "sft" / "model", dest / "sft" / "weights")
+
+
+def weight_digests(checkpoint: Path) -> dict[str, str]:
+    """The sha256 of each weights file its manifest lists: the same model, whatever else the folder holds."""
+    files = Manifest.read(checkpoint).files
+    return {name: entry.sha256 for name, entry in sorted(files.items()) if name.endswith(".safetensors")}
+
+
+def reused_starts(run_json: Path, sft_from: Path | None, scale: Scale) -> dict[str, dict]:
+    """``--start-evals``: the start evaluations of the --sft-only call recorded in ``run_json``, by label, after
+    checking that they measured ``sft_from``'s weights on ``scale``'s number of problems (ValueError naming what
+    differs)."""
+    if sft_from is None:
+        raise ValueError("--start-evals goes with --sft-from: it reuses the start evaluations of that checkpoint")
+    if not run_json.is_file():
+        raise ValueError(f"--start-evals {run_json}: no such file; give the run.json an --sft-only call wrote")
+    record = json.loads(run_json.read_text())
+    if "arms" in record or "start_weights" not in record:
+        raise ValueError(f"--start-evals {run_json}: not the run.json of an --sft-only call (it has "
+                         f"{'arms' if 'arms' in record else 'no start_weights'})")
+    if record["start_weights"] != weight_digests(sft_from):
+        raise ValueError(f"--start-evals {run_json}: its start evaluations measured other weights than --sft-from "
+                         f"{sft_from} (the weights files' sha256 differ); give the run.json of the call that trained it")
+    starts = {label: row for label, row in record["evals"].items() if label.startswith("start-")}
+    wrong = {label: row["problems"] for label, row in starts.items() if row["problems"] != scale.eval_problems}
+    if wrong:
+        raise ValueError(f"--start-evals {run_json}: {wrong} problems, this run evaluates {scale.eval_problems}")
+    return starts
 
 
 def weights_only(checkpoint: Path, dest: Path) -> None:

@@ -6,8 +6,8 @@
     python benchmarks/trl_peer.py --cpu-smoke --out DIR
 
 TRL (``TRL_WHEELS``; not a dependency of sliderl) runs GRPO the way its documentation shows, without
-vLLM: the model loaded by ``from_pretrained`` (float32 weights, ``--trl-dtype bfloat16`` for bf16 ones), bf16
-autocast, gradient checkpointing, completions sampled by transformers' ``generate`` (``--trl-generation cb``: transformers' continuous
+vLLM: the model loaded by ``from_pretrained`` (float32 weights, ``--trl-dtype bfloat16`` for bf16 ones; SDPA
+attention, ``--trl-attn eager`` for transformers' eager one), bf16 autocast, gradient checkpointing, completions sampled by transformers' ``generate`` (``--trl-generation cb``: transformers' continuous
 batching instead). One optimizer step = ``--groups`` prompts x ``--group-size`` completions of at most
 ``--max-tokens`` tokens (``per_device_train_batch_size = group size``, ``gradient_accumulation_steps =
 groups``: one generation per step, trained in ``groups`` micro-batches of one group), temperature 1,
@@ -93,7 +93,8 @@ def trl_run(spec_path: Path) -> None:
         per_device_train_batch_size=spec["group_size"], gradient_accumulation_steps=spec["groups"],
         num_generations=spec["group_size"], max_completion_length=spec["max_tokens"], temperature=1.0,
         bf16=not cpu, use_cpu=cpu, gradient_checkpointing=True, logging_steps=1, report_to=[], save_strategy="no",
-        seed=0, model_init_kwargs={"dtype": "float32" if cpu else spec["dtype"]}, disable_tqdm=True,
+        seed=0, model_init_kwargs={"dtype": "float32" if cpu else spec["dtype"], "attn_implementation": spec["attn"]},
+        disable_tqdm=True,
         use_transformers_continuous_batching=spec["generation"] == "cb")
     trainer = GRPOTrainer(model=spec["model"], reward_funcs=[correctness, length_penalty], args=config,
                           train_dataset=rows, processing_class=AutoTokenizer.from_pretrained(spec["model"]),
@@ -117,7 +118,7 @@ def trl_row(args) -> dict:
     spec = {"model": str(args.model), "data": str(args.data), "cpu": args.cpu_smoke, "steps": args.steps,
             "warmup": args.warmup, "groups": args.groups, "group_size": args.group_size,
             "max_tokens": args.max_tokens, "length_budget": args.kv_budget, "generation": args.trl_generation,
-            "dtype": args.trl_dtype,
+            "dtype": args.trl_dtype, "attn": args.trl_attn,
             "work_dir": str(args.work / "trl-work"), "out": str(args.work / "trl.child.json"),
             "max_prompt_chars": 400 if args.cpu_smoke else None}
     spec_path = args.work / "trl.spec.json"
@@ -205,6 +206,9 @@ def main(argv: list[str] | None = None) -> None:
     # float32 weights under bf16 autocast, as sliderl's learner keeps float32 masters (on the H200 on 2026-12-02 both
     # dtypes logged grad_norm nan on the first step: docs/benchmarks.md, issue 15)
     parser.add_argument("--trl-dtype", choices=("float32", "bfloat16"), default="float32")
+    # the attention TRL's model runs (transformers' attn_implementation): sdpa, its default, or eager — the next
+    # suspect of that nan is SDPA's CUDA backward over the left-padded prompts' fully masked rows
+    parser.add_argument("--trl-attn", choices=("sdpa", "eager"), default="sdpa")
     parser.add_argument("--sliderl", type=Path, help="colocate.py's results.jsonl holding the keep run")
     parser.add_argument("--run-timeout-s", type=float, default=280.0)
     parser.add_argument("--out", type=Path, default=Path("runs/trl_peer"), help="results.jsonl and trl.log")

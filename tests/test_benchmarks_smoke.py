@@ -227,11 +227,24 @@ def test_long_rl_smoke_run_has_every_arm_curve_and_window(tmp_path):
     assert (tmp_path / "back" / "sft" / "model" / "trainer_state.pt").is_file()
     assert not (carried / "trainer_state.pt").exists() and "trainer_state" not in (carried / "manifest.json").read_text()
     shutil.rmtree(tmp_path / "a")  # the second call sees only what came back
+    # --start-evals reuses the first call's start rows only for the weights they measured: catches a check that
+    # compares nothing (planted: the digest comparison dropped, this call runs and exits 0)
+    record = json.loads((tmp_path / "back" / "run.json").read_text())
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({**record, "start_weights": {"model.safetensors": "0" * 64}}))
+    refused = subprocess.run([*bench, "--sft-from", str(carried), "--start-evals", str(other), "--out",
+                              str(tmp_path / "c")], capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "other weights than --sft-from" in refused.stderr, refused.stderr[-2000:]
     tmp_path = tmp_path / "b"
-    out = subprocess.run([*bench, "--sft-from", str(carried), "--out", str(tmp_path)],
-                         capture_output=True, text=True, timeout=1500)
+    out = subprocess.run([*bench, "--sft-from", str(carried), "--start-evals", str(carried.parents[1] / "run.json"),
+                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=1500)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert not (tmp_path / "sft").exists() and not (tmp_path / "sft.log").exists()
+    # the start rows are the first call's, not measured again (catches --start-evals ignored: planted, start-*
+    # evaluations run in this call and their rows name this call's checkpoint)
+    starts = {k: v for k, v in json.loads((tmp_path / "run.json").read_text())["evals"].items() if k.startswith("start")}
+    assert starts == {k: v for k, v in record["evals"].items() if k.startswith("start")} and len(starts) == 3
+    assert not list((tmp_path / "eval").glob("start-*"))
     assert f"path: {carried}" in (tmp_path / "arms" / "ps-trunc" / "train.yaml").read_text()
     summary = json.loads((tmp_path / "summary.json").read_text())
     records = {r["arm"]: r for r in summary["arms"]}
