@@ -28,6 +28,8 @@ Per run, over the steps after ``--warmup`` (the first pays compilation and graph
   rollout tok/s generated tokens of the step / gen_s, per rollout GPU (async: metrics' rollout_tokens_per_s)
   learner tok/s trained (loss) tokens / learner_s;  learner in/s: tokens fed to the model / learner_s
   gpu%          mean utilisation of each GPU over the timed steps (nvidia-smi, sampled every 0.5 s)
+  role busy%    per role (rollout workers, learner), the SM utilisation of its processes over the timed steps
+                (nvidia-smi pmon, benchmarks/pmon.py), in % of one GPU: on one GPU, each role's share of it
   peak GiB      most memory in use on each GPU during the run (nvidia-smi)
 
 Results: ``OUT/results.jsonl`` (one row per run, every step's metrics inside), ``OUT/logs.tar.gz`` (each
@@ -52,6 +54,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from benchmarks.pmon import ProcessSampler, busy_seconds  # noqa: E402
 
 DATA_CANDIDATES = (ROOT / "shared/data/math500-dev.jsonl", ROOT.parent / "shared/data/math500-dev.jsonl")
 MODES = ("keep", "release", "as-is")
@@ -183,14 +187,14 @@ def run_one(args, mode: str, kv: str) -> dict:
             "out": str(args.work / f"{run_dir.name}.child.json")}
     spec_path = args.work / f"{run_dir.name}.spec.json"
     spec_path.write_text(json.dumps(spec, indent=1))
-    sampler = GpuSampler(args.work / f"{run_dir.name}.gpu.csv")
+    sampler, per_process = GpuSampler(args.work / f"{run_dir.name}.gpu.csv"), ProcessSampler()
     started = time.time()
     with (args.work / f"{run_dir.name}.log").open("w") as log:
         child = subprocess.Popen([sys.executable, __file__, "--run", str(spec_path)], stdout=log, stderr=subprocess.STDOUT,
                                  start_new_session=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(
                                      [str(ROOT), os.environ.get("PYTHONPATH", "")])})
         status = wait(child, args.run_timeout_s)
-    samples = sampler.stop()
+    samples, process_samples = sampler.stop(), per_process.stop()
     row = {"run": name, "mode": mode, "kv": kv, "status": status, "wall_s": time.time() - started,
            "overrides": spec["overrides"]}
     metrics_file = run_dir / "metrics.jsonl"
@@ -202,7 +206,21 @@ def run_one(args, mode: str, kv: str) -> dict:
     times = seen["step_times"]
     row["gpus"] = gpu_summary(samples, times[args.warmup - 1] if len(times) > args.warmup else None) if samples else {}
     row["pids"], row["role_gpus"], row["steps"] = seen["pids"], seen.get("role_gpus", {}), steps
+    row["role_util"] = role_util(process_samples, seen["pids"], times, args.warmup)
     return row
+
+
+def role_util(samples, pids: dict[str, list[int]], times: list[float], warmup: int) -> dict[str, dict[str, float]]:
+    """Per role, over the timed steps (from the report of step ``warmup`` to the last): the seconds its processes
+    kept a GPU busy (``benchmarks/pmon.py``) and ``util_pct`` = 100 x busy / the window's seconds, in units of one
+    GPU (two GPUs kept busy read 200). On one GPU this is what separates the engine's share from the learner's;
+    {} without samples of those processes or without a timed step."""
+    if len(times) <= warmup or times[-1] <= times[warmup - 1]:
+        return {}
+    role_of = {pid: role for role, ids in pids.items() for pid in ids}
+    window = times[-1] - times[warmup - 1]
+    busy = busy_seconds(samples, role_of.get, since=times[warmup - 1], until=times[-1])
+    return {role: {"busy_s": b, "util_pct": 100 * b / window} for role, b in busy.items()}
 
 
 def wait(child: subprocess.Popen, timeout_s: float) -> str:
@@ -251,6 +269,7 @@ def table(rows: list[dict]) -> str:
                  for c in cols[1:]]
         gpus = " ".join(f"{g}: {v['util_pct']:.0f}% / {v['peak_gib']:.1f}" for g, v in r.get("gpus", {}).items())
         roles = "; ".join(f"{role} {', '.join(at)}" for role, at in r.get("role_gpus", {}).items() if at)
+        roles += "".join(f"; {role} {u['util_pct']:.0f}% busy" for role, u in r.get("role_util", {}).items())
         lines.append(f"{r['run']:<30}  " + "  ".join(cells) + f"  {gpus}" + (f"  ({roles})" if roles else ""))
     return "\n".join(lines)
 

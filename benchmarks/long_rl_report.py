@@ -11,56 +11,33 @@ from __future__ import annotations
 import json
 import math
 import statistics
-import subprocess
-import threading
 from pathlib import Path
 
 from benchmarks.accuracy_vs_w import table as window_table
+from benchmarks.pmon import ProcessSampler, busy_seconds
 
 LAST = 3  # steps averaged for the rollout accuracy at the start and the end of a curve
 
 
 class GpuBusy:
-    """Seconds each arm's processes kept the GPU busy: ``nvidia-smi pmon`` samples every process's SM utilisation
-    each second; a process belongs to the arm named by its ``env_var``. Nothing is counted where nvidia-smi is
-    missing or shows no process of ours (e.g. in a container whose process ids it does not see)."""
+    """Seconds each arm's processes kept the GPU busy (``benchmarks/pmon.py``): a process belongs to the arm named
+    by its ``env_var``. Nothing is counted where nvidia-smi is missing or shows no process of ours (e.g. in a
+    container whose process ids it does not see)."""
 
     def __init__(self, env_var: str):
-        self.env_var, self.busy, self.arm_of = env_var, {}, {}
-        try:
-            self.proc = subprocess.Popen(["nvidia-smi", "pmon", "-s", "u", "-d", "1"], stdout=subprocess.PIPE,
-                                         stderr=subprocess.DEVNULL, text=True)
-        except OSError:
-            self.proc = None
-            return
-        self.thread = threading.Thread(target=self._read, daemon=True)
-        self.thread.start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:  # "# gpu pid type sm mem ...": sm is the 4th column, "-" when idle
-            fields = line.split()
-            if len(fields) < 4 or fields[0].startswith("#") or not fields[1].isdigit() or not fields[3].isdigit():
-                continue
-            arm = self._arm(int(fields[1]))
-            if arm is not None:
-                self.busy[arm] = self.busy.get(arm, 0.0) + int(fields[3]) / 100
+        self.prefix = f"{env_var}=".encode()
+        self.sampler = ProcessSampler(label=self._arm)
 
     def _arm(self, pid: int) -> str | None:
-        if pid not in self.arm_of:
-            prefix = f"{self.env_var}=".encode()
-            try:
-                env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            except OSError:
-                env = []
-            self.arm_of[pid] = next((e[len(prefix):].decode() for e in env if e.startswith(prefix)), None)
-        return self.arm_of[pid]
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            env = []
+        return next((e[len(self.prefix):].decode() for e in env if e.startswith(self.prefix)), None)
 
     def stop(self) -> dict[str, float]:
-        if self.proc is not None:
-            self.proc.terminate()
-            self.proc.wait()
-            self.thread.join(timeout=5)
-        return dict(self.busy)
+        samples = self.sampler.stop()
+        return busy_seconds(samples, self.sampler.labels.get)
 
 
 # ------------------------------------------------------------------------------------------ reading
