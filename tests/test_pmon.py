@@ -45,11 +45,11 @@ def test_busy_seconds_and_role_util_by_hand():
     # catches: sm % not divided by 100, samples outside the timed window counted (the warm-up's compile), a
     # process of another role (or of no role) counted, the window taken from the first report instead of
     # the warm-up's last step's (as colocate's step_numbers time them: a timed step runs from the report before
-    # it). Samples: engine 11 at 60% (t=1, before the window), 40% and 80% (t=12, 18); learner 22 at 30% (t=15);
+    # it). Samples: engine 11 at 60% and 50% (t=1, 7: the warm-up), 40% and 80% (t=12, 18); learner 22 at 30% (t=15);
     # 99 no role. Reports at t = 5, 10, 30, warm-up 2: the timed step runs from the 2nd report, 10..30 = 20 s;
     # engine busy 0.4 + 0.8 = 1.2 s = 6% of the GPU, learner 0.3 s = 1.5%
-    samples = [(1.0, 11, 60.0), (12.0, 11, 40.0), (15.0, 22, 30.0), (18.0, 11, 80.0), (19.0, 99, 100.0)]
-    assert busy_seconds(samples, {11: "a"}.get) == {"a": pytest.approx(1.8)}
+    samples = [(1.0, 11, 60.0), (7.0, 11, 50.0), (12.0, 11, 40.0), (15.0, 22, 30.0), (18.0, 11, 80.0), (19.0, 99, 100.0)]
+    assert busy_seconds(samples, {11: "a"}.get) == {"a": pytest.approx(2.3)}
     got = role_util(samples, {"rollout": [11], "learner": [22]}, [5.0, 10.0, 30.0], warmup=2)
     assert got["rollout"] == {"busy_s": pytest.approx(1.2), "util_pct": pytest.approx(6.0)}
     assert got["learner"] == {"busy_s": pytest.approx(0.3), "util_pct": pytest.approx(1.5)}
