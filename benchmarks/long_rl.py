@@ -527,7 +527,10 @@ def copy_light(out: Path, dest: Path) -> None:
 
 
 def weight_digests(checkpoint: Path) -> dict[str, str]:
-    """The sha256 of each weights file its manifest lists: the same model, whatever else the folder holds."""
+    """The sha256 of each weights file its manifest lists: the same model, whatever else the folder holds ({}
+    without a manifest: nothing to match)."""
+    if not (checkpoint / MANIFEST).is_file():
+        return {}
     files = Manifest.read(checkpoint).files
     return {name: entry.sha256 for name, entry in sorted(files.items()) if name.endswith(".safetensors")}
 
@@ -544,7 +547,7 @@ def reused_starts(run_json: Path, sft_from: Path | None, scale: Scale) -> dict[s
     if "arms" in record or "start_weights" not in record:
         raise ValueError(f"--start-evals {run_json}: not the run.json of an --sft-only call (it has "
                          f"{'arms' if 'arms' in record else 'no start_weights'})")
-    if record["start_weights"] != weight_digests(sft_from):
+    if not record["start_weights"] or record["start_weights"] != weight_digests(sft_from):
         raise ValueError(f"--start-evals {run_json}: its start evaluations measured other weights than --sft-from "
                          f"{sft_from} (the weights files' sha256 differ); give the run.json of the call that trained it")
     starts = {label: row for label, row in record["evals"].items() if label.startswith("start-")}
