@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from benchmarks.colocate import DATA_CANDIDATES, step_numbers
+from benchmarks.colocate import DATA_CANDIDATES, step_numbers, table
 from benchmarks.make_checkpoint import SIZES, make_checkpoint, stop_ids
 from cluster.cli import main as cli
 from cluster.config import load_config
@@ -129,6 +129,20 @@ def test_step_numbers_by_hand():
     assert (got["timed_steps"], got["step_s"], got["learner_s"], got["sync_s"], got["release_s"]) == (3, 6, 2, 0.5, 1.0)
     assert got["gen_s"] == pytest.approx(2.5) and got["tokens_per_step"] == 800
     assert got["rollout_tok_s_per_gpu"] == pytest.approx(320) and got["learner_tok_s"] == pytest.approx(20)
+
+
+def test_async_step_numbers_and_their_table_row_by_hand():
+    # catches: the N-GPU recipe's (async) run crashing colocate.py's table on its gen_s None — found on the CPU on
+    # 2026-12-02 (`colocate.py --cpu-smoke --config configs/qwen3-math-ngpu.yaml --modes as-is`): the first run's
+    # row killed the script before the second policy ran. Async: rollout tok/s is the metrics' own (median of
+    # 300, 500, 400 = 400, one rollout GPU), no gen_s; steps at elapsed 10, 14, 19, 22 -> timed 5, 3 (median 4)
+    rows = [dict(elapsed_s=e, learner_step_seconds=1.0, weight_sync_seconds=0.1, completion_tokens=10,
+                 rollout_tokens_per_s=r, reward=0.0) for e, r in ((10.0, 100.0), (14.0, 300.0), (19.0, 500.0), (22.0, 400.0))]
+    args = SimpleNamespace(warmup=1, groups=2, group_size=4, mode_is_sync=False, rollout_gpus=1.0)
+    got = step_numbers(args, rows)
+    assert got["gen_s"] is None and got["step_s"] == 4 and got["rollout_tok_s_per_gpu"] == pytest.approx(400)
+    line = table([{"run": "as-is:full", "status": "ok", **got}]).splitlines()[1]
+    assert line.split()[:4] == ["as-is:full", "ok", "4.00", "-"]
 
 
 SMOKE = ["--cpu-smoke", "--groups", "2", "--group-size", "2", "--max-tokens", "16", "--steps", "1", "--warmup", "1",
