@@ -265,8 +265,8 @@ def table(rows: list[dict]) -> str:
             "learner_tok_s", "learner_in_s", "tokens_per_step")
     lines = ["  ".join(f"{c:>14}" if i else f"{c:<30}" for i, c in enumerate(cols)) + "  gpu: util% / peak GiB"]
     for r in rows:
-        cells = [f"{r.get(c, float('nan')):>14.2f}" if isinstance(r.get(c, 0.0), float) else f"{r.get(c, ''):>14}"
-                 for c in cols[1:]]
+        cells = [f"{r[c]:>14.2f}" if isinstance(r.get(c), float) else f"{'-' if r.get(c) is None else r[c]:>14}"
+                 for c in cols[1:]]  # None: not measured in this mode (gen_s of an async run)
         gpus = " ".join(f"{g}: {v['util_pct']:.0f}% / {v['peak_gib']:.1f}" for g, v in r.get("gpus", {}).items())
         roles = "; ".join(f"{role} {', '.join(at)}" for role, at in r.get("role_gpus", {}).items() if at)
         roles += "".join(f"; {role} {u['util_pct']:.0f}% busy" for role, u in r.get("role_util", {}).items())
