@@ -147,7 +147,7 @@ SMOKE = Scale(
            "reward.kv_penalty.budget=8", "reward.kv_penalty.coef=0.01",
            # three steps at most: the deadline is a guard here, not the stop (see arm_seconds)
            "train.steps=3"),
-    # arm_seconds: four Ray clusters start at once on 2 cores, and the first step ends 54-66 s after the start here
+    # arm_seconds: four Ray clusters start at once on 2 cores, and the first step ends 54-75 s after the start here
     # (2026-12-02); at 50 s (killed at 80) a slower CI machine killed ps-whole before its first step
     sft_examples=24, train_prompts=16, eval_problems=4, arm_seconds=100, eval_reserve_s=60, windows=(8, 32),
     parallel_evals=4, budget_s=1200)  # a shared 2-core machine: Ray and every eval process start slowly
@@ -466,10 +466,9 @@ def run(args: argparse.Namespace, scale: Scale, out: Path) -> None:
         record.update(share=1 / len(ran), arm_seconds=arm_seconds)
     seconds["arms"] = time.perf_counter() - t_arms
     t_eval = time.perf_counter()
-    starts = [e for e in start_entries(scale, model, arms) if e.label not in args.reused]
-    ends = evaluate(starts + end_entries(scale, out, arms))
-    rows = {**{e.label: args.reused[e.label] for e in start_entries(scale, model, arms) if e.label in args.reused},
-            **ends}
+    starts = start_entries(scale, model, arms)
+    measured = evaluate([e for e in starts if e.label not in args.reused] + end_entries(scale, out, arms))
+    rows = {**{e.label: args.reused[e.label] for e in starts if e.label in args.reused}, **measured}
     seconds["eval"] = time.perf_counter() - t_eval
     (out / "run.json").write_text(json.dumps({"seconds": seconds, "arm_seconds": arm_seconds, "arms": ran,
                                               "evals": rows, "argv": sys.argv[1:]}, indent=1) + "\n")
@@ -544,12 +543,15 @@ def reused_starts(run_json: Path, sft_from: Path | None, scale: Scale) -> dict[s
     if not run_json.is_file():
         raise ValueError(f"--start-evals {run_json}: no such file; give the run.json an --sft-only call wrote")
     record = json.loads(run_json.read_text())
-    if "arms" in record or "start_weights" not in record:
-        raise ValueError(f"--start-evals {run_json}: not the run.json of an --sft-only call (it has "
-                         f"{'arms' if 'arms' in record else 'no start_weights'})")
+    if "arms" in record:
+        raise ValueError(f"--start-evals {run_json}: an arms' run.json; give the one an --sft-only call wrote")
+    if "start_weights" not in record:
+        raise ValueError(f"--start-evals {run_json}: no start_weights (written before they were recorded, "
+                         "2026-12-02): its weights cannot be checked; run the start evaluations again")
     if not record["start_weights"] or record["start_weights"] != weight_digests(sft_from):
         raise ValueError(f"--start-evals {run_json}: its start evaluations measured other weights than --sft-from "
-                         f"{sft_from} (the weights files' sha256 differ); give the run.json of the call that trained it")
+                         f"{sft_from} (the weights files' sha256 differ); give the run.json of the call that "
+                         "trained it")
     starts = {label: row for label, row in record["evals"].items() if label.startswith("start-")}
     wrong = {label: row["problems"] for label, row in starts.items() if row["problems"] != scale.eval_problems}
     if wrong:

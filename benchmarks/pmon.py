@@ -1,14 +1,13 @@
 """Per-process GPU utilisation: ``nvidia-smi pmon`` read while a benchmark runs, its samples summed per group.
 
-``nvidia-smi pmon -s u -d 1`` prints, once a second, one line per process on a GPU with its SM
-utilisation over that second ("-" when it ran no kernel). ``ProcessSampler`` keeps every line as
-``(unix time, pid, sm %)``, the time being when the line was read (pmon runs line-buffered under ``stdbuf``
-where it exists; without it a pipe may hold lines back for seconds); ``busy_seconds`` sums them per group of processes (the arms of
-``long_rl.py``, the roles of ``colocate.py``): a process at 60% for 10 samples kept the GPU busy 6 s. Two
-processes on one GPU each get their own share, which is how one GPU still tells the rollout engine's busy time
-from the learner's. Where nvidia-smi is missing, nothing is sampled (an empty list).
+``nvidia-smi pmon -s u -d 1`` prints, once a second, one line per process on a GPU with its SM utilisation over
+that second ("-" when it ran no kernel). ``ProcessSampler`` keeps every line as ``(unix time, pid, sm %)``, the
+time being when the line was read (pmon runs line-buffered under ``stdbuf`` where it exists; without it a pipe
+may hold lines back for seconds). ``busy_seconds`` sums them per group of processes (the arms of ``long_rl.py``,
+the roles of ``colocate.py``): a process at 60% for 10 samples kept the GPU busy 6 s. Two processes on one GPU
+each get their own share, which is how one GPU still tells the rollout engine's busy time from the learner's.
+Where nvidia-smi is missing, nothing is sampled (an empty list).
 """
-
 from __future__ import annotations
 
 import shutil
@@ -21,40 +20,30 @@ PMON = ["nvidia-smi", "pmon", "-s", "u", "-d", "1"]  # the command long_rl.py's 
 
 
 class PmonLines:
-    """pmon's lines one at a time: ``feed`` returns ``(unix time, pid, sm %)`` for a sample line, else None.
-    Columns are found by the header's names (``# gpu pid type sm mem ...``: drivers differ in which follow; with
-    ``-o DT`` a Date (YYYYMMDD) and Time column come first and give the time, else ``stamp`` does). Idle
-    samples ("-"), unit lines and anything else give None."""
+    """pmon's lines one at a time: ``feed(line, stamp)`` returns ``(stamp, pid, sm %)`` for a sample line, else
+    None. Columns are found by the header's names (``# gpu pid type sm mem ...``: drivers differ in which
+    follow); idle samples ("-"), the units line and anything else give None."""
 
     def __init__(self):
         self.names: list[str] = []
 
-    def feed(self, line: str, stamp: float | None = None) -> tuple[float, int, float] | None:
+    def feed(self, line: str, stamp: float) -> tuple[float, int, float] | None:
         fields = line.split()
-        if not fields:
-            return None
-        if fields[0].startswith("#"):
+        if fields and fields[0].startswith("#"):
             words = [w.lower() for w in " ".join(fields).lstrip("#").split()]
             if "pid" in words:
                 self.names = words
             return None
-        if "sm" not in self.names:
-            return None
         row = dict(zip(self.names, fields))  # the trailing command may be missing or hold spaces: not read
         if not row.get("pid", "").isdigit() or not row.get("sm", "").isdigit():
             return None
-        if "date" in row and "time" in row:
-            try:
-                stamp = time.mktime(time.strptime(f"{row['date']} {row['time']}", "%Y%m%d %H:%M:%S"))
-            except ValueError:
-                return None
-        return None if stamp is None else (stamp, int(row["pid"]), float(row["sm"]))
+        return stamp, int(row["pid"]), float(row["sm"])
 
 
-def parse_pmon(lines, arrival: list[float] | None = None) -> list[tuple[float, int, float]]:
+def parse_pmon(lines: list[str], arrival: list[float]) -> list[tuple[float, int, float]]:
     """``PmonLines`` over ``lines``, line i read at ``arrival[i]``: every sample."""
     reader = PmonLines()
-    got = (reader.feed(line, arrival[i] if arrival is not None else None) for i, line in enumerate(lines))
+    got = (reader.feed(line, stamp) for line, stamp in zip(lines, arrival, strict=True))
     return [sample for sample in got if sample is not None]
 
 

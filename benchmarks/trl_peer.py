@@ -7,7 +7,8 @@
 
 TRL (``TRL_WHEELS``; not a dependency of sliderl) runs GRPO the way its documentation shows, without
 vLLM: the model loaded by ``from_pretrained`` (float32 weights, ``--trl-dtype bfloat16`` for bf16 ones; SDPA
-attention, ``--trl-attn eager`` for transformers' eager one), bf16 autocast, gradient checkpointing, completions sampled by transformers' ``generate`` (``--trl-generation cb``: transformers' continuous
+attention, ``--trl-attn eager`` for transformers' eager one), bf16 autocast, gradient checkpointing,
+completions sampled by transformers' ``generate`` (``--trl-generation cb``: transformers' continuous
 batching instead). One optimizer step = ``--groups`` prompts x ``--group-size`` completions of at most
 ``--max-tokens`` tokens (``per_device_train_batch_size = group size``, ``gradient_accumulation_steps =
 groups``: one generation per step, trained in ``groups`` micro-batches of one group), temperature 1,

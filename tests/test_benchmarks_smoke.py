@@ -242,7 +242,8 @@ def test_long_rl_smoke_run_has_every_arm_curve_and_window(tmp_path):
     assert not (tmp_path / "sft").exists() and not (tmp_path / "sft.log").exists()
     # the start rows are the first call's, not measured again (catches --start-evals ignored: planted, start-*
     # evaluations run in this call and their rows name this call's checkpoint)
-    starts = {k: v for k, v in json.loads((tmp_path / "run.json").read_text())["evals"].items() if k.startswith("start")}
+    evals = json.loads((tmp_path / "run.json").read_text())["evals"]
+    starts = {k: v for k, v in evals.items() if k.startswith("start")}
     assert starts == {k: v for k, v in record["evals"].items() if k.startswith("start")} and len(starts) == 3
     assert not list((tmp_path / "eval").glob("start-*"))
     assert f"path: {carried}" in (tmp_path / "arms" / "ps-trunc" / "train.yaml").read_text()

@@ -137,7 +137,8 @@ def test_async_step_numbers_and_their_table_row_by_hand():
     # row killed the script before the second policy ran. Async: rollout tok/s is the metrics' own (median of
     # 300, 500, 400 = 400, one rollout GPU), no gen_s; steps at elapsed 10, 14, 19, 22 -> timed 5, 3 (median 4)
     rows = [dict(elapsed_s=e, learner_step_seconds=1.0, weight_sync_seconds=0.1, completion_tokens=10,
-                 rollout_tokens_per_s=r, reward=0.0) for e, r in ((10.0, 100.0), (14.0, 300.0), (19.0, 500.0), (22.0, 400.0))]
+                 rollout_tokens_per_s=r, reward=0.0)
+            for e, r in ((10.0, 100.0), (14.0, 300.0), (19.0, 500.0), (22.0, 400.0))]
     args = SimpleNamespace(warmup=1, groups=2, group_size=4, mode_is_sync=False, rollout_gpus=1.0)
     got = step_numbers(args, rows)
     assert got["gen_s"] is None and got["step_s"] == 4 and got["rollout_tok_s_per_gpu"] == pytest.approx(400)

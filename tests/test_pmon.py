@@ -22,12 +22,6 @@ PLAIN = textwrap.dedent("""\
         0         11     C     40     10      -      -      -      -    ray::RolloutWorker
         0         22     C     30      5      -      -      -      -    ray::Learner
     """).splitlines()
-DATED = textwrap.dedent("""\
-    #Date       Time        gpu         pid   type     sm    mem    enc    dec    command
-    #YYYYMMDD   HH:MM:SS    Idx           #    C/G      %      %      %      %    name
-     20261202   10:00:00      0         11     C     60     20      -      -    python
-     20261202   10:00:01      0         11     C     40     10      -      -    python
-    """).splitlines()
 
 
 def test_pmon_lines_by_hand():
@@ -35,10 +29,6 @@ def test_pmon_lines_by_hand():
     # an idle "-" sample counted, a line without its command dropped (pid 33), the time not from arrival
     samples = parse_pmon(PLAIN, arrival=[float(i) for i in range(len(PLAIN))])
     assert samples == [(2.0, 11, 60.0), (4.0, 33, 7.0), (5.0, 11, 40.0), (6.0, 22, 30.0)]
-    # -o DT: the time from the Date and Time columns, not from when the line came
-    dated = parse_pmon(DATED, arrival=[0.0] * len(DATED))
-    first = time.mktime(time.strptime("20261202 10:00:00", "%Y%m%d %H:%M:%S"))
-    assert dated == [(first, 11, 60.0), (first + 1, 11, 40.0)]
 
 
 def test_busy_seconds_and_role_util_by_hand():
@@ -48,7 +38,8 @@ def test_busy_seconds_and_role_util_by_hand():
     # it). Samples: engine 11 at 60% and 50% (t=1, 7: the warm-up), 40% and 80% (t=12, 18); learner 22 at 30% (t=15);
     # 99 no role. Reports at t = 5, 10, 30, warm-up 2: the timed step runs from the 2nd report, 10..30 = 20 s;
     # engine busy 0.4 + 0.8 = 1.2 s = 6% of the GPU, learner 0.3 s = 1.5%
-    samples = [(1.0, 11, 60.0), (7.0, 11, 50.0), (12.0, 11, 40.0), (15.0, 22, 30.0), (18.0, 11, 80.0), (19.0, 99, 100.0)]
+    samples = [(1.0, 11, 60.0), (7.0, 11, 50.0), (12.0, 11, 40.0), (15.0, 22, 30.0), (18.0, 11, 80.0),
+               (19.0, 99, 100.0)]
     assert busy_seconds(samples, {11: "a"}.get) == {"a": pytest.approx(2.3)}
     got = role_util(samples, {"rollout": [11], "learner": [22]}, [5.0, 10.0, 30.0], warmup=2)
     assert got["rollout"] == {"busy_s": pytest.approx(1.2), "util_pct": pytest.approx(6.0)}
