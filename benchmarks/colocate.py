@@ -181,7 +181,8 @@ def gpu_summary(samples, since: float | None) -> dict[str, dict[str, float]]:
 
 
 def run_one(args, mode: str, kv: str) -> dict:
-    name = f"{mode}:{kv}"
+    train_mode = next((o.split("=", 1)[1] for o in args.set if o.startswith("train.mode=")), None)
+    name = f"{mode}+{train_mode}:{kv}" if train_mode else f"{mode}:{kv}"  # --set train.mode=async: keep+async:...
     run_dir = args.work / f"run-{mode}-{kv.replace(':', '')}"
     spec = {"config": str(args.config), "overrides": overrides(args, mode, kv, run_dir),
             "out": str(args.work / f"{run_dir.name}.child.json")}
