@@ -22,10 +22,13 @@ with a chat template, ``--stop-ids`` extra end ids so lengths vary), so the rewa
 correctness (never 1 for random weights): groups then have reward variance and every step trains.
 Per run, over the steps after ``--warmup`` (the first pays compilation and graph capture), median:
 
-  step_s        wall seconds from one step's report to the next (metrics.jsonl ``elapsed_s``)
+  step_s        wall seconds from one step's report to the next (metrics.jsonl ``elapsed_s``); step_mean_s
+                their mean (async runs alternate short and long steps: the mean is their pace, the median not)
   learner_s     the learner step; sync_s the weight sync; release_s freeing + re-allocating the pool
   gen_s         step_s - learner_s - sync_s - release_s (sync mode: generation and the driver's share; async: none)
-  rollout tok/s generated tokens of the step / gen_s, per rollout GPU (async: metrics' rollout_tokens_per_s)
+  rollout tok/s generated tokens of the step / gen_s, per rollout GPU (async: every group that arrived in the
+                timed steps, dropped ones too, / their seconds: metrics' rollout_tokens_per_s x each step's seconds)
+  stale_dropped groups dropped as too stale over the timed steps (async; their tokens were generated for nothing)
   learner tok/s trained (loss) tokens / learner_s;  learner in/s: tokens fed to the model / learner_s
   gpu%          mean utilisation of each GPU over the timed steps (nvidia-smi, sampled every 0.5 s)
   role busy%    per role (rollout workers, learner), the SM utilisation of its processes over the timed steps
@@ -252,8 +255,11 @@ def step_numbers(args, steps: list[dict]) -> dict:
     step = med(lambda s, t: t)
     gen = step - learner - sync - release
     tokens = med(lambda s, t: s["completion_tokens"] * args.groups * args.group_size)
-    rollout = tokens / max(gen, 1e-9) if args.mode_is_sync else med(lambda s, t: s["rollout_tokens_per_s"])
-    return {"timed_steps": len(timed), "step_s": step, "gen_s": gen if args.mode_is_sync else None,
+    arrived = sum(s["rollout_tokens_per_s"] * t for s, t in timed)  # per step: tokens arrived since the last report
+    rollout = tokens / max(gen, 1e-9) if args.mode_is_sync else arrived / sum(t for _, t in timed)
+    return {"timed_steps": len(timed), "step_s": step, "step_mean_s": statistics.mean(t for _, t in timed),
+            "gen_s": gen if args.mode_is_sync else None,
+            "stale_dropped": sum(s.get("stale_groups_dropped", 0) for s, _ in timed),
             "learner_s": learner, "sync_s": sync,
             "release_s": release, "tokens_per_step": tokens, "rollout_tok_s_per_gpu": rollout / args.rollout_gpus,
             "learner_tok_s": med(lambda s, t: s.get("learner/num_loss_tokens", 0.0) / s["learner_step_seconds"]),
@@ -262,7 +268,7 @@ def step_numbers(args, steps: list[dict]) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    cols = ("run", "status", "step_s", "gen_s", "learner_s", "sync_s", "release_s", "rollout_tok_s_per_gpu",
+    cols = ("run", "status", "step_s", "step_mean_s", "gen_s", "learner_s", "sync_s", "release_s", "rollout_tok_s_per_gpu",
             "learner_tok_s", "learner_in_s", "tokens_per_step")
     lines = ["  ".join(f"{c:>14}" if i else f"{c:<30}" for i, c in enumerate(cols)) + "  gpu: util% / peak GiB"]
     for r in rows:

@@ -135,15 +135,21 @@ def test_async_step_numbers_and_their_table_row_by_hand():
     # catches: the N-GPU recipe's (async) run crashing colocate.py's table on its gen_s None — found on the CPU on
     # 2026-12-02 (`colocate.py --cpu-smoke --config configs/qwen3-math-ngpu.yaml --modes as-is`): the first run's
     # row killed the script before the second policy ran. Async: rollout tok/s is the metrics' own (median of
-    # 300, 500, 400 = 400, one rollout GPU), no gen_s; steps at elapsed 10, 14, 19, 22 -> timed 5, 3 (median 4)
+    # 300, 500, 400 = 400, one rollout GPU), no gen_s; steps at elapsed 10, 14, 19, 28 -> timed 4, 5, 9 (median 5)
     rows = [dict(elapsed_s=e, learner_step_seconds=1.0, weight_sync_seconds=0.1, completion_tokens=10,
-                 rollout_tokens_per_s=r, reward=0.0)
-            for e, r in ((10.0, 100.0), (14.0, 300.0), (19.0, 500.0), (22.0, 400.0))]
+                 rollout_tokens_per_s=r, reward=0.0, stale_groups_dropped=d)
+            for e, r, d in ((10.0, 100.0, 7), (14.0, 300.0, 0), (19.0, 500.0, 4), (28.0, 400.0, 0))]
     args = SimpleNamespace(warmup=1, groups=2, group_size=4, mode_is_sync=False, rollout_gpus=1.0)
     got = step_numbers(args, rows)
-    assert got["gen_s"] is None and got["step_s"] == 4 and got["rollout_tok_s_per_gpu"] == pytest.approx(400)
+    # also catches: an async run's pace and rate read off the median step (the H200 run of 2026-12-03 alternated
+    # 8.6 and 64 s steps: median 56.9, mean 41.0) -- the rate is the tokens that arrived in the timed steps over
+    # their seconds, (300 x 4 + 500 x 5 + 400 x 9) / 18 = 7300 / 18 = 405.56 (the median rate 400, the plain mean
+    # 400 too), the mean step (4 + 5 + 9) / 3 = 6 (the median 5), the drops of the timed steps 0 + 4 + 0 = 4 (not
+    # the warm-up's 7); planted: the median rate back (400), the median as the mean (5), drops from step 0 (11)
+    assert got["gen_s"] is None and got["step_s"] == 5 and got["step_mean_s"] == pytest.approx(6)
+    assert got["rollout_tok_s_per_gpu"] == pytest.approx(7300 / 18) and got["stale_dropped"] == 4
     line = table([{"run": "as-is:full", "status": "ok", **got}]).splitlines()[1]
-    assert line.split()[:4] == ["as-is:full", "ok", "4.00", "-"]
+    assert line.split()[:5] == ["as-is:full", "ok", "5.00", "6.00", "-"]
 
 
 SMOKE = ["--cpu-smoke", "--groups", "2", "--group-size", "2", "--max-tokens", "16", "--steps", "1", "--warmup", "1",
