@@ -26,6 +26,7 @@ latest checkpoint (``train.max_learner_restarts`` times); a run that cannot cont
 from __future__ import annotations
 
 import math
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -93,6 +94,8 @@ def train(cfg: TrainConfig, on_step: StepHook | None = None, config_path: str | 
     import ray
 
     plan = prepare(cfg)
+    if (note := cfg.stale_drop_warning()) is not None:
+        print(f"sliderl: warning: {note}", file=sys.stderr, flush=True)
     pg, owns_ray = None, False
     try:
         warn_if_submitted_without_metadata()

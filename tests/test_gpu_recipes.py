@@ -50,8 +50,31 @@ def test_a_recipe_loads_and_keeps_the_papers_training_settings(name, checkpoint,
         assert (cfg.rollout.num_gpus, cfg.learner.num_gpus, cfg.weight_sync.backend) == (1, 1, "broadcast")
         assert cfg.weight_sync.broadcast_backend == "nccl" and cfg.train.mode == "async"
     assert load_config(TrainConfig, str(RECIPES[name]), [f"model.path={checkpoint}", "engine.kv=full"]).engine.kv == "full"
+    # and the recipe keeps what it generates: the N-GPU recipe had 32 groups in flight at 8 per step under
+    # max_staleness 1, so a group arrived ~4 versions old and most were dropped (stale_drop_warning, below)
+    assert cfg.stale_drop_warning() is None
     assert cli(["train", str(RECIPES[name]), f"model.path={checkpoint}", "--help"]) == 0
     assert "engine.kv = 'prefix_sliding:1024'" in capsys.readouterr().out
+
+
+def test_async_runs_warn_when_more_groups_are_in_flight_than_staleness_can_train(checkpoint):
+    # catches: an async config that generates groups only to drop them as stale. A group arrives about
+    # (workers x max_inflight_groups) / groups_per_step versions old; on the CPU (colocate.py --cpu-smoke, 2 groups
+    # per step, max_staleness 1) 4 x G in flight dropped 13 of 25 arrived groups, G dropped 1 of 17. By hand:
+    #   1 x 32 in flight, G=8,  s=1: 32 > 1 x 8  -> warn, "about 4 versions old", the fit is 8 per worker
+    #   1 x 16 in flight, G=8,  s=1: 16 > 8      -> warn (planted: (s + 1) x G = 16 as the limit stays silent)
+    #   2 x 5  in flight, G=8,  s=1: 10 > 8      -> warn (planted: one worker's 5 as the in-flight count stays silent)
+    #   1 x 32 in flight, G=16, s=2: 32 <= 32    -> silent (the N-GPU recipe now); sync mode: silent
+    def warning(workers, inflight, groups, staleness, mode="async"):
+        return load_config(TrainConfig, str(RECIPES["ngpu"]), [
+            f"model.path={checkpoint}", f"rollout.num_workers={workers}", f"rollout.max_inflight_groups={inflight}",
+            f"train.groups_per_step={groups}", f"train.max_staleness={staleness}", f"train.mode={mode}",
+            "weight_sync.backend=object_store"]).stale_drop_warning()
+
+    old = warning(1, 32, 8, 1)
+    assert "32 groups in flight" in old and "about 4 versions old" in old and "rollout.max_inflight_groups=8)" in old
+    assert warning(1, 16, 8, 1) is not None and warning(2, 5, 8, 1) is not None
+    assert warning(1, 32, 16, 2) is None and warning(1, 32, 8, 1, mode="sync") is None
 
 
 @pytest.mark.skipif(not MATH500.is_file(), reason="needs ../shared/data/math500-dev.jsonl")
