@@ -255,8 +255,10 @@ def step_numbers(args, steps: list[dict]) -> dict:
     step = med(lambda s, t: t)
     gen = step - learner - sync - release
     tokens = med(lambda s, t: s["completion_tokens"] * args.groups * args.group_size)
-    arrived = sum(s["rollout_tokens_per_s"] * t for s, t in timed)  # per step: tokens arrived since the last report
-    rollout = tokens / max(gen, 1e-9) if args.mode_is_sync else arrived / sum(t for _, t in timed)
+    if args.mode_is_sync:
+        rollout = tokens / max(gen, 1e-9)
+    else:  # a report's rollout_tokens_per_s: the tokens that arrived since the previous report, per second
+        rollout = sum(s["rollout_tokens_per_s"] * t for s, t in timed) / sum(t for _, t in timed)
     return {"timed_steps": len(timed), "step_s": step, "step_mean_s": statistics.mean(t for _, t in timed),
             "gen_s": gen if args.mode_is_sync else None,
             "stale_dropped": sum(s.get("stale_groups_dropped", 0) for s, _ in timed),

@@ -273,21 +273,21 @@ class TrainConfig(Section):
 
         While generation is the bottleneck, ``F`` groups in flight over all workers finish at F per group's
         generation time, i.e. F / G learner steps (G = ``groups_per_step``) pass while one group generates: it
-        arrives about F / G versions old, so past ``max_staleness x G`` groups in flight the surplus is
+        arrives about F / G versions old, so past ``max(max_staleness, 1) x G`` groups in flight the surplus is
         generated only to be dropped (measured on the CPU under max_staleness 1: G in flight dropped 1 of 17
         arrived groups, 2 x G 3 of 15, 4 x G 13 of 25; docs/benchmarks.md, issue 15)."""
         if self.train.mode != "async":
             return None
         in_flight = self.rollout.num_workers * self.rollout.max_inflight_groups
-        trainable = self.train.max_staleness * self.train.groups_per_step
-        if in_flight <= max(trainable, self.train.groups_per_step):
+        trainable = max(self.train.max_staleness, 1) * self.train.groups_per_step  # one step's worth always fits
+        if in_flight <= trainable:
             return None
         fits = max(1, trainable // self.rollout.num_workers)
         return (f"{in_flight} groups in flight (rollout.num_workers={self.rollout.num_workers} x "
                 f"rollout.max_inflight_groups={self.rollout.max_inflight_groups}) arrive about "
                 f"{in_flight / self.train.groups_per_step:g} versions old (in flight / train.groups_per_step="
                 f"{self.train.groups_per_step}), past train.max_staleness={self.train.max_staleness}: expect many "
-                f"to be dropped as stale. Keep in flight <= max_staleness x groups_per_step = {trainable} "
+                f"to be dropped as stale. Keep in flight <= max(max_staleness, 1) x groups_per_step = {trainable} "
                 f"(rollout.max_inflight_groups={fits}), or raise train.max_staleness or train.groups_per_step")
 
     def _check_loop(self) -> None:

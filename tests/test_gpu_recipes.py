@@ -65,6 +65,7 @@ def test_async_runs_warn_when_more_groups_are_in_flight_than_staleness_can_train
     #   1 x 16 in flight, G=8,  s=1: 16 > 8      -> warn (planted: (s + 1) x G = 16 as the limit stays silent)
     #   2 x 5  in flight, G=8,  s=1: 10 > 8      -> warn (planted: one worker's 5 as the in-flight count stays silent)
     #   1 x 32 in flight, G=16, s=2: 32 <= 32    -> silent (the N-GPU recipe now); sync mode: silent
+    #   1 x 8  in flight, G=8,  s=0: 8 <= 1 x 8  -> silent (one step's worth always fits), 1 x 9 -> warn
     def warning(workers, inflight, groups, staleness, mode="async"):
         return load_config(TrainConfig, str(RECIPES["ngpu"]), [
             f"model.path={checkpoint}", f"rollout.num_workers={workers}", f"rollout.max_inflight_groups={inflight}",
@@ -75,6 +76,7 @@ def test_async_runs_warn_when_more_groups_are_in_flight_than_staleness_can_train
     assert "32 groups in flight" in old and "about 4 versions old" in old and "rollout.max_inflight_groups=8)" in old
     assert warning(1, 16, 8, 1) is not None and warning(2, 5, 8, 1) is not None
     assert warning(1, 32, 16, 2) is None and warning(1, 32, 8, 1, mode="sync") is None
+    assert warning(1, 8, 8, 0) is None and "<= max(max_staleness, 1) x groups_per_step = 8" in warning(1, 9, 8, 0)
 
 
 @pytest.mark.skipif(not MATH500.is_file(), reason="needs ../shared/data/math500-dev.jsonl")
@@ -157,8 +159,8 @@ def test_step_numbers_by_hand():
 def test_async_step_numbers_and_their_table_row_by_hand():
     # catches: the N-GPU recipe's (async) run crashing colocate.py's table on its gen_s None — found on the CPU on
     # 2026-12-02 (`colocate.py --cpu-smoke --config configs/qwen3-math-ngpu.yaml --modes as-is`): the first run's
-    # row killed the script before the second policy ran. Async: rollout tok/s is the metrics' own (median of
-    # 300, 500, 400 = 400, one rollout GPU), no gen_s; steps at elapsed 10, 14, 19, 28 -> timed 4, 5, 9 (median 5)
+    # row killed the script before the second policy ran. Async: no gen_s, one rollout GPU; steps at elapsed
+    # 10, 14, 19, 28 -> timed 4, 5, 9 (median 5)
     rows = [dict(elapsed_s=e, learner_step_seconds=1.0, weight_sync_seconds=0.1, completion_tokens=10,
                  rollout_tokens_per_s=r, reward=0.0, stale_groups_dropped=d)
             for e, r, d in ((10.0, 100.0, 7), (14.0, 300.0, 0), (19.0, 500.0, 4), (28.0, 400.0, 0))]
