@@ -1,7 +1,7 @@
-"""Time per RL step of a recipe on real-size models, and on one GPU: keep the engine's KV pool or release it.
+"""Time per RL step of a recipe on real-size models, and on one GPU: keep the engine's KV pool, release it, or go async.
 
     python benchmarks/colocate.py --model DIR [--data FILE] [--config configs/qwen3-math-1gpu.yaml] \
-        [--modes keep release] [--kv prefix_sliding:1024 full] [--steps 3] [--warmup 1] [--groups 4] \
+        [--modes keep release async] [--kv prefix_sliding:1024 full] [--steps 3] [--warmup 1] [--groups 4] \
         [--group-size 8] [--max-tokens 1024] [--keep-kv-gb 40] [--release-kv-gb 40] [--out DIR]
     python benchmarks/colocate.py --config configs/qwen3-math-ngpu.yaml --modes as-is ...   # N GPUs
     python benchmarks/colocate.py --cpu-smoke --out DIR        # a tiny model on the CPU: checks the script
@@ -9,13 +9,16 @@
 Each run is ``sliderl train CONFIG`` with the benchmark's overrides (the model, the data, the step's
 size, ``warmstart``/eval off, no checkpoint), in a child process of its own (``--run``) under
 ``--run-timeout-s``; the learner takes ``--warmup + --steps`` steps and the run stops after the last
-without writing a checkpoint. The modes, on the 1-GPU recipe (learner and one engine on one GPU, sync):
+without writing a checkpoint. The modes, on the 1-GPU recipe (learner and one engine on one GPU):
 
-  keep     the engine's pool stays allocated, ``engine.kv_cache_gb = --keep-kv-gb`` (sized to leave the
-           learner room);
-  release  ``rollout.release_between_steps``: the pool (``--release-kv-gb``) and the CUDA graphs are freed
-           before each learner step and allocated and captured again after the weight sync;
-  as-is    the config's own placement (e.g. the N-GPU recipe).
+  keep     sync (generate a step's groups, train, sync the weights): the engine's pool stays allocated,
+           ``engine.kv_cache_gb = --keep-kv-gb`` (sized to leave the learner room);
+  release  sync, ``rollout.release_between_steps``: the pool (``--release-kv-gb``) and the CUDA graphs are
+           freed before each learner step and allocated and captured again after the weight sync;
+  async    the pool kept, ``train.mode=async`` with ``train.max_staleness=2`` and 2 x ``--groups`` in flight
+           (the engine generates the next steps' groups while the learner trains; ``engine.max_num_seqs`` holds
+           them all): the 1-GPU recipe's own mode;
+  as-is    the config's own placement and mode (e.g. the N-GPU recipe).
 
 The model has random weights (``benchmarks/make_checkpoint.py``: the Qwen3 config, a byte tokenizer
 with a chat template, ``--stop-ids`` extra end ids so lengths vary), so the reward adds a KV penalty to
@@ -23,7 +26,10 @@ correctness (never 1 for random weights): groups then have reward variance and e
 Per run, over the steps after ``--warmup`` (the first pays compilation and graph capture), median:
 
   step_s        wall seconds from one step's report to the next (metrics.jsonl ``elapsed_s``); step_mean_s
-                their mean (async runs alternate short and long steps: the mean is their pace, the median not)
+                their mean (async runs alternate short and long steps: the mean is their pace, the median not);
+  pace_s        async: the mean tokens of a timed step / the rollout rate (below), the step time that generation
+                sustains (a few timed steps open with groups generated before them, so their mean reads short);
+                sync: step_mean_s
   learner_s     the learner step; sync_s the weight sync; release_s freeing + re-allocating the pool
   gen_s         step_s - learner_s - sync_s - release_s (sync mode: generation and the driver's share; async: none)
   rollout tok/s generated tokens of the step / gen_s, per rollout GPU (async: every group that arrived in the
@@ -61,7 +67,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from benchmarks.pmon import ProcessSampler, busy_seconds  # noqa: E402
 
 DATA_CANDIDATES = (ROOT / "shared/data/math500-dev.jsonl", ROOT.parent / "shared/data/math500-dev.jsonl")
-MODES = ("keep", "release", "as-is")
+MODES = ("keep", "release", "async", "as-is")
+ASYNC_STALENESS = 2  # the async mode's train.max_staleness: 2 x groups_per_step in flight arrive ~2 versions old
 
 
 def default_data() -> Path | None:
@@ -83,9 +90,14 @@ def overrides(args, mode: str, kv: str, run_dir: Path) -> list[str]:
         "monitor.wandb.mode=disabled", "monitor.plots=false", "monitor.include_dashboard=false",
     ]
     if mode == "keep":
-        out += ["rollout.release_between_steps=false", f"engine.kv_cache_gb={args.keep_kv_gb}"]
+        out += ["train.mode=sync", "rollout.release_between_steps=false", f"engine.kv_cache_gb={args.keep_kv_gb}"]
     elif mode == "release":
-        out += ["rollout.release_between_steps=true", f"engine.kv_cache_gb={args.release_kv_gb}"]
+        out += ["train.mode=sync", "rollout.release_between_steps=true", f"engine.kv_cache_gb={args.release_kv_gb}"]
+    elif mode == "async":
+        inflight = ASYNC_STALENESS * args.groups
+        out += ["train.mode=async", f"train.max_staleness={ASYNC_STALENESS}", f"rollout.max_inflight_groups={inflight}",
+                f"rollout.queue_size={inflight}", f"engine.max_num_seqs={max(inflight * args.group_size, 8)}",
+                "rollout.release_between_steps=false", f"engine.kv_cache_gb={args.keep_kv_gb}"]
     if args.cpu_smoke:
         out += ["engine.device=cpu", "engine.dtype=float32", "learner.device=cpu", "learner.dtype=float32",
                 "rollout.num_gpus=0", "learner.num_gpus=0", "rollout.num_cpus=0.5", "learner.num_cpus=1",
@@ -204,7 +216,7 @@ def run_one(args, mode: str, kv: str) -> dict:
     metrics_file = run_dir / "metrics.jsonl"
     steps = [json.loads(line) for line in metrics_file.read_text().splitlines()] if metrics_file.is_file() else []
     steps = [s for s in steps if "learner_step_seconds" in s]
-    row.update(step_numbers(args, steps))
+    row.update(step_numbers(args, steps, args.sync[mode, kv]))
     child_out = Path(spec["out"])
     seen = json.loads(child_out.read_text()) if child_out.is_file() else {"pids": {}, "step_times": []}
     times = seen["step_times"]
@@ -242,8 +254,8 @@ def wait(child: subprocess.Popen, timeout_s: float) -> str:
         return "timeout"
 
 
-def step_numbers(args, steps: list[dict]) -> dict:
-    """The medians of the module docstring over the steps after the warm-up."""
+def step_numbers(args, steps: list[dict], sync_mode: bool) -> dict:
+    """The medians of the module docstring over the steps after the warm-up; ``sync_mode``: the run's train.mode is sync."""
     if len(steps) <= args.warmup:
         return {"timed_steps": 0}
     times = [b["elapsed_s"] - a["elapsed_s"] for a, b in zip(steps, steps[1:])]
@@ -255,12 +267,17 @@ def step_numbers(args, steps: list[dict]) -> dict:
     step = med(lambda s, t: t)
     gen = step - learner - sync - release
     tokens = med(lambda s, t: s["completion_tokens"] * args.groups * args.group_size)
-    if args.mode_is_sync:
+    if sync_mode:
         rollout = tokens / max(gen, 1e-9)
     else:  # a report's rollout_tokens_per_s: the tokens that arrived since the previous report, per second
         rollout = sum(s["rollout_tokens_per_s"] * t for s, t in timed) / sum(t for _, t in timed)
-    return {"timed_steps": len(timed), "step_s": step, "step_mean_s": statistics.mean(t for _, t in timed),
-            "gen_s": gen if args.mode_is_sync else None,
+    step_mean = statistics.mean(t for _, t in timed)
+    # async: a window opens with groups already generated, so its mean step reads short; the pace the generation
+    # rate sustains is a step's tokens over the rate at which tokens arrived (sync: the mean step itself)
+    pace = step_mean if sync_mode else statistics.mean(
+        s["completion_tokens"] * args.groups * args.group_size for s, _ in timed) / max(rollout, 1e-9)
+    return {"timed_steps": len(timed), "step_s": step, "step_mean_s": step_mean, "pace_s": pace,
+            "gen_s": gen if sync_mode else None,
             "stale_dropped": sum(s.get("stale_groups_dropped", 0) for s, _ in timed),
             "learner_s": learner, "sync_s": sync,
             "release_s": release, "tokens_per_step": tokens, "rollout_tok_s_per_gpu": rollout / args.rollout_gpus,
@@ -270,7 +287,7 @@ def step_numbers(args, steps: list[dict]) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    cols = ("run", "status", "step_s", "step_mean_s", "gen_s", "learner_s", "sync_s", "release_s", "rollout_tok_s_per_gpu",
+    cols = ("run", "status", "step_s", "step_mean_s", "pace_s", "gen_s", "learner_s", "sync_s", "release_s", "rollout_tok_s_per_gpu",
             "learner_tok_s", "learner_in_s", "tokens_per_step")
     lines = ["  ".join(f"{c:>14}" if i else f"{c:<30}" for i, c in enumerate(cols)) + "  gpu: util% / peak GiB"]
     for r in rows:
@@ -319,8 +336,12 @@ def main(argv: list[str] | None = None) -> None:
     from cluster.config import load_config
     from cluster.train_config import TrainConfig
 
-    cfg = load_config(TrainConfig, str(args.config), overrides(args, args.modes[0], args.kv[0], args.work / "check"))
-    args.mode_is_sync, args.rollout_gpus = cfg.train.mode == "sync", max(1.0, cfg.rollout.num_workers * cfg.rollout.num_gpus)
+    args.sync = {}  # every run's config checked before the first starts: (mode, kv) -> its train.mode is sync
+    for kv in args.kv:
+        for mode in args.modes:
+            cfg = load_config(TrainConfig, str(args.config), overrides(args, mode, kv, args.work / "check"))
+            args.sync[mode, kv] = cfg.train.mode == "sync"
+    args.rollout_gpus = max(1.0, cfg.rollout.num_workers * cfg.rollout.num_gpus)
     print(f"# colocate {time.strftime('%Y-%m-%d %H:%M')} config {args.config.name} model {args.model} data "
           f"{args.data.name}; {args.groups} groups x {args.group_size} per step, <= {args.max_tokens} tokens, "
           f"{args.warmup} warm-up + {args.steps} timed steps", flush=True)
@@ -338,6 +359,9 @@ def main(argv: list[str] | None = None) -> None:
         by_mode = {r["mode"]: r for r in rows if r["kv"] == kv and "step_s" in r}
         if "keep" in by_mode and "release" in by_mode:
             print(f"{kv}: release / keep step time = {by_mode['release']['step_s'] / by_mode['keep']['step_s']:.2f}x")
+        if "keep" in by_mode and "async" in by_mode:  # by the pace: async steps alternate short and long
+            print(f"{kv}: async / keep step time = {by_mode['async']['pace_s'] / by_mode['keep']['pace_s']:.2f}x by the pace, "
+                  f"{by_mode['async']['step_mean_s'] / by_mode['keep']['step_mean_s']:.2f}x by the mean step")
 
 
 def pack_logs(work: Path, archive: Path) -> None:

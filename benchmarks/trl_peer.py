@@ -20,8 +20,8 @@ reward variance that makes GRPO train (sliderl's row uses its KV penalty, which 
 same way). The model is ``benchmarks/make_checkpoint.py``'s (its extra end ids make lengths vary; TRL and
 sliderl stop on the same ids).
 
-The sliderl row is ``benchmarks/colocate.py``'s ``keep`` run (the 1-GPU recipe: learner and engine on
-this one GPU, sync, truncated windows — at 1K tokens under prefix_sliding:1024 a trace is never cut,
+The sliderl row is ``benchmarks/colocate.py``'s ``keep`` run (the 1-GPU recipe in sync mode, as TRL's trainer
+runs: learner and engine on this one GPU, truncated windows — at 1K tokens under prefix_sliding:1024 a trace is never cut,
 so both train every completion token): ``--sliderl`` reads it from that script's results, after checking
 that its step had the same shape; without it this script runs it. Per row, over the steps after
 ``--warmup``, median: step_s (wall seconds of one optimizer step, generation included), gen_s (TRL:

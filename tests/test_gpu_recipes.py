@@ -35,8 +35,9 @@ def test_a_recipe_loads_and_keeps_the_papers_training_settings(name, checkpoint,
     # catches: a recipe that no longer loads (a misspelt or removed key, a value out of range), and one that
     # quietly lost what it promises: Prefix Sliding rollouts to 8K, truncated windows with k=4, budget forcing
     # inside max_tokens, bf16 with float32 masters, checkpointing, the chat template, math_verify, the GPU
-    # placement (1gpu: both actors on one GPU, CUDA IPC, sync; ngpu: a GPU each, NCCL) and that `full`
-    # is one override away
+    # placement (1gpu: both actors on one GPU, CUDA IPC, async; ngpu: a GPU each, NCCL, async), an engine
+    # too small to run every rollout in flight at once (planted: the 1gpu recipe's old max_num_seqs 64 beside
+    # 16 groups x 8 in flight fails), and that `full` is one override away
     cfg = load_config(TrainConfig, str(RECIPES[name]), [f"model.path={checkpoint}"])
     assert (cfg.task.type, cfg.engine.kv, cfg.sampling.max_tokens) == ("math", "prefix_sliding:1024", 8192)
     assert (cfg.learner.window_mode, cfg.learner.multiplier, cfg.learner.gradient_checkpointing) == ("truncated", 4, True)
@@ -45,10 +46,11 @@ def test_a_recipe_loads_and_keeps_the_papers_training_settings(name, checkpoint,
     assert cfg.learner.master_weights and cfg.reward.correctness.weight == 1.0 and not cfg.warmstart.enabled
     if name == "1gpu":
         assert cfg.rollout.num_workers * cfg.rollout.num_gpus + cfg.learner.num_gpus <= 1
-        assert (cfg.weight_sync.backend, cfg.train.mode) == ("cuda_ipc", "sync")
+        assert (cfg.weight_sync.backend, cfg.train.mode, cfg.train.max_staleness) == ("cuda_ipc", "async", 2)
     else:
         assert (cfg.rollout.num_gpus, cfg.learner.num_gpus, cfg.weight_sync.backend) == (1, 1, "broadcast")
         assert cfg.weight_sync.broadcast_backend == "nccl" and cfg.train.mode == "async"
+    assert cfg.engine.max_num_seqs >= cfg.rollout.max_inflight_groups * cfg.rollout.group_size
     assert load_config(TrainConfig, str(RECIPES[name]), [f"model.path={checkpoint}", "engine.kv=full"]).engine.kv == "full"
     # and the recipe keeps what it generates: the N-GPU recipe had 32 groups in flight at 8 per step under
     # max_staleness 1, so a group arrived ~4 versions old and most were dropped (stale_drop_warning, below)
@@ -149,11 +151,12 @@ def test_step_numbers_by_hand():
     rows = [dict(elapsed_s=e, learner_step_seconds=ls, weight_sync_seconds=0.5, memory_release_seconds=1.0,
                  completion_tokens=c, rollout_tokens_per_s=0.0, reward=0.0, **{"learner/num_loss_tokens": n})
             for e, ls, c, n in ((10, 9, 50, 30), (16, 2, 100, 50), (23, 3, 120, 60), (28, 2, 90, 40))]
-    args = SimpleNamespace(warmup=1, groups=2, group_size=4, mode_is_sync=True, rollout_gpus=1.0)
-    got = step_numbers(args, rows)
+    args = SimpleNamespace(warmup=1, groups=2, group_size=4, rollout_gpus=1.0)
+    got = step_numbers(args, rows, sync_mode=True)
     assert (got["timed_steps"], got["step_s"], got["learner_s"], got["sync_s"], got["release_s"]) == (3, 6, 2, 0.5, 1.0)
     assert got["gen_s"] == pytest.approx(2.5) and got["tokens_per_step"] == 800
     assert got["rollout_tok_s_per_gpu"] == pytest.approx(320) and got["learner_tok_s"] == pytest.approx(20)
+    assert got["pace_s"] == got["step_mean_s"] == pytest.approx(6)  # sync: (6 + 7 + 5) / 3
 
 
 def test_async_step_numbers_and_their_table_row_by_hand():
@@ -164,8 +167,8 @@ def test_async_step_numbers_and_their_table_row_by_hand():
     rows = [dict(elapsed_s=e, learner_step_seconds=1.0, weight_sync_seconds=0.1, completion_tokens=10,
                  rollout_tokens_per_s=r, reward=0.0, stale_groups_dropped=d)
             for e, r, d in ((10.0, 100.0, 7), (14.0, 300.0, 0), (19.0, 500.0, 4), (28.0, 400.0, 0))]
-    args = SimpleNamespace(warmup=1, groups=2, group_size=4, mode_is_sync=False, rollout_gpus=1.0)
-    got = step_numbers(args, rows)
+    args = SimpleNamespace(warmup=1, groups=2, group_size=4, rollout_gpus=1.0)
+    got = step_numbers(args, rows, sync_mode=False)
     # also catches: an async run's pace and rate read off the median step (the H200 run of 2026-12-03 alternated
     # 8.6 and 64 s steps: median 56.9, mean 41.0) -- the rate is the tokens that arrived in the timed steps over
     # their seconds, (300 x 4 + 500 x 5 + 400 x 9) / 18 = 7300 / 18 = 405.56 (the median rate 400, the plain mean
@@ -173,8 +176,38 @@ def test_async_step_numbers_and_their_table_row_by_hand():
     # the warm-up's 7); planted: the median rate back (400), the median as the mean (5), drops from step 0 (11)
     assert got["gen_s"] is None and got["step_s"] == 5 and got["step_mean_s"] == pytest.approx(6)
     assert got["rollout_tok_s_per_gpu"] == pytest.approx(7300 / 18) and got["stale_dropped"] == 4
+    # and the pace: 10 tokens x 2 groups x 4 = 80 tokens per timed step at 7300 / 18 tok/s = 80 x 18 / 7300 = 0.197 s
+    # (planted: the trained tokens' own rate, 240 / 18 s, gives 6 s, the mean step again)
+    assert got["pace_s"] == pytest.approx(80 * 18 / 7300)
     line = table([{"run": "as-is:full", "status": "ok", **got}]).splitlines()[1]
-    assert line.split()[:5] == ["as-is:full", "ok", "5.00", "6.00", "-"]
+    assert line.split()[:6] == ["as-is:full", "ok", "5.00", "6.00", "0.20", "-"]
+
+
+def test_colocate_modes_pin_the_train_mode_they_measure(checkpoint):
+    # catches: a benchmark mode that silently takes the recipe's own train.mode (the 1-GPU recipe went async on
+    # 2026-12-03: its "keep" rows, and TRL's peer row beside them, are sync measurements, and "release" is refused
+    # outside sync), and an async mode whose staleness cannot train what it keeps in flight. By hand, 4 groups of 8:
+    #   keep, release: sync, max_inflight_groups 4 (= groups), 32 sequences
+    #   async: max_staleness 2, 2 x 4 = 8 groups in flight and queued, 8 x 8 = 64 sequences, no staleness warning
+    #   a --set after the mode's own overrides still wins (the 2026-12-03 runs passed train.mode=async to keep)
+    from benchmarks.colocate import overrides
+
+    args = SimpleNamespace(groups=4, group_size=8, warmup=1, steps=5, model=checkpoint, data=MATH500, max_tokens=8192,
+                           kv_budget=256, keep_kv_gb=40.0, release_kv_gb=40.0, cpu_smoke=False, set=[])
+
+    def config(mode, *extra):
+        args.set = list(extra)
+        return load_config(TrainConfig, str(RECIPES["1gpu"]), overrides(args, mode, "prefix_sliding:1024", Path("/tmp/r")))
+
+    for mode in ("keep", "release"):
+        cfg = config(mode)
+        assert (cfg.train.mode, cfg.rollout.max_inflight_groups, cfg.engine.max_num_seqs) == ("sync", 4, 32)
+    assert config("release").rollout.release_between_steps and not config("keep").rollout.release_between_steps
+    cfg = config("async")
+    assert (cfg.train.mode, cfg.train.max_staleness, cfg.rollout.max_inflight_groups) == ("async", 2, 8)
+    assert (cfg.rollout.queue_size, cfg.engine.max_num_seqs, cfg.engine.kv_cache_gb) == (8, 64, 40.0)
+    assert cfg.stale_drop_warning() is None and not cfg.rollout.release_between_steps
+    assert config("as-is").train.mode == "async" and config("keep", "train.mode=async").train.mode == "async"
 
 
 SMOKE = ["--cpu-smoke", "--groups", "2", "--group-size", "2", "--max-tokens", "16", "--steps", "1", "--warmup", "1",
