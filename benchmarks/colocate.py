@@ -18,7 +18,9 @@ without writing a checkpoint. The modes, on the 1-GPU recipe (learner and one en
   async    the pool kept, ``train.mode=async`` with ``train.max_staleness=2`` and 2 x ``--groups`` in flight
            (the engine generates the next steps' groups while the learner trains; ``engine.max_num_seqs`` holds
            them all): the 1-GPU recipe's own mode;
-  as-is    the config's own placement and mode (e.g. the N-GPU recipe).
+  as-is    the config's own placement, mode and pool (e.g. the N-GPU recipe); the groups in flight and queued
+           scale with ``--groups`` as the config has them per group of a step (the N-GPU recipe's 32 in flight at
+           16 per step: 8 in flight at ``--groups 4``).
 
 The model has random weights (``benchmarks/make_checkpoint.py``: the Qwen3 config, a byte tokenizer
 with a chat template, ``--stop-ids`` extra end ids so lengths vary), so the reward adds a KV penalty to
@@ -98,6 +100,11 @@ def overrides(args, mode: str, kv: str, run_dir: Path) -> list[str]:
         out += ["train.mode=async", f"train.max_staleness={ASYNC_STALENESS}", f"rollout.max_inflight_groups={inflight}",
                 f"rollout.queue_size={inflight}", f"engine.max_num_seqs={max(inflight * args.group_size, 8)}",
                 "rollout.release_between_steps=false", f"engine.kv_cache_gb={args.keep_kv_gb}"]
+    elif mode == "as-is":
+        per_step_inflight, per_step_queued = args.per_step  # the config's in flight and queued / its groups_per_step
+        inflight = max(1, round(per_step_inflight * args.groups))
+        out += [f"rollout.max_inflight_groups={inflight}", f"rollout.queue_size={max(inflight, round(per_step_queued * args.groups))}",
+                f"engine.max_num_seqs={max(inflight * args.group_size, 8)}"]
     if args.cpu_smoke:
         out += ["engine.device=cpu", "engine.dtype=float32", "learner.device=cpu", "learner.dtype=float32",
                 "rollout.num_gpus=0", "learner.num_gpus=0", "rollout.num_cpus=0.5", "learner.num_cpus=1",
@@ -336,6 +343,9 @@ def main(argv: list[str] | None = None) -> None:
     from cluster.config import load_config
     from cluster.train_config import TrainConfig
 
+    base = load_config(TrainConfig, str(args.config), [f"model.path={args.model}", *args.set])
+    args.per_step = (base.rollout.max_inflight_groups / base.train.groups_per_step,
+                     base.rollout.queue_size / base.train.groups_per_step)
     args.sync = {}  # every run's config checked before the first starts: (mode, kv) -> its train.mode is sync
     for kv in args.kv:
         for mode in args.modes:

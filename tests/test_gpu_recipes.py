@@ -190,14 +190,16 @@ def test_colocate_modes_pin_the_train_mode_they_measure(checkpoint):
     #   keep, release: sync, max_inflight_groups 4 (= groups), 32 sequences
     #   async: max_staleness 2, 2 x 4 = 8 groups in flight and queued, 8 x 8 = 64 sequences, no staleness warning
     #   a --set after the mode's own overrides still wins (the 2026-12-03 runs passed train.mode=async to keep)
+    #   as-is, the N-GPU recipe (32 in flight and queued at 16 per step: 2 per group of a step): its own async mode
+    #     and pool, 2 x 4 = 8 in flight and queued, 64 sequences (planted: in flight = groups, 4, as before)
     from benchmarks.colocate import overrides
 
     args = SimpleNamespace(groups=4, group_size=8, warmup=1, steps=5, model=checkpoint, data=MATH500, max_tokens=8192,
-                           kv_budget=256, keep_kv_gb=40.0, release_kv_gb=40.0, cpu_smoke=False, set=[])
+                           kv_budget=256, keep_kv_gb=40.0, release_kv_gb=40.0, cpu_smoke=False, set=[], per_step=(2.0, 2.0))
 
-    def config(mode, *extra):
+    def config(mode, *extra, recipe="1gpu"):
         args.set = list(extra)
-        return load_config(TrainConfig, str(RECIPES["1gpu"]), overrides(args, mode, "prefix_sliding:1024", Path("/tmp/r")))
+        return load_config(TrainConfig, str(RECIPES[recipe]), overrides(args, mode, "prefix_sliding:1024", Path("/tmp/r")))
 
     for mode in ("keep", "release"):
         cfg = config(mode)
@@ -208,6 +210,11 @@ def test_colocate_modes_pin_the_train_mode_they_measure(checkpoint):
     assert (cfg.rollout.queue_size, cfg.engine.max_num_seqs, cfg.engine.kv_cache_gb) == (8, 64, 40.0)
     assert cfg.stale_drop_warning() is None and not cfg.rollout.release_between_steps
     assert config("as-is").train.mode == "async" and config("keep", "train.mode=async").train.mode == "async"
+    ngpu = load_config(TrainConfig, str(RECIPES["ngpu"]), [f"model.path={checkpoint}"])
+    assert (ngpu.rollout.max_inflight_groups / ngpu.train.groups_per_step, ngpu.rollout.queue_size / ngpu.train.groups_per_step) == args.per_step
+    cfg = config("as-is", recipe="ngpu")
+    assert (cfg.train.mode, cfg.train.max_staleness, cfg.engine.kv_cache_gb, cfg.weight_sync.backend) == ("async", 2, None, "broadcast")
+    assert (cfg.rollout.max_inflight_groups, cfg.rollout.queue_size, cfg.engine.max_num_seqs) == (8, 8, 64)
 
 
 SMOKE = ["--cpu-smoke", "--groups", "2", "--group-size", "2", "--max-tokens", "16", "--steps", "1", "--warmup", "1",
