@@ -180,6 +180,7 @@ class Session:
         self.eval_before: EvalResult | None = None
         self._unlogged_eval_before: EvalResult | None = None  # goes into the next step's report
         self.eval_after: EvalResult | None = None
+        self._warned_preemption = False
 
     # ---- the run -------------------------------------------------------------------------------
     def run(self) -> RunResult:
@@ -244,9 +245,23 @@ class Session:
             self.eval_after = self._evaluate("after")
         report = self._report(batch, trained_at, step_seconds, sync_seconds, learner_metrics, release_seconds)
         self.monitor.log(self.state.step, report.as_dict())
+        if report.preempted_traces > 0 and not self._warned_preemption:  # once a run: metrics.jsonl has every step's
+            self._warned_preemption = True
+            print(f"sliderl: warning: step {self.state.step}: {report.preempted_traces:.0%} of the trained traces were "
+                  f"preempted and recomputed: the KV pool ({self._pool_size()}) holds less than the sequences in flight "
+                  f"need (engine.kv={self.cfg.engine.kv}, {self.cfg.rollout.max_inflight_groups} groups of "
+                  f"{self.cfg.rollout.group_size} in flight per worker); raise engine.kv_cache_gb (or engine.num_blocks) "
+                  "or lower rollout.max_inflight_groups / engine.max_num_seqs (metric preempted_traces)",
+                  file=sys.stderr, flush=True)
         self.learner.record.remote(staleness=report.staleness_mean, weight_sync_seconds=sync_seconds,
                                    queue_depth=report.queue_depth, reward=report.reward)
         return report
+
+    def _pool_size(self) -> str:
+        engine = self.cfg.engine
+        if engine.num_blocks is not None:
+            return f"engine.num_blocks={engine.num_blocks} of {engine.block_size} tokens"
+        return f"engine.kv_cache_gb={engine.kv_cache_gb}" if engine.kv_cache_gb is not None else "engine.kv_cache_gb=null: sized from free memory"
 
     def _collect(self, n: int) -> list:
         """``n`` groups fit to train at the current version, dealing and waiting as needed."""
@@ -408,6 +423,7 @@ class Session:
             visible_kv=_mean(t.mean_visible_kv for t in traces),
             peak_visible_kv=_mean(t.peak_visible_kv for t in traces),
             completion_tokens=_mean(t.num_tokens for t in traces),
+            preempted_traces=_mean(float(t.num_preemptions > 0) for t in traces),
             prompt_tokens=_mean(len(t.prompt_token_ids) for t in traces),
             speedup=_geomean(t.reward_components.get("speedup") for t in traces),
             rollout_tokens_per_s=counters.tokens / max(time.monotonic() - counters.since, 1e-9),

@@ -329,7 +329,7 @@ class RolloutWorker:
             reward=float(record.total), reward_components=dict(record.components), answer=problem.answer,
             completion_text=out.text, num_tokens=len(out.token_ids), peak_visible_kv=out.kv.peak_visible_tokens,
             mean_visible_kv=float(out.kv.mean_visible_tokens), decode_seconds=float(out.seconds),
-            kv_deaths=Trace.flat_deaths(out.kv_deaths),
+            kv_deaths=Trace.flat_deaths(out.kv_deaths), num_preemptions=int(out.num_preemptions),
         )
 
     def _reward(self, trace_id: str, out, problem: Problem) -> RewardRecord:

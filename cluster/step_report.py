@@ -53,6 +53,9 @@ class StepReport:
     memory_release_seconds: float | None = None
     """rollout.release_between_steps: seconds the workers took to free their KV pools before the learner step
     and to allocate them again after the weight sync; None when they keep them"""
+    preempted_traces: float = 0.0
+    """fraction of the trained traces the engine preempted at least once (its blocks taken back, recomputed
+    later): more was in flight than the KV pool holds (``full`` attention's KV grows with the trace)"""
     prompt_tokens: float | None = None
     """mean prompt tokens of the trained traces (the reference line of visible_kv.png)"""
     speedup: float | None = None

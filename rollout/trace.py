@@ -50,6 +50,7 @@ class Trace:
     mean_visible_kv: Float64 = 0.0
     decode_seconds: Float64 = 0.0
     kv_deaths: Int32List = field(default_factory=list)  # h2o: evicted ranges, flat (start, end, death) triples
+    num_preemptions: Int32 = 0  # times the engine took this request's blocks back and recomputed it (pool too small)
 
     @property
     def death_ranges(self) -> list[tuple[int, int, int]]:
@@ -75,6 +76,7 @@ class Trace:
         row = dict(row)
         row["reward_components"] = dict(row.get("reward_components") or [])
         row["kv_deaths"] = list(row.get("kv_deaths") or [])  # absent from logs written before h2o
+        row["num_preemptions"] = int(row.get("num_preemptions") or 0)  # absent from logs written before 2026-12-03
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in row.items() if k in names})
 

@@ -58,7 +58,7 @@ def logged_traces(run_dir: Path) -> list[dict]:
     """Every row of the Parquet trace log (group id, trace id, version, worker, tokens)."""
     from cluster.trace_log import TraceLog
 
-    columns = ["group_id", "trace_id", "policy_version", "worker_id", "completion_token_ids", "reward"]
+    columns = ["group_id", "trace_id", "policy_version", "worker_id", "completion_token_ids", "reward", "num_preemptions"]
     return TraceLog(run_dir).read(columns).to_pylist()
 
 

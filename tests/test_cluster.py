@@ -87,6 +87,27 @@ def test_sync_run_steps_versions_and_traces_add_up(sync_run):
     before = [0] + versions[:-1]
     assert [version_of[g] for g in trained] == [before[i // 2] for i in range(6)]
     assert all(rows[s]["staleness_max"] == 0 and rows[s]["stale_groups_dropped"] == 0 for s in rows)
+    # 256 blocks hold every sequence in flight: nothing preempted (the starved pool below is the other side)
+    assert all(rows[s]["preempted_traces"] == 0 for s in rows) and not any(t["num_preemptions"] for t in traces)
+
+
+def test_a_pool_too_small_for_what_is_in_flight_shows_in_the_traces_the_metrics_and_a_warning(
+        ray_session, model_dir, tmp_path, capsys):
+    # catches: preemptions that never leave the engine (a user who runs the `full` comparison on the 1-GPU
+    # recipe's fixed 40 GiB pool sees slower steps and no reason). Under full, 2 groups x 4 sequences of a
+    # ~25-token prompt + up to 64 tokens (up to 6 blocks of 16 each) outgrow a pool of 8 blocks once 2 run at once.
+    # Checked against the trace log read back with pyarrow: the step's preempted_traces is the fraction of its
+    # traces with num_preemptions > 0 (planted: the mean count instead of the fraction, or the worker not copying
+    # RequestOutput.num_preemptions, fails), and the warning names the pool
+    from cluster.driver import train
+
+    cfg = tiny_job(model_dir, tmp_path / "run", "train.mode=sync", "train.steps=1", "engine.kv=full", "engine.num_blocks=8",
+                   "sampling.max_tokens=64", "sampling.stop_token_ids=[]")  # no early stops: every sequence grows
+    result = train(cfg)
+    rows, traces = metric_rows(result.run_dir), logged_traces(result.run_dir)
+    assert len(traces) == 2 * 4 and any(t["num_preemptions"] > 0 for t in traces)
+    assert rows[1]["preempted_traces"] == pytest.approx(sum(t["num_preemptions"] > 0 for t in traces) / len(traces))
+    assert "were preempted and recomputed: the KV pool (engine.num_blocks=8 of 16 tokens)" in capsys.readouterr().err
 
 
 def test_sync_run_workers_hold_the_learners_weights_after_a_sync(sync_run, model_dir):

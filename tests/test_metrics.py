@@ -221,7 +221,7 @@ def test_monitor_config_documents_and_checks_every_key():
 # metrics.jsonl keys that tests, benchmarks and users' dashboards read
 JSONL_KEYS = {"reward", "accuracy", "visible_kv", "peak_visible_kv", "completion_tokens", "rollout_tokens_per_s",
               "stale_groups_dropped", "staleness_mean", "staleness_max", "queue_depth", "version",
-              "worker_restarts", "duplicate_groups", "reissued_groups", "learner_step_seconds"}
+              "worker_restarts", "duplicate_groups", "reissued_groups", "learner_step_seconds", "preempted_traces"}
 
 
 def step_report(**overrides) -> StepReport:

@@ -181,6 +181,7 @@ PARQUET_COLUMNS = [
     ("completion_text", pa.string()), ("num_tokens", pa.int32()), ("peak_visible_kv", pa.int32()),
     ("mean_visible_kv", pa.float64()), ("decode_seconds", pa.float64()),
     ("kv_deaths", pa.list_(pa.int32())),  # added for h2o; parts written before it lack it
+    ("num_preemptions", pa.int32()),  # added 2026-12-03; parts written before it lack it
 ]
 
 
@@ -218,11 +219,12 @@ def test_keep_groups_rolls_the_log_back_part_by_part(tmp_path):
 
 
 def test_a_part_written_before_kv_deaths_still_reads(tmp_path):
-    # catches: the h2o column made mandatory, so a log written before it (no kv_deaths column) fails to
-    # read or gives None where the learner expects a list
-    old = pa.schema([f for f in TRACE_SCHEMA if f.name != "kv_deaths"])
-    rows = [{k: v for k, v in make_trace(0).to_row().items() if k != "kv_deaths"}]
+    # catches: the h2o column (or the preemption count, added later) made mandatory, so a log written before it
+    # fails to read or gives None where the learner expects a list or a number
+    added = ("kv_deaths", "num_preemptions")
+    old = pa.schema([f for f in TRACE_SCHEMA if f.name not in added])
+    rows = [{k: v for k, v in make_trace(0).to_row().items() if k not in added}]
     log = TraceLog(tmp_path)
     pq.write_table(pa.Table.from_pylist(rows, schema=old), log.dir / "part-000000.parquet")
     (trace,) = traces_from_table(log.read())
-    assert trace.kv_deaths == [] and trace.trace_id == make_trace(0).trace_id
+    assert trace.kv_deaths == [] and trace.num_preemptions == 0 and trace.trace_id == make_trace(0).trace_id
