@@ -369,6 +369,7 @@ def format_summary(run_dir: Path, history: dict[int, dict], total_steps: int, wa
         f"  rollout tok/s    {_mean_text(history, KEYS.rollout_tokens_per_s, '{:.1f} (mean over steps)')}",
         f"  learner step     {_mean_text(history, KEYS.learner_step_seconds, '{:.3f} s (mean)')}",
         f"  stale dropped    {_total_text(history, KEYS.stale_groups_dropped, '{:g} groups')}",
+        f"  preempted        {_mean_text(history, KEYS.preempted_traces, '{:.1%} of the traces (mean over steps)')}",
         f"  traces           {_trace_count(storage_root or run_dir)}",
         f"  metrics          {f'{storage_root}/{METRICS_FILE}' if storage_root else run_dir / METRICS_FILE}",
     ]

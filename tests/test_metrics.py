@@ -251,7 +251,7 @@ def test_summary_reads_the_step_reports_metrics(tmp_path):
     monitor = Monitor(tmp_path, MonitorConfig(wandb=WandbConfig(mode="disabled")), total_steps=2)
     monitor.log(1, step_report().as_dict())
     monitor.log(2, step_report(reward=0.75, visible_kv=50.0, stale_groups_dropped=0,
-                               learner_step_seconds=0.75).as_dict())
+                               learner_step_seconds=0.75, preempted_traces=0.5).as_dict())
     summary = monitor.finish()
     assert "0.5000 (step 1) -> 0.7500 (step 2)" in summary  # reward
     assert "0.2500 (step 1) -> 0.2500 (step 2)" in summary  # accuracy
@@ -259,6 +259,7 @@ def test_summary_reads_the_step_reports_metrics(tmp_path):
     assert "300.0 (mean" in summary  # rollout tok/s
     assert "1.000 s" in summary  # learner step (1.25 + 0.75) / 2
     assert "stale dropped    3 groups" in summary  # 3 + 0
+    assert "preempted        25.0% of the traces" in summary  # (0 + 0.5) / 2
     assert (tmp_path / "reward.png").is_file() and (tmp_path / "visible_kv.png").is_file()
     with pytest.raises(AttributeError, match="no metric 'visible_kv_tokens'"):
         KEYS.visible_kv_tokens
