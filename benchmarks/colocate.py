@@ -78,33 +78,37 @@ def default_data() -> Path | None:
     return next((p for p in DATA_CANDIDATES if p.is_file()), None)
 
 
+def in_flight(args, mode: str) -> tuple[int, int]:
+    """Groups a run's worker keeps in flight and its queue holds: sync modes one step's worth (and two queued),
+    ``async`` ASYNC_STALENESS steps' worth, ``as-is`` the config's own per group of a step (``args.per_step``)."""
+    if mode == "async":
+        return ASYNC_STALENESS * args.groups, ASYNC_STALENESS * args.groups
+    if mode == "as-is":
+        per_step_inflight, per_step_queued = args.per_step
+        inflight = max(1, round(per_step_inflight * args.groups))
+        return inflight, max(inflight, round(per_step_queued * args.groups))
+    return args.groups, 2 * args.groups
+
+
 def overrides(args, mode: str, kv: str, run_dir: Path) -> list[str]:
     """The ``key=value`` overrides of one run of the recipe."""
-    n = args.groups * args.group_size
+    inflight, queued = in_flight(args, mode)
     out = [
         "model.type=hf", f"model.path={args.model}", f"data.source={args.data}", f"run_dir={run_dir}",
         "warmstart.enabled=false", "eval.before=false", "eval.after=false", "checkpoint.every=0",
         f"train.steps={args.warmup + args.steps + 1}", f"train.groups_per_step={args.groups}",
-        f"rollout.group_size={args.group_size}", f"rollout.max_inflight_groups={args.groups}",
-        f"rollout.queue_size={2 * args.groups}", f"engine.kv={kv}", f"engine.max_num_seqs={max(n, 8)}",
+        f"rollout.group_size={args.group_size}", f"rollout.max_inflight_groups={inflight}",
+        f"rollout.queue_size={queued}", f"engine.kv={kv}", f"engine.max_num_seqs={max(inflight * args.group_size, 8)}",
         f"sampling.max_tokens={args.max_tokens}", f"sampling.max_thinking_tokens={max(1, args.max_tokens - 128)}",
         f"reward={{correctness: 1.0, kv_penalty: {{budget: {args.kv_budget}, coef: 1.0}}}}",
         "monitor.wandb.mode=disabled", "monitor.plots=false", "monitor.include_dashboard=false",
     ]
-    if mode == "keep":
-        out += ["train.mode=sync", "rollout.release_between_steps=false", f"engine.kv_cache_gb={args.keep_kv_gb}"]
-    elif mode == "release":
-        out += ["train.mode=sync", "rollout.release_between_steps=true", f"engine.kv_cache_gb={args.release_kv_gb}"]
+    if mode in ("keep", "release"):
+        out += ["train.mode=sync", f"rollout.release_between_steps={str(mode == 'release').lower()}",
+                f"engine.kv_cache_gb={args.release_kv_gb if mode == 'release' else args.keep_kv_gb}"]
     elif mode == "async":
-        inflight = ASYNC_STALENESS * args.groups
-        out += ["train.mode=async", f"train.max_staleness={ASYNC_STALENESS}", f"rollout.max_inflight_groups={inflight}",
-                f"rollout.queue_size={inflight}", f"engine.max_num_seqs={max(inflight * args.group_size, 8)}",
-                "rollout.release_between_steps=false", f"engine.kv_cache_gb={args.keep_kv_gb}"]
-    elif mode == "as-is":
-        per_step_inflight, per_step_queued = args.per_step  # the config's in flight and queued / its groups_per_step
-        inflight = max(1, round(per_step_inflight * args.groups))
-        out += [f"rollout.max_inflight_groups={inflight}", f"rollout.queue_size={max(inflight, round(per_step_queued * args.groups))}",
-                f"engine.max_num_seqs={max(inflight * args.group_size, 8)}"]
+        out += ["train.mode=async", f"train.max_staleness={ASYNC_STALENESS}", "rollout.release_between_steps=false",
+                f"engine.kv_cache_gb={args.keep_kv_gb}"]
     if args.cpu_smoke:
         out += ["engine.device=cpu", "engine.dtype=float32", "learner.device=cpu", "learner.dtype=float32",
                 "rollout.num_gpus=0", "learner.num_gpus=0", "rollout.num_cpus=0.5", "learner.num_cpus=1",
@@ -351,7 +355,7 @@ def main(argv: list[str] | None = None) -> None:
         for mode in args.modes:
             cfg = load_config(TrainConfig, str(args.config), overrides(args, mode, kv, args.work / "check"))
             args.sync[mode, kv] = cfg.train.mode == "sync"
-    args.rollout_gpus = max(1.0, cfg.rollout.num_workers * cfg.rollout.num_gpus)
+    args.rollout_gpus = max(1.0, base.rollout.num_workers * base.rollout.num_gpus)
     print(f"# colocate {time.strftime('%Y-%m-%d %H:%M')} config {args.config.name} model {args.model} data "
           f"{args.data.name}; {args.groups} groups x {args.group_size} per step, <= {args.max_tokens} tokens, "
           f"{args.warmup} warm-up + {args.steps} timed steps", flush=True)
