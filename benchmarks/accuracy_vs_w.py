@@ -36,10 +36,10 @@ sys.path.insert(0, str(ROOT))
 
 import yaml  # noqa: E402
 
-from cluster.config import load_config  # noqa: E402
-from cluster.train_config import TrainConfig  # noqa: E402
-from rollout.block_bound import block_bound  # noqa: E402
-from rollout.kv_policy import KVPolicy  # noqa: E402
+from sliderl.cluster.config import load_config  # noqa: E402
+from sliderl.cluster.train_config import TrainConfig  # noqa: E402
+from sliderl.rollout.block_bound import block_bound  # noqa: E402
+from sliderl.rollout.kv_policy import KVPolicy  # noqa: E402
 
 PROMPT_SLACK = 16  # tokens a prompt template may add around a problem's text (byte-level: one token per character)
 
@@ -97,7 +97,7 @@ def run_entry(config: Path, timeout_s: float) -> dict | None:
     log = config.parent / "eval.log"
     with open(log, "w") as out:
         try:
-            code = subprocess.run([sys.executable, "-m", "cluster.cli", "eval", str(config)], stdout=out,
+            code = subprocess.run([sys.executable, "-m", "sliderl.cluster.cli", "eval", str(config)], stdout=out,
                                   stderr=subprocess.STDOUT, cwd=ROOT, timeout=max(1.0, timeout_s)).returncode
         except subprocess.TimeoutExpired:
             out.write(f"\n(stopped after {timeout_s:.0f} s)\n")
@@ -146,7 +146,7 @@ def table(rows: list[dict]) -> str:
 def max_prompt_tokens(config: str, overrides: list[str]) -> int:
     """An upper bound on the eval prompts' tokens: the longest eval problem's characters plus the template's slack
     (the task's tokenizer is byte-level)."""
-    from cluster.cli import eval_problems
+    from sliderl.cluster.cli import eval_problems
 
     cfg = load_config(TrainConfig, config, overrides)
     return max(len(p.prompt) for p in eval_problems(cfg)) + PROMPT_SLACK

@@ -48,9 +48,9 @@ def job_overrides(args, model_dir: Path, run_dir: Path, mode: str) -> list[str]:
 
 
 def run_mode(args, model_dir: Path, scratch: Path, mode: str) -> dict:
-    from cluster.config import load_config
-    from cluster.driver import train
-    from cluster.train_config import TrainConfig
+    from sliderl.cluster.config import load_config
+    from sliderl.cluster.driver import train
+    from sliderl.cluster.train_config import TrainConfig
 
     run_dir = scratch / f"run-{mode}"
     cfg = load_config(TrainConfig, None, job_overrides(args, model_dir, run_dir, mode))
@@ -79,10 +79,10 @@ def time_sync(args, model_dir: Path, backend: str, group: str, device: str) -> d
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    from cluster.config import load_config
-    from cluster.resources import make_learner, make_queue, make_worker
-    from cluster.train_config import TrainConfig
-    from cluster.weight_sync import WeightSync
+    from sliderl.cluster.config import load_config
+    from sliderl.cluster.resources import make_learner, make_queue, make_worker
+    from sliderl.cluster.train_config import TrainConfig
+    from sliderl.cluster.weight_sync import WeightSync
 
     if device == "cpu":
         gpus = 0.0
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> None:
     import ray
     import torch
 
-    from rollout.tiny import make_tiny_model
+    from sliderl.rollout.tiny import make_tiny_model
 
     scratch = Path(tempfile.mkdtemp(prefix="sliderl-bench-"))
     model = make_tiny_model(scratch / "model", "qwen3", hidden_size=args.hidden, num_layers=args.layers,
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     sync_model = make_tiny_model(scratch / "sync-model", "qwen3", hidden_size=args.sync_hidden,
                                  num_layers=args.sync_layers, num_heads=8, num_kv_heads=4,
                                  intermediate_size=4 * args.sync_hidden)
-    from cluster.resources import start_local_ray
+    from sliderl.cluster.resources import start_local_ray
 
     num_gpus = torch.cuda.device_count()
     gpu = num_gpus > 0

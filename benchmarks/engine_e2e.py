@@ -31,7 +31,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from rollout import LLM, SamplingParams  # noqa: E402
+from sliderl.rollout import LLM, SamplingParams  # noqa: E402
 
 PROMPT = 100
 
@@ -107,7 +107,7 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         if args.cpu_smoke:
-            from rollout.tiny import make_tiny_model
+            from sliderl.rollout.tiny import make_tiny_model
             path, device, dtype = make_tiny_model(Path(tmp) / "tiny", "qwen3"), "cpu", "float32"
         else:
             from engine_gpu import build_model

@@ -37,8 +37,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from rollout import LLM, SamplingParams  # noqa: E402
-from rollout.sequence import Status  # noqa: E402
+from sliderl.rollout import LLM, SamplingParams  # noqa: E402
+from sliderl.rollout.sequence import Status  # noqa: E402
 
 PROMPT = 100
 STEP_TOKENS = 256  # registers: a register token every this many tokens after the prompt
@@ -46,7 +46,7 @@ STEP_TOKENS = 256  # registers: a register token every this many tokens after th
 
 def build_model(root: Path) -> Path:
     """Qwen3-1.7B config with random bf16 weights (built on the GPU), saved with the tiny byte tokenizer."""
-    from rollout.tiny import make_qwen3_1p7b
+    from sliderl.rollout.tiny import make_qwen3_1p7b
     return make_qwen3_1p7b(root)
 
 

@@ -26,7 +26,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from triton.runtime.errors import OutOfResources  # noqa: E402
 
-from kernels.gemv import GemvConfig, gemv, gemv_config  # noqa: E402
+from sliderl.kernels.gemv import GemvConfig, gemv, gemv_config  # noqa: E402
 
 # (N, K) of Qwen3-1.7B: hidden 2048, 16 q + 8 + 8 KV heads of 128, intermediate 6144, vocab 151936
 SHAPES = {"qkv": (4096, 2048), "gate_up": (12288, 2048), "o_proj": (2048, 2048), "down_proj": (2048, 6144),

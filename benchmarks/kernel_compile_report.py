@@ -27,9 +27,9 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kernels.cache_write import _write_kv_kernel  # noqa: E402
-from kernels.decode import _decode_kernel, decode_config  # noqa: E402
-from kernels.prefill import _prefill_kernel, prefill_config  # noqa: E402
+from sliderl.kernels.cache_write import _write_kv_kernel  # noqa: E402
+from sliderl.kernels.decode import _decode_kernel, decode_config  # noqa: E402
+from sliderl.kernels.prefill import _prefill_kernel, prefill_config  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"

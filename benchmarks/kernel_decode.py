@@ -36,10 +36,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import kernels  # noqa: E402
-import kernels.reference as reference  # noqa: E402
-from kernels.decode import DecodeConfig, decode_attention, decode_config  # noqa: E402
-from kernels.metadata import AttentionMetadata, PagedKVCache  # noqa: E402
+from sliderl import kernels  # noqa: E402
+import sliderl.kernels.reference as reference  # noqa: E402
+from sliderl.kernels.decode import DecodeConfig, decode_attention, decode_config  # noqa: E402
+from sliderl.kernels.metadata import AttentionMetadata, PagedKVCache  # noqa: E402
 
 NEVER = 2**31 - 1
 GB = 1e9

@@ -122,7 +122,7 @@ def visible_pairs(positions, death) -> int:
 def make_traces(prompt: int, length: int, window: int, vocab: int) -> list:
     import torch
 
-    from rollout.trace import Trace
+    from sliderl.rollout.trace import Trace
 
     gen = torch.Generator().manual_seed(0)
     return [Trace(f"t{i}", "g", "p", 0, 0, f"prefix_sliding:{window}",
@@ -133,9 +133,9 @@ def make_traces(prompt: int, length: int, window: int, vocab: int) -> list:
 
 def learner_counts(traces: list, mode: str, multiplier: int) -> dict:
     """Trained, processed, scored tokens and visible pairs of one step of the Learner on ``traces``."""
-    from rollout.kv_policy import KVPolicy
-    from trainer.logprobs import window_input
-    from trainer.windows import training_windows
+    from sliderl.rollout.kv_policy import KVPolicy
+    from sliderl.trainer.logprobs import window_input
+    from sliderl.trainer.windows import training_windows
 
     out = dict(trained=0, processed=0, scored=0, visible=0, largest_window=0)
     for t in traces:
@@ -162,7 +162,7 @@ def peer_counts(traces: list) -> dict:
 
 
 def learner_stepper(args: argparse.Namespace):
-    from trainer.learner import Learner
+    from sliderl.trainer.learner import Learner
 
     learner = Learner(args.model, window_mode=args.mode, multiplier=args.multiplier,
                       micro_batch_tokens=args.micro_batch_tokens, device=args.device, dtype=args.dtype,
@@ -174,7 +174,7 @@ def peer_stepper(args: argparse.Namespace):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rollout.loader import DTYPES
+    from sliderl.rollout.loader import DTYPES
 
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=DTYPES[args.dtype], attn_implementation="sdpa")
     model = model.to(args.device).train()
@@ -404,7 +404,7 @@ def format_row(r: dict) -> str:
 
 
 def build_model(args: argparse.Namespace, root: Path) -> str:
-    from rollout.tiny import make_qwen3_1p7b, make_tiny_model
+    from sliderl.rollout.tiny import make_qwen3_1p7b, make_tiny_model
 
     if args.tiny:
         return str(make_tiny_model(root / "model", "qwen3", hidden_size=128, num_layers=2, num_heads=4,

@@ -74,11 +74,11 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.accuracy_vs_w import PROMPT_SLACK, EvalEntry, pool_blocks, run_evals, window_entries  # noqa: E402
 from benchmarks.accuracy_vs_w import table as window_table  # noqa: E402
 from benchmarks.long_rl_report import GpuBusy, write_report  # noqa: E402
-from cluster.config import load_config, save_config  # noqa: E402
-from cluster.sft_config import SFTJobConfig  # noqa: E402
-from cluster.train_config import TrainConfig  # noqa: E402
-from trainer.checkpoint import TRAINER_STATE  # noqa: E402
-from trainer.manifest import MANIFEST, Manifest  # noqa: E402
+from sliderl.cluster.config import load_config, save_config  # noqa: E402
+from sliderl.cluster.sft_config import SFTJobConfig  # noqa: E402
+from sliderl.cluster.train_config import TrainConfig  # noqa: E402
+from sliderl.trainer.checkpoint import TRAINER_STATE  # noqa: E402
+from sliderl.trainer.manifest import MANIFEST, Manifest  # noqa: E402
 
 SFT_RECIPE, RL_RECIPE = ROOT / "configs" / "long-sft.yaml", ROOT / "configs" / "long-rl.yaml"
 ARM_ENV = "SLIDERL_ARM"  # every process of an arm inherits it: how GpuBusy tells the arms' processes apart
@@ -289,7 +289,7 @@ def arm_main(argv: list[str]) -> int:
     ``final.json``: its step), so that an arm killed past the deadline still leaves its last weights."""
     import ray
 
-    from cluster.driver import train
+    from sliderl.cluster.driver import train
 
     parser = argparse.ArgumentParser(prog="long_rl.py arm")
     parser.add_argument("config", type=Path)
@@ -437,7 +437,7 @@ def run(args: argparse.Namespace, scale: Scale, out: Path) -> None:
         arms_floor = 0 if args.sft_only else ARM_FLOOR_S
         sft_seconds = scale.budget_s - seconds["data"] - scale.eval_reserve_s - arms_floor
         box = f"sft.max_seconds={max(1.0, sft_seconds - SFT_LOAD_S):.0f}"
-        sft = [sys.executable, "-m", "cluster.cli", "sft", str(SFT_RECIPE),
+        sft = [sys.executable, "-m", "sliderl.cluster.cli", "sft", str(SFT_RECIPE),
                *sft_overrides(scale, out, files, args.sft_kv), box]
         seconds["sft"] = run_logged(sft, out / "sft.log", sft_seconds + 60)
     arms = [arm for arm in ARMS if arm.name in args.arms]

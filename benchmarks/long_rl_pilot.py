@@ -42,8 +42,8 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.accuracy_vs_w import EvalEntry, run_evals  # noqa: E402
 from benchmarks.long_rl import RL_RECIPE, SFT_RECIPE, TENTH, run_logged, write_data  # noqa: E402
-from cluster.config import load_config  # noqa: E402
-from cluster.sft_config import SFTJobConfig  # noqa: E402
+from sliderl.cluster.config import load_config  # noqa: E402
+from sliderl.cluster.sft_config import SFTJobConfig  # noqa: E402
 
 BOXED = re.compile(r"\\boxed\{(\d+)\}")
 
@@ -72,7 +72,7 @@ def main() -> None:
     files = write_data(load_config(SFTJobConfig, str(SFT_RECIPE), sft).task.generator(), out / "data", examples, 16,
                        64, 2)
     data = [f"data.source={files['sft']}", "data.prompt_field=prompt", "data.completion_field=completion"]
-    command = [sys.executable, "-m", "cluster.cli", "sft", str(SFT_RECIPE), *sft, *data]
+    command = [sys.executable, "-m", "sliderl.cluster.cli", "sft", str(SFT_RECIPE), *sft, *data]
     if not (args.eval_only or args.reuse_sft):
         run_logged([*command, f"output_dir={out / 'sft'}", f"sft.steps={steps}", f"sft.check_every={steps}"],
                    out / "sft.log", 3600)
@@ -98,8 +98,8 @@ def main() -> None:
     for row in run_evals(entries, str(RL_RECIPE), train, 64, 80, out / "eval", 1, 1800).values():
         print(f"{row['label']:5} accuracy {row['accuracy']:.3f}")
 
-    from rollout.engine import LLM
-    from rollout.sampling import SamplingParams
+    from sliderl.rollout.engine import LLM
+    from sliderl.rollout.sampling import SamplingParams
 
     problems = [json.loads(line) for line in files["eval"].read_text().splitlines()][:16]
     llm = LLM(str(checkpoint), kv="prefix_sliding:32", device="cpu", num_blocks=2000, max_num_seqs=16)

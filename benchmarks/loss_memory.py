@@ -24,7 +24,7 @@ import torch  # noqa: E402
 
 
 def measure(model, packed, rows: int | None, device: str) -> tuple[float, float]:
-    from trainer.logprobs import packed_logprobs
+    from sliderl.trainer.logprobs import packed_logprobs
     model.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -42,10 +42,10 @@ def main() -> None:
     args = parser.parse_args()
     from transformers import Qwen3Config
 
-    from rollout.kv_policy import KVPolicy
-    from rollout.loader import load_model
-    from rollout.tiny import QWEN3_1P7B, build_tokenizer
-    from trainer.logprobs import LOGIT_CHUNK_ELEMENTS, pack_windows, window_input
+    from sliderl.rollout.kv_policy import KVPolicy
+    from sliderl.rollout.loader import load_model
+    from sliderl.rollout.tiny import QWEN3_1P7B, build_tokenizer
+    from sliderl.trainer.logprobs import LOGIT_CHUNK_ELEMENTS, pack_windows, window_input
     with tempfile.TemporaryDirectory() as tmp:
         from transformers import AutoModelForCausalLM
         cfg = Qwen3Config(**{**QWEN3_1P7B, "num_hidden_layers": 1})

@@ -61,7 +61,7 @@ def stop_ids(vocab_size: int, count: int) -> list[int]:
 
 def build_tokenizer():
     """The byte-level tokenizer of ``rollout.tiny`` with the Qwen3-style ``CHAT_TEMPLATE``."""
-    from rollout.tiny import build_tokenizer as byte_tokenizer
+    from sliderl.rollout.tiny import build_tokenizer as byte_tokenizer
 
     tokenizer = byte_tokenizer()
     tokenizer.chat_template = CHAT_TEMPLATE

@@ -55,17 +55,17 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from rewards.arith import ArithTask  # noqa: E402
-from rollout import LLM, EngineArgs, KVPolicy, RequestOutput, SamplingParams  # noqa: E402
-from rollout.block_bound import block_bound  # noqa: E402
-from rollout.loader import DTYPES, load_model, load_tokenizer  # noqa: E402
-from rollout.tiny import TinyModelSpec, make_qwen3_1p7b, make_tiny_model  # noqa: E402
-from rollout.vocab import bind_policy_vocab  # noqa: E402
-from trainer.algorithms import SFTOptions  # noqa: E402
-from trainer.learner_args import LearnerArgs  # noqa: E402
-from trainer.logprobs import logprob_mismatch, pack_windows, packed_logprobs, window_input  # noqa: E402
-from trainer.sft import SFTArgs, SFTExample, cached_sft  # noqa: E402
-from trainer.windows import training_windows  # noqa: E402
+from sliderl.rewards.arith import ArithTask  # noqa: E402
+from sliderl.rollout import LLM, EngineArgs, KVPolicy, RequestOutput, SamplingParams  # noqa: E402
+from sliderl.rollout.block_bound import block_bound  # noqa: E402
+from sliderl.rollout.loader import DTYPES, load_model, load_tokenizer  # noqa: E402
+from sliderl.rollout.tiny import TinyModelSpec, make_qwen3_1p7b, make_tiny_model  # noqa: E402
+from sliderl.rollout.vocab import bind_policy_vocab  # noqa: E402
+from sliderl.trainer.algorithms import SFTOptions  # noqa: E402
+from sliderl.trainer.learner_args import LearnerArgs  # noqa: E402
+from sliderl.trainer.logprobs import logprob_mismatch, pack_windows, packed_logprobs, window_input  # noqa: E402
+from sliderl.trainer.sft import SFTArgs, SFTExample, cached_sft  # noqa: E402
+from sliderl.trainer.windows import training_windows  # noqa: E402
 
 MODELS = ("tiny", "trained", "qwen3-1.7b")
 TASK = ArithTask(num_steps=(26, 26))  # 124-token prompts; a 26-line chain of 7-token steps (~207 tokens)

@@ -34,7 +34,7 @@ STOP_IDS = list(range(0, 256, 8))
 
 def build_model(root: Path, smoke: bool) -> Path:
     """The Qwen3-1.7B-config model of benchmarks/engine_gpu.py (or a tiny one for --cpu-smoke)."""
-    from rollout.tiny import make_tiny_model
+    from sliderl.rollout.tiny import make_tiny_model
     if smoke:
         return make_tiny_model(root, "qwen3", hidden_size=64, num_layers=2)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -55,10 +55,10 @@ def time_sync(args, model_dir: Path, backend: str) -> dict:
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    from cluster.config import load_config
-    from cluster.resources import make_learner, make_queue, make_worker
-    from cluster.train_config import TrainConfig
-    from cluster.weight_sync import WeightSync
+    from sliderl.cluster.config import load_config
+    from sliderl.cluster.resources import make_learner, make_queue, make_worker
+    from sliderl.cluster.train_config import TrainConfig
+    from sliderl.cluster.weight_sync import WeightSync
 
     cfg = load_config(TrainConfig, None, placement(args) + [
         f"model.path={model_dir}", f"weight_sync.backend={backend}", "engine.num_blocks=256"])
@@ -81,9 +81,9 @@ def time_sync(args, model_dir: Path, backend: str) -> dict:
 
 
 def run_mode(args, model_dir: Path, scratch: Path, mode: str) -> dict:
-    from cluster.config import load_config
-    from cluster.driver import train
-    from cluster.train_config import TrainConfig
+    from sliderl.cluster.config import load_config
+    from sliderl.cluster.driver import train
+    from sliderl.cluster.train_config import TrainConfig
 
     run_dir = scratch / f"run-{mode}"
     cfg = load_config(TrainConfig, None, placement(args) + [
@@ -127,7 +127,7 @@ def main() -> None:
     import ray
     import torch
 
-    from cluster.resources import start_local_ray
+    from sliderl.cluster.resources import start_local_ray
     gpus = torch.cuda.device_count()
     if not args.cpu_smoke and gpus < 2:
         raise SystemExit(f"needs at least 2 GPUs (learner + a rollout worker), found {gpus}")

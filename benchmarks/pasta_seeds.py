@@ -80,7 +80,7 @@ def chain(seed: int, args: argparse.Namespace) -> dict:
     """Baseline-SFT and Pasta-SFT side by side, then BoNBoN, then the evaluation; seconds per stage."""
     d = args.out / f"s{seed}"
     d.mkdir(parents=True, exist_ok=True)
-    sliderl = [sys.executable, "-m", "cluster.cli"]
+    sliderl = [sys.executable, "-m", "sliderl.cluster.cli"]
     common = [f"model.seed={seed}", f"learner.seed={seed}", *device_args(args.device, False), *args.sft_overrides]
     base = sliderl + ["sft", str(SFT), "kv=full", "data.task_solution=solution_plain", f"output_dir={d / 'base'}",
                       *common]

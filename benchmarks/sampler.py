@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from rollout.sampling import sample, torch_sample  # noqa: E402
+from sliderl.rollout.sampling import sample, torch_sample  # noqa: E402
 
 
 def time_ms(fn, repeats: int = 50) -> float:
@@ -51,7 +51,7 @@ def main() -> None:
                     torch.full((b,), -1, device="cuda", dtype=torch.long), seed, step)
             kw = dict(all_greedy=t == 0, any_truncation=False)
             assert torch.equal(sample(logits, *rows, **kw)[0], torch_sample(logits, *rows, **kw)[0])
-            from kernels.sample import fused_sample
+            from sliderl.kernels.sample import fused_sample
             slow = time_ms(lambda: torch_sample(logits, *rows, **kw))
             fast = time_ms(lambda: fused_sample(logits, rows[0], seed, step))
             print(f"{b:>6}{t:>5g}{slow:>10.3f}{fast:>10.3f}{slow / fast:>7.1f}x", flush=True)

@@ -37,10 +37,10 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from cluster.comparison import EntryResult  # noqa: E402
-from cluster.comparison_report import write_report  # noqa: E402
-from cluster.evaluation import SampledEval  # noqa: E402
-from cluster.run_checkpoints import MARKER  # noqa: E402
+from sliderl.cluster.comparison import EntryResult  # noqa: E402
+from sliderl.cluster.comparison_report import write_report  # noqa: E402
+from sliderl.cluster.evaluation import SampledEval  # noqa: E402
+from sliderl.cluster.run_checkpoints import MARKER  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ("tip", "tip-gpu")  # configs/RECIPE-{sft,grpo,eval}.yaml: the CPU default, the GPU-scale variant
@@ -113,7 +113,7 @@ def chain(seed: int, args: argparse.Namespace) -> dict:
     """Stage 1 and the Dense baseline side by side, then stage 2, then the comparison; seconds per stage."""
     d = args.out / f"s{seed}"
     d.mkdir(parents=True, exist_ok=True)
-    sliderl = [sys.executable, "-m", "cluster.cli"]
+    sliderl = [sys.executable, "-m", "sliderl.cluster.cli"]
     common = [f"model.seed={seed}", f"learner.seed={seed}", *device_args(args.device, False), *args.sft_overrides]
     sft_config = str(recipe(args.recipe, "sft"))
     sft = sliderl + ["sft", sft_config, f"output_dir={d / 'sft'}", *common]

@@ -58,8 +58,8 @@ def trl_run(spec_path: Path) -> None:
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from cluster.prompts import BOXED_INSTRUCTION
-    from rewards.math import MathReward
+    from sliderl.cluster.prompts import BOXED_INSTRUCTION
+    from sliderl.rewards.math import MathReward
 
     spec = json.loads(spec_path.read_text())
     cpu = spec["cpu"]

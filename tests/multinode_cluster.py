@@ -98,7 +98,7 @@ def run_driver(index: int, base: Path, overrides: list[str], env: dict, out: Pat
     """``sliderl train`` on the head, its TMPDIR (the driver's own folder) on a tmpfs of its own."""
     disk = base / f"driver{index}"
     disk.mkdir()
-    script = f'mount -t tmpfs tmpfs {disk} && TMPDIR={disk} exec {sys.executable} -m cluster.cli train "$@"'
+    script = f'mount -t tmpfs tmpfs {disk} && TMPDIR={disk} exec {sys.executable} -m sliderl.cluster.cli train "$@"'
     start = time.monotonic()
     with (out / f"driver{index}.log").open("w") as log:
         code = subprocess.run(["unshare", "--mount", "bash", "-c", script, "driver", *overrides], env=env, cwd=ROOT,

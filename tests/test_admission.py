@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollout import LLM, SamplingParams
+from sliderl.rollout import LLM, SamplingParams
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 

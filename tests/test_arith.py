@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rewards import RewardInput
-from rewards.arith import ArithTask, ArithVerifier
-from rollout.kv_policy import KVPolicy
-from rollout.tiny import build_tokenizer
+from sliderl.rewards import RewardInput
+from sliderl.rewards.arith import ArithTask, ArithVerifier
+from sliderl.rollout.kv_policy import KVPolicy
+from sliderl.rollout.tiny import build_tokenizer
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny-arith.yaml"
 PROMPT = re.compile(r"Start at (\d+)\. Apply ((?:[a-z][+-]\d+ ?)+)\.\n")

@@ -8,11 +8,11 @@ import math
 
 import pytest
 
-from cluster.cli import main
-from cluster.config import ConfigError, load_config
-from cluster.data import load_problems
-from cluster.run_plan import prepare
-from cluster.train_config import TrainConfig
+from sliderl.cluster.cli import main
+from sliderl.cluster.config import ConfigError, load_config
+from sliderl.cluster.data import load_problems
+from sliderl.cluster.run_plan import prepare
+from sliderl.cluster.train_config import TrainConfig
 
 
 def write_rows(path, rows) -> str:
@@ -104,11 +104,11 @@ def test_a_reward_that_raises_skips_its_group_and_the_worker_goes_on(tiny_model_
     # try/except, the group never arrives and the worker reports the error.
     import queue as std_queue
 
-    from cluster.data import Problem, PromptGroup
-    from cluster.rollout_worker import RolloutWorker
-    from rewards import RewardSpec
-    from rollout import EngineArgs, SamplingParams
-    from trainer.algorithms import GRPO, GRPOOptions
+    from sliderl.cluster.data import Problem, PromptGroup
+    from sliderl.cluster.rollout_worker import RolloutWorker
+    from sliderl.rewards import RewardSpec
+    from sliderl.rollout import EngineArgs, SamplingParams
+    from sliderl.trainer.algorithms import GRPO, GRPOOptions
 
     out: std_queue.Queue = std_queue.Queue()
     worker = RolloutWorker(0, str(tiny_model_factory("qwen3")), 0, EngineArgs(num_blocks=64),
@@ -150,10 +150,10 @@ def test_an_engine_thread_failure_is_reported_not_swallowed(tiny_model_factory):
     # show in status() (which the driver's health check turns into a RunError naming the worker) and
     # in every blocked call. Planted by catching and dropping the exception in RolloutWorker._guard,
     # status().error stays None and evaluate() blocks (the test times out).
-    from cluster.data import Problem, PromptGroup
-    from cluster.rollout_worker import RolloutWorker
-    from rewards import RewardSpec
-    from rollout import EngineArgs, SamplingParams
+    from sliderl.cluster.data import Problem, PromptGroup
+    from sliderl.cluster.rollout_worker import RolloutWorker
+    from sliderl.rewards import RewardSpec
+    from sliderl.rollout import EngineArgs, SamplingParams
 
     import queue as std_queue
 

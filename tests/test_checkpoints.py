@@ -14,14 +14,14 @@ import torch
 from safetensors.torch import load_file, save, save_file
 from transformers import AutoModelForCausalLM
 
-from cluster.cli import main
-from cluster.run_checkpoints import Checkpoints, DamagedCheckpoint, DriverState
+from sliderl.cluster.cli import main
+from sliderl.cluster.run_checkpoints import Checkpoints, DamagedCheckpoint, DriverState
 from cluster_jobs import model_dir, tiny_overrides  # noqa: F401 (fixture)
-from rollout.trace import Trace
-from trainer.algorithms import SFTOptions
-from trainer.checkpoint import write_safetensors
-from trainer.learner import Learner
-from trainer.manifest import MANIFEST, Manifest
+from sliderl.rollout.trace import Trace
+from sliderl.trainer.algorithms import SFTOptions
+from sliderl.trainer.checkpoint import write_safetensors
+from sliderl.trainer.learner import Learner
+from sliderl.trainer.manifest import MANIFEST, Manifest
 
 
 def sft_batch(seed: int) -> list[list[Trace]]:
@@ -142,7 +142,7 @@ def test_loading_a_damaged_checkpoint_outside_a_run_names_the_file(tiny_model_fa
     # weights. Both check the manifest first: the learner raises naming the file, eval exits 2
     # naming it. Planted by dropping check_intact from from_checkpoint (it loads) or from run_eval
     # (it scores), this fails.
-    from cluster.cli import main
+    from sliderl.cluster.cli import main
 
     learner = Learner(str(tiny_model_factory("qwen3")), algo=SFTOptions(), lr=1e-2)
     learner.save_checkpoint(tmp_path / "ckpt")

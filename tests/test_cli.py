@@ -1,4 +1,4 @@
-"""``sliderl generate`` end to end through ``cluster.cli.main`` on a tiny local model."""
+"""``sliderl generate`` end to end through ``sliderl.cluster.cli.main`` on a tiny local model."""
 
 import json
 from pathlib import Path
@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cluster.cli import main
+from sliderl.cluster.cli import main
 
 WINDOW = 4
 MAX_TOKENS = 16

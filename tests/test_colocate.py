@@ -8,9 +8,9 @@ import weakref
 
 import pytest
 
-from cluster.config import ConfigError, load_config
-from cluster.train_config import TrainConfig
-from rollout import LLM, EngineArgs, SamplingParams
+from sliderl.cluster.config import ConfigError, load_config
+from sliderl.cluster.train_config import TrainConfig
+from sliderl.rollout import LLM, EngineArgs, SamplingParams
 
 PROMPTS = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7]]
 
@@ -63,15 +63,15 @@ def test_a_sleeping_engine_queues_but_refuses_to_step_and_sleep_needs_no_running
 
 
 def _worker(model, out):
-    from cluster.rollout_worker import RolloutWorker
-    from rewards import RewardSpec
+    from sliderl.cluster.rollout_worker import RolloutWorker
+    from sliderl.rewards import RewardSpec
 
     return RolloutWorker(0, str(model), 0, EngineArgs(kv="prefix_sliding:6", block_size=4, num_blocks=64),
                          SamplingParams(max_tokens=10, temperature=1.0, ignore_eos=True), RewardSpec(), "arith", out)
 
 
 def _group(n: int):
-    from cluster.data import Problem, PromptGroup
+    from sliderl.cluster.data import Problem, PromptGroup
 
     return PromptGroup(f"g{n:08d}", Problem(f"p{n}", f"{n} + {n} =", str(2 * n)), 2, 100 + n)
 

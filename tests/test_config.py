@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cluster.config import ConfigError, GenerateConfig, HFModel, TinyModel, field_docs, load_config, save_config
-from rollout.engine_args import EngineArgs
-from rollout.sampling import SamplingParams
+from sliderl.cluster.config import ConfigError, GenerateConfig, HFModel, TinyModel, field_docs, load_config, save_config
+from sliderl.rollout.engine_args import EngineArgs
+from sliderl.rollout.sampling import SamplingParams
 
 REPO = Path(__file__).resolve().parents[1]
 

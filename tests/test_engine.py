@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from rollout import LLM, SamplingParams
+from sliderl.rollout import LLM, SamplingParams
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from rollout import LLM, EngineArgs
+from sliderl.rollout import LLM, EngineArgs
 
 # LLM's library defaults as the README's "Python API" section spells them out
 README_DEFAULTS = dict(kv="full", device="cpu", dtype="float32", block_size=16, num_blocks=None, kv_cache_gb=None,

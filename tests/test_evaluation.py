@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from cluster.cli import main
-from cluster.comparison import CompareConfig, EntryResult, expand, fill_budget
-from cluster.comparison_report import pareto_front
-from cluster.data import Problem
-from cluster.evaluation import SampledEval, pass_at_k, score_samples
-from rewards.spec import CorrectnessTerm
-from rollout.sequence import KVUsage
+from sliderl.cluster.cli import main
+from sliderl.cluster.comparison import CompareConfig, EntryResult, expand, fill_budget
+from sliderl.cluster.comparison_report import pareto_front
+from sliderl.cluster.data import Problem
+from sliderl.cluster.evaluation import SampledEval, pass_at_k, score_samples
+from sliderl.rewards.spec import CorrectnessTerm
+from sliderl.rollout.sequence import KVUsage
 
 ROOT = Path(__file__).resolve().parents[1]
 VERIFIER = CorrectnessTerm().build("arith")  # 1 when the last \boxed{} holds the answer
@@ -134,8 +134,7 @@ def test_compare_mode_input_errors_exit_2_before_any_engine(tiny_model_factory, 
     # Catches: a mistake in the entries found only after engines ran (the LLM below refuses to be
     # built), a traceback instead of one line, or another exit code. Planted: dropping the budget_of
     # check makes the unknown-label case fail with a KeyError after Dense ran.
-    import rollout
-
+    from sliderl import rollout
     monkeypatch.setattr(rollout, "LLM", lambda *a, **k: pytest.fail("an engine was built"))
     model = tiny_model_factory("qwen3")
     capsys.readouterr()  # building the model may print progress
@@ -198,8 +197,7 @@ def test_a_comparison_cut_short_keeps_the_entries_it_finished(tiny_model_factory
     # Ctrl-C here; a time box or a lost machine alike: tip_seeds' GPU call lost every seed's 7 finished rows
     # this way) leaves nothing. The first two entries really run; the third is interrupted. Planted by dropping
     # the per-entry write in the CLI, results.jsonl does not exist and this fails.
-    import cluster.comparison as comparison
-
+    import sliderl.cluster.comparison as comparison
     real, calls = comparison.run_entry, []
 
     def cut_at_the_third(*args, **kwargs):

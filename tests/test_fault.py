@@ -19,7 +19,7 @@ from cluster_jobs import expected_actor_name, logged_traces, metric_rows, tiny_j
 def killed_worker_run(ray_session, model_dir, tmp_path_factory):
     """Async, one worker; SIGKILL its process after the first step at which it holds groups (long
     completions make that step 1); 4 steps in all."""
-    from cluster.driver import train
+    from sliderl.cluster.driver import train
 
     seen = {}
 
@@ -70,7 +70,7 @@ def test_every_logged_group_is_trained_exactly_once(killed_worker_run):
 def resumed_runs(ray_session, model_dir, tmp_path_factory):
     """Run A stops after step 3 (checkpoints every 2 steps, so the last is step 2); run B resumes it to
     step 4, and its learner is killed after step 3 (B recreates it from the step-2 checkpoint)."""
-    from cluster.driver import train
+    from sliderl.cluster.driver import train
 
     run_dir = tmp_path_factory.mktemp("resume") / "run"
     args = ("train.mode=sync", "train.steps=4", "checkpoint.every=2")
@@ -127,7 +127,7 @@ def test_resumed_runs_log_each_trained_group_once(resumed_runs):
 def kept_two_run(resumed_runs, model_dir):
     """Run C resumes run B (at step 4) to step 7 with a checkpoint every step and keep=2; the checkpoint
     folders right after it."""
-    from cluster.driver import train
+    from sliderl.cluster.driver import train
 
     _, second, _, _ = resumed_runs
     third = train(tiny_job(model_dir, second.run_dir, "train.mode=sync", "train.steps=7", "checkpoint.every=1",
@@ -150,8 +150,8 @@ def test_resume_falls_back_past_a_damaged_newest_checkpoint(kept_two_run, model_
     # resume=true picked step_000007 anyway; the learner failed to load it, was restarted on the same
     # checkpoint, and the run ended with "restarts are used up" although step_000006 was intact.
     # Planted by latest() without the manifest check, train() raises RunError.
-    from cluster.driver import train
-    from trainer.manifest import Manifest
+    from sliderl.cluster.driver import train
+    from sliderl.trainer.manifest import Manifest
 
     third, _, _ = kept_two_run
     checkpoints = third.run_dir / "checkpoints"

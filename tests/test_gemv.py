@@ -16,11 +16,11 @@ from transformers import AutoModelForCausalLM
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module imports triton
 
-import kernels.gemv as gemv_module
-from kernels.decode import split_counters
-from kernels.gemv import GemvConfig, gemv, gemv_config
-from rollout.loader import load_model
-from rollout.model import DenseAttention, causal_mask
+import sliderl.kernels.gemv as gemv_module
+from sliderl.kernels.decode import split_counters
+from sliderl.kernels.gemv import GemvConfig, gemv, gemv_config
+from sliderl.rollout.loader import load_model
+from sliderl.rollout.model import DenseAttention, causal_mask
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -218,7 +218,7 @@ def test_gpu_cuda_graph_of_the_gemv_decoder_matches_eager(tmp_path):
     # catches: a GEMV launch that cannot be captured (allocating split counters or autotuning during
     # capture) or whose replay differs from eager (stale partial buffers, counters not reset between
     # replays: the second replay would leave y unwritten); and GEMV logits drifting from cuBLAS's
-    from rollout.tiny import make_qwen3_1p7b
+    from sliderl.rollout.tiny import make_qwen3_1p7b
 
     path = make_qwen3_1p7b(tmp_path / "qwen3-1.7b")
     model = load_model(path, dtype=torch.bfloat16, device="cuda")

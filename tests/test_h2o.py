@@ -14,13 +14,13 @@ import math
 import pytest
 import torch
 
-from rollout import LLM, SamplingParams
-from rollout.block_bound import block_bound
-from rollout.kv_policy import NEVER, KVPolicy
-from rollout.loader import load_model
-from rollout.trace import Trace, traces_from_table, traces_to_table
-from trainer.learner import Learner
-from trainer.logprobs import trace_logprobs
+from sliderl.rollout import LLM, SamplingParams
+from sliderl.rollout.block_bound import block_bound
+from sliderl.rollout.kv_policy import NEVER, KVPolicy
+from sliderl.rollout.loader import load_model
+from sliderl.rollout.trace import Trace, traces_from_table, traces_to_table
+from sliderl.trainer.learner import Learner
+from sliderl.trainer.logprobs import trace_logprobs
 
 BS, BUDGET = 4, 16  # pages of 4 tokens: 4 pages in the budget, the 2 most recent always kept
 BUDGET_PAGES, RECENT = 4, 2

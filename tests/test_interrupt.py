@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from cluster_jobs import tiny_overrides
-from cluster.run_checkpoints import MARKER
+from sliderl.cluster.run_checkpoints import MARKER
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -22,7 +22,7 @@ def test_ctrl_c_exits_130_in_one_line_and_keeps_the_checkpoints(tiny_model_facto
     # instance is interrupted once its first complete checkpoint is on disk. Planted by dropping the CLI's
     # KeyboardInterrupt handler: Python's default ends the process by the signal (returncode -2), and this fails.
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "cluster.cli", "train", *tiny_overrides(tiny_model_factory("qwen3"), run),
+    cmd = [sys.executable, "-m", "sliderl.cluster.cli", "train", *tiny_overrides(tiny_model_factory("qwen3"), run),
            "train.steps=10000", "checkpoint.every=1", "ray.num_cpus=2", "train.mode=sync"]
     # The output goes to files, not pipes: a process Ray started that inherited a pipe and outlives the CLI by
     # a while would hold its end open, and a pipe read would wait for it although the CLI has exited.

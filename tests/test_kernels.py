@@ -19,12 +19,12 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module imports triton
 
-import kernels
-import kernels.reference as reference
-from kernels.cache_write import write_kv
-from kernels.decode import DecodeConfig, choose_num_splits, decode_attention
-from kernels.metadata import AttentionMetadata, PagedKVCache
-from kernels.prefill import PrefillConfig, prefill_attention
+from sliderl import kernels
+import sliderl.kernels.reference as reference
+from sliderl.kernels.cache_write import write_kv
+from sliderl.kernels.decode import DecodeConfig, choose_num_splits, decode_attention
+from sliderl.kernels.metadata import AttentionMetadata, PagedKVCache
+from sliderl.kernels.prefill import PrefillConfig, prefill_attention
 
 NEVER = 2**31 - 1
 TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2}

@@ -9,12 +9,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from rollout import LLM, SamplingParams
-from rollout.loader import load_model
-from rollout.trace import Trace
-from trainer.algorithms import BoNBoNOptions, GRPOOptions, SFTOptions
-from trainer.learner import Learner
-from trainer.logprobs import trace_logprobs
+from sliderl.rollout import LLM, SamplingParams
+from sliderl.rollout.loader import load_model
+from sliderl.rollout.trace import Trace
+from sliderl.trainer.algorithms import BoNBoNOptions, GRPOOptions, SFTOptions
+from sliderl.trainer.learner import Learner
+from sliderl.trainer.logprobs import trace_logprobs
 
 P, W = 6, 8
 
@@ -347,7 +347,7 @@ def test_a_crafted_trainer_state_is_refused_without_running_code(tiny_model_fact
 def test_lr_schedule_warms_up_then_follows_the_cosine_and_resumes_from_a_checkpoint(tiny_model_factory, tmp_path):
     # catches: an off-by-one in the warm-up or cosine, a schedule that is not applied to the optimizer,
     # or one that restarts after from_checkpoint
-    from trainer.learner_args import LearnerArgs
+    from sliderl.trainer.learner_args import LearnerArgs
 
     args = LearnerArgs(algo=SFTOptions(), lr=0.1, lr_schedule="cosine", warmup_steps=2, total_steps=6,
                        min_lr_ratio=0.2)
@@ -389,8 +389,8 @@ def test_option_records_reject_unknown_and_ill_formed_options_with_a_clear_messa
     # catches: options accepted without their bounds checked, or a typo passing silently
     from pydantic import TypeAdapter, ValidationError
 
-    from trainer.algorithms import BoNBoNOptions, options_from_dict
-    from trainer.learner_args import LearnerArgs
+    from sliderl.trainer.algorithms import BoNBoNOptions, options_from_dict
+    from sliderl.trainer.learner_args import LearnerArgs
 
     with pytest.raises(ValueError, match="clip_low must be >= 0, got -0.1"):
         GRPOOptions(clip_low=-0.1)

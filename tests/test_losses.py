@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from trainer.losses import (
+from sliderl.trainer.losses import (
     LOSSES,
     bonbon_beta,
     bonbon_loss,

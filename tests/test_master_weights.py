@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from rollout.trace import Trace
-from trainer.learner import Learner
-from trainer.optimizer import MasterAdamW
+from sliderl.rollout.trace import Trace
+from sliderl.trainer.learner import Learner
+from sliderl.trainer.optimizer import MasterAdamW
 
 
 def _steps(optimizer_cls, n: int) -> torch.Tensor:

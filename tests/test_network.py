@@ -106,7 +106,7 @@ def test_a_local_run_listens_on_loopback_only(tiny_model_factory, tmp_path):
         "train.steps=3", "monitor.include_dashboard=true", f"monitor.dashboard_port={free_port()}",
         "monitor.wandb.mode=offline", "ray.num_cpus=2"]
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")}
-    run = subprocess.Popen([sys.executable, "-m", "cluster.cli", "train", *overrides], cwd=ROOT, env=env,
+    run = subprocess.Popen([sys.executable, "-m", "sliderl.cluster.cli", "train", *overrides], cwd=ROOT, env=env,
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     seen: set[tuple[str, str, int]] = set()
     deadline = time.monotonic() + 300

@@ -13,15 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from cluster.baseline_lengths import FILE, BaselineLengths, read_lengths, settle_lengths
-from cluster.data import Problem
-from cluster.evaluation import SampledEval
-from cluster.storage import Storage
-from rewards import CorrectnessTerm, RewardInput, RewardSpec, SpeedupTerm
-from rollout.pasta import PASTA_TOKENS, PastaTokenIds
-from rollout.tiny import build_tokenizer
-from rollout.trace import Trace
-from trainer.algorithms import BoNBoN, BoNBoNOptions
+from sliderl.cluster.baseline_lengths import FILE, BaselineLengths, read_lengths, settle_lengths
+from sliderl.cluster.data import Problem
+from sliderl.cluster.evaluation import SampledEval
+from sliderl.cluster.storage import Storage
+from sliderl.rewards import CorrectnessTerm, RewardInput, RewardSpec, SpeedupTerm
+from sliderl.rollout.pasta import PASTA_TOKENS, PastaTokenIds
+from sliderl.rollout.tiny import build_tokenizer
+from sliderl.rollout.trace import Trace
+from sliderl.trainer.algorithms import BoNBoN, BoNBoNOptions
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER = build_tokenizer(extra_special_tokens=PASTA_TOKENS)
@@ -99,7 +99,7 @@ def test_bonbon_pairs_the_best_and_worst_by_the_latency_aware_score():
 # catches: IPO's β fixed at n = 10 while groups hold another number of samples (planted: bonbon_beta(10) ->
 # target 9·H_9 = 25.46, loss 648 per pair), and a β shared by pairs from groups of different sizes.
 def test_bonbon_beta_follows_the_number_of_samples(tiny_model_factory):
-    from trainer.learner import Learner
+    from sliderl.trainer.learner import Learner
 
     # BoNBoN's β = 1 / (2 (n-1) H_{n-1}), IPO's target margin 1/(2β) = (n-1) H_{n-1}:
     #   n = 4: 3 · (1 + 1/2 + 1/3) = 5.5;  n = 3: 2 · (1 + 1/2) = 3.0
@@ -156,8 +156,8 @@ def test_evaluation_speedup_is_the_geometric_mean_over_samples():
 # catches: a report that leaves out the speedup column or the quality-vs-speedup plot when the comparison
 # has a speedup baseline (and one that shows an empty column without it).
 def test_report_has_the_speedup_column_and_plot(tmp_path):
-    from cluster.comparison import EntryResult
-    from cluster.comparison_report import markdown_table, write_report
+    from sliderl.cluster.comparison import EntryResult
+    from sliderl.cluster.comparison_report import markdown_table, write_report
 
     def result(label, accuracy, speedup):
         run = SampledEval(4, 1, accuracy, accuracy, 0.0, 0, 40, 1.0, 40.0, (10,) * 4, (10,) * 4, speedup)
@@ -191,7 +191,7 @@ BAD = [
 def test_bad_pasta_bonbon_settings_exit_2_before_ray(overrides, fragment, tmp_path, capsys):
     import ray
 
-    from cluster.cli import main
+    from sliderl.cluster.cli import main
 
     was_running = ray.is_initialized()
     run_dir, cache = tmp_path / "run", tmp_path / "cache"
@@ -212,12 +212,12 @@ def test_the_stage_runs_on_ray_and_reuses_the_baseline_lengths_on_resume(tiny_mo
     import torch
     from transformers import AutoModelForCausalLM
 
-    from cluster.config import load_config
-    from cluster.driver import train
-    from cluster.resources import start_local_ray
-    from cluster.train_config import TrainConfig
-    from cluster.trace_log import TraceLog
-    from rollout.pasta import PastaLayout
+    from sliderl.cluster.config import load_config
+    from sliderl.cluster.driver import train
+    from sliderl.cluster.resources import start_local_ray
+    from sliderl.cluster.train_config import TrainConfig
+    from sliderl.cluster.trace_log import TraceLog
+    from sliderl.rollout.pasta import PastaLayout
 
     import ray
 

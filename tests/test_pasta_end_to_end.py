@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import torch
 
-from rollout import SamplingParams
-from rollout.kv_policy import KVPolicy
-from rollout.loader import load_model
-from rollout.pasta import PastaLayout, PastaTokenIds
+from sliderl.rollout import SamplingParams
+from sliderl.rollout.kv_policy import KVPolicy
+from sliderl.rollout.loader import load_model
+from sliderl.rollout.pasta import PastaLayout, PastaTokenIds
 from test_pasta_runtime import GREEDY, RESPONSE_A, RESPONSE_B, lay_out, pasta_llm, pasta_model, run_scripted  # noqa: F401 (fixture)
-from trainer.logprobs import recompute_logprobs
+from sliderl.trainer.logprobs import recompute_logprobs
 
 
 # catches: the trainer and the runtime disagreeing on any part of the rule — positions (the shift past a

@@ -15,12 +15,12 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from rollout import LLM, SamplingParams
-from rollout.kv_policy import NEVER
-from rollout.loader import load_tokenizer
-from rollout.model import DenseAttention
-from rollout.pasta import DEFAULT_PROMISE_UNITS, PASTA_TOKENS, UNIT, PastaTokenIds
-from rollout.sampling import logprobs_at
+from sliderl.rollout import LLM, SamplingParams
+from sliderl.rollout.kv_policy import NEVER
+from sliderl.rollout.loader import load_tokenizer
+from sliderl.rollout.model import DenseAttention
+from sliderl.rollout.pasta import DEFAULT_PROMISE_UNITS, PASTA_TOKENS, UNIT, PastaTokenIds
+from sliderl.rollout.sampling import logprobs_at
 
 EOS = 256  # the tiny tokenizer's <|endoftext|>
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -485,8 +485,7 @@ def test_triton_kernels_mask_pasta_tables_like_the_reference(pasta_model, device
     # differently from the dense rule (query positions other than table positions, holes not dead); on CPU
     # the kernels run under TRITON_INTERPRET=1 (~25 s), on CUDA with decode graphs; both with overlap (the
     # CUDA default), whose queued steps write dead slots and drop stale rows
-    import kernels
-
+    from sliderl import kernels
     llm = pasta_llm(pasta_model, num_blocks=64, max_num_batched_tokens=8, pasta_max_forks=2, device=device,
                     overlap=True)
     llm.runner.impl = kernels  # on CPU: the CUDA path's kernels, interpreted

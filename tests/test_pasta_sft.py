@@ -3,12 +3,12 @@ base model without the Pasta-Lang tags, and the loss falls."""
 
 from __future__ import annotations
 
-from rewards.pasta_task import PastaTask
-from rollout.loader import load_tokenizer
-from rollout.pasta import PASTA_TOKENS
-from trainer.algorithms import SFTOptions
-from trainer.learner_args import LearnerArgs
-from trainer.sft import SFTArgs, SFTExample, run_sft
+from sliderl.rewards.pasta_task import PastaTask
+from sliderl.rollout.loader import load_tokenizer
+from sliderl.rollout.pasta import PASTA_TOKENS
+from sliderl.trainer.algorithms import SFTOptions
+from sliderl.trainer.learner_args import LearnerArgs
+from sliderl.trainer.sft import SFTArgs, SFTExample, run_sft
 
 TINY = dict(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64)
 
@@ -17,7 +17,7 @@ TINY = dict(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermedi
 # tags -> the Learner cannot find them), or one whose pasta traces carry no loss (planted:
 # PastaLayout.target_mask all False -> nothing is stepped and the loss stays 0).
 def test_pasta_sft_stage_runs_and_the_loss_falls(tmp_path):
-    from rollout.tiny import make_tiny_model
+    from sliderl.rollout.tiny import make_tiny_model
 
     base = make_tiny_model(tmp_path / "base", **TINY)
     task = PastaTask(num_chains=(2, 2), num_steps=(8, 8))
@@ -39,7 +39,7 @@ def test_pasta_sft_and_baseline_sft_jobs_run_from_the_recipe(tmp_path):
     import json
     from pathlib import Path
 
-    from cluster.cli import main
+    from sliderl.cluster.cli import main
 
     recipe = str(Path(__file__).resolve().parents[1] / "configs/pasta-sft.yaml")
     quick = ["sft.steps=2", "sft.check_every=2", "data.held_out=2", "model.hidden_size=32", "model.num_layers=1",

@@ -14,10 +14,10 @@ import re
 
 import pytest
 
-from rewards.pasta_task import PASTA_TAGS, UNIT, PastaTask, PastaTaskVerifier, byte_level_tokens, format_annotated
-from rollout import pasta
-from rollout.pasta import PastaLayout, PastaTokenIds
-from rollout.tiny import build_tokenizer
+from sliderl.rewards.pasta_task import PASTA_TAGS, UNIT, PastaTask, PastaTaskVerifier, byte_level_tokens, format_annotated
+from sliderl.rollout import pasta
+from sliderl.rollout.pasta import PastaLayout, PastaTokenIds
+from sliderl.rollout.tiny import build_tokenizer
 
 TOKENIZER = build_tokenizer(extra_special_tokens=pasta.PASTA_TOKENS)
 TAGS = PastaTokenIds.from_tokenizer(TOKENIZER)

@@ -14,16 +14,16 @@ import warnings
 import pytest
 import torch
 
-from rollout.loader import load_model, load_tokenizer
-from rollout.model import DenseAttention
-from rollout.pasta import DEFAULT_PROMISE_UNITS, PASTA_TOKENS, UNIT, PastaLayout, PastaTokenIds
-from rollout.trace import Trace
-from rollout.vocab import bind_policy_vocab
-from trainer.algorithms import SFTOptions
-from trainer.attention import FlexPolicyAttention, training_attention
-from trainer.learner import Learner
-from trainer.logprobs import WindowInput, pack_windows, packed_logprobs, recompute_logprobs, window_input
-from trainer.windows import full_window, truncated_window
+from sliderl.rollout.loader import load_model, load_tokenizer
+from sliderl.rollout.model import DenseAttention
+from sliderl.rollout.pasta import DEFAULT_PROMISE_UNITS, PASTA_TOKENS, UNIT, PastaLayout, PastaTokenIds
+from sliderl.rollout.trace import Trace
+from sliderl.rollout.vocab import bind_policy_vocab
+from sliderl.trainer.algorithms import SFTOptions
+from sliderl.trainer.attention import FlexPolicyAttention, training_attention
+from sliderl.trainer.learner import Learner
+from sliderl.trainer.logprobs import WindowInput, pack_windows, packed_logprobs, recompute_logprobs, window_input
+from sliderl.trainer.windows import full_window, truncated_window
 
 PROMPT = "Q: two chains\n"
 
@@ -236,7 +236,7 @@ def test_pasta_traces_train_whole_only(setup):
 # PastaLayout.predictor_index: the flattened predecessor -> the pair (/>, <async>) is in the loss and
 # (/>, c) is gone), the <async> in the loss, the eos or the sync left without a target.
 def test_sft_targets_by_hand(setup):
-    from trainer.sft import SFTExample, sft_trace
+    from sliderl.trainer.sft import SFTExample, sft_trace
 
     path, tok, _, _ = setup
     trace = sft_trace(tok, SFTExample("Q\n", 'a<promise tokens="1"/><async>b</async>c<sync/>d'), "pasta", 0)

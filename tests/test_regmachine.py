@@ -1,4 +1,4 @@
-"""The register-machine task (rewards/regmachine.py): valid eviction schedules, real KV savings, a task
+"""The register-machine task (sliderl/rewards/regmachine.py): valid eviction schedules, real KV savings, a task
 that a recency window cannot solve.
 
 The schedules are checked by a simulator written here from the task's text alone (it parses the
@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rewards.regmachine import RegisterMachineTask, RegisterMachineVerifier, register_schedule
-from rollout.kv_policy import KVPolicy, register_tokens
-from rollout.tiny import build_tokenizer
+from sliderl.rewards.regmachine import RegisterMachineTask, RegisterMachineVerifier, register_schedule
+from sliderl.rollout.kv_policy import KVPolicy, register_tokens
+from sliderl.rollout.tiny import build_tokenizer
 
 LINE = re.compile(r"^(?:<reg_(\d+)>)?(?:(\d+) )?([a-z])=(\d+)([+-])(\d)=(\d+)$")
 

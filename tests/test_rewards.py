@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from rewards import (CorrectnessTerm, KVPenalty, KVPenaltyTerm, MathReward, RewardInput, RewardRecord, RewardSpec,
+from sliderl.rewards import (CorrectnessTerm, KVPenalty, KVPenaltyTerm, MathReward, RewardInput, RewardRecord, RewardSpec,
                      ThinkingPenalty, ThinkingPenaltyTerm)
-from rewards.math import last_boxed
+from sliderl.rewards.math import last_boxed
 
 MATH500 = Path(__file__).resolve().parents[2] / "shared" / "data" / "math500-dev.jsonl"  # ../shared beside the repo
 

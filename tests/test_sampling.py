@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from rollout.sampling import SamplingParams, logprobs_at, sample, uniform_noise
+from sliderl.rollout.sampling import SamplingParams, logprobs_at, sample, uniform_noise
 
 # Tiny vocabulary, deliberately unsorted so the sampler's sort must map ranks back to token ids.
 LOGITS6 = np.array([0.5, -1.0, 2.0, -3.0, 1.0, 0.0])
@@ -241,7 +241,7 @@ def test_fused_kernel_draws_the_torch_samplers_tokens_and_logprobs():
     import os
 
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    from kernels.sample import fused_sample
+    from sliderl.kernels.sample import fused_sample
 
     gen = torch.Generator().manual_seed(0)
     b, v = 8, 1000  # 1000 = 3 full blocks of 256 + a masked tail block in the interpreter

@@ -7,14 +7,14 @@ import json
 import pytest
 import torch
 
-from rewards.arith import ArithTask
-from rollout import LLM, SamplingParams
-from rollout.loader import load_model
-from rollout.model import DenseAttention, causal_mask
-from rollout.tiny import build_tokenizer
-from trainer.algorithms import GRPOOptions, SFTOptions
-from trainer.learner_args import LearnerArgs
-from trainer.sft import MARKER, SFTArgs, SFTExample, cached_sft, run_sft, sft_trace
+from sliderl.rewards.arith import ArithTask
+from sliderl.rollout import LLM, SamplingParams
+from sliderl.rollout.loader import load_model
+from sliderl.rollout.model import DenseAttention, causal_mask
+from sliderl.rollout.tiny import build_tokenizer
+from sliderl.trainer.algorithms import GRPOOptions, SFTOptions
+from sliderl.trainer.learner_args import LearnerArgs
+from sliderl.trainer.sft import MARKER, SFTArgs, SFTExample, cached_sft, run_sft, sft_trace
 
 TASK = ArithTask(num_steps=(3, 4), max_operand=5, max_value=20)
 KV = "prefix_sliding:8"
@@ -30,7 +30,7 @@ def examples(n: int, split: str = "train") -> list[SFTExample]:
 
 @pytest.fixture(scope="module")
 def base_model(tmp_path_factory):
-    from rollout.tiny import make_tiny_model
+    from sliderl.rollout.tiny import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("sft-init") / "init", **TINY)
 
@@ -44,7 +44,7 @@ def checkpoint(tmp_path_factory, base_model):
 def test_sft_lowers_the_loss_and_exact_match_is_greedy_decoding_under_the_policy(base_model, checkpoint):
     # catches: evaluate scoring other tokens than the completion + eos, or under another mask than the
     # trace's policy (the engine's greedy decoding under that policy is the independent reference)
-    from trainer.learner import Learner
+    from sliderl.trainer.learner import Learner
 
     assert checkpoint.steps_run == 30 and len(checkpoint.losses) == 30
     # a random model starts near ln(vocab) = ln(259) = 5.6 nats per token; 30 steps learn the format
@@ -107,8 +107,7 @@ def test_checkpoint_matches_transformers_and_runs_in_the_engine(checkpoint, base
 def test_cache_returns_the_finished_checkpoint_without_training_and_a_changed_setting_trains(
         checkpoint, base_model, monkeypatch):
     # catches: a cache key that misses a setting (a stale checkpoint returned) or a cache that retrains
-    import trainer.sft as sft
-
+    import sliderl.trainer.sft as sft
     def no_training(*args, **kwargs):
         raise AssertionError("cached_sft trained although a finished checkpoint was there")
 
@@ -127,7 +126,7 @@ def test_cache_returns_the_finished_checkpoint_without_training_and_a_changed_se
 
 
 def test_training_stops_at_the_first_check_that_reaches_the_target(tmp_path, base_model, monkeypatch):
-    from trainer.learner import Evaluation, Learner
+    from sliderl.trainer.learner import Evaluation, Learner
 
     scores = iter([0.0, 0.5, 0.9])
     monkeypatch.setattr(Learner, "evaluate", lambda self, groups: Evaluation(1.0, 0.5, next(scores), 4))
@@ -147,8 +146,8 @@ def test_a_time_boxed_stage_stops_at_a_step_boundary_and_writes_its_checkpoint(t
     import time
     import types
 
-    import trainer.sft as sft
-    from trainer.learner import Learner
+    import sliderl.trainer.sft as sft
+    from sliderl.trainer.learner import Learner
 
     clock = iter(range(0, 10_000))  # trainer.sft's own clock only: nothing else reads it
     monkeypatch.setattr(sft, "time", types.SimpleNamespace(perf_counter=lambda: 10.0 * next(clock),
@@ -195,8 +194,8 @@ def test_register_sft_tokenizes_registers_as_the_engine_does(tmp_path, base_mode
     # emits a register token and the engine never evicts. The first step's loss (the start weights) must
     # equal the teacher-forced loss of the same batch tokenized with <reg_i> as single tokens, computed
     # by a separate learner bound to registers:16 up front.
-    from rewards.regmachine import RegisterMachineTask
-    from trainer.learner import Learner
+    from sliderl.rewards.regmachine import RegisterMachineTask
+    from sliderl.trainer.learner import Learner
 
     rows = RegisterMachineTask(repeats=(2, 3)).problems(4)
     pairs = [SFTExample(r["prompt"], r["solution"]) for r in rows]
@@ -215,7 +214,7 @@ def test_an_sft_over_several_policies_trains_example_i_under_the_i_th_mod_n(tmp_
     # loss (the start weights) must be the teacher-forced loss of its 4 examples under ps:8, full, ps:8, full,
     # computed by a separate learner, and not the loss under one policy for all: completions of 12+ tokens after
     # a prompt of 10+ make the two visibilities differ (a random model's loss still depends on what it sees).
-    from trainer.learner import Learner
+    from sliderl.trainer.learner import Learner
 
     pairs = examples(4)
     policies = [KV, "full"]

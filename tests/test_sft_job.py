@@ -1,4 +1,4 @@
-"""`sliderl sft` end to end through `cluster.cli.main`: a user's file of prompt/completion pairs in, a
+"""`sliderl sft` end to end through `sliderl.cluster.cli.main`: a user's file of prompt/completion pairs in, a
 checkpoint out that the engine decodes; bad data is a one-line error before anything trains."""
 
 import json
@@ -6,8 +6,8 @@ import json
 import pytest
 import yaml
 
-from cluster.cli import main
-from rollout import LLM, SamplingParams
+from sliderl.cluster.cli import main
+from sliderl.rollout import LLM, SamplingParams
 
 TINY = ["model.hidden_size=32", "model.num_layers=1", "model.num_heads=2", "model.num_kv_heads=1",
         "model.intermediate_size=64"]

@@ -13,11 +13,11 @@ import math
 import pytest
 import torch
 
-from rollout import LLM, SamplingParams
-from rollout.loader import load_model, load_tokenizer
-from rollout.vocab import bind_policy_vocab
-from trainer.logprobs import logprob_mismatch, recompute_logprobs, window_input, pack_windows, packed_logprobs
-from trainer.windows import chunked_windows, truncated_window
+from sliderl.rollout import LLM, SamplingParams
+from sliderl.rollout.loader import load_model, load_tokenizer
+from sliderl.rollout.vocab import bind_policy_vocab
+from sliderl.trainer.logprobs import logprob_mismatch, recompute_logprobs, window_input, pack_windows, packed_logprobs
+from sliderl.trainer.windows import chunked_windows, truncated_window
 
 PROMPTS = [[11, 12, 13, 14, 15, 16], list(range(100, 113))]
 

@@ -11,15 +11,15 @@ from types import SimpleNamespace
 
 import torch
 
-from cluster.data import Problem
-from cluster.evaluation import score
-from rewards.arith import ArithVerifier
-from rollout.loader import load_model
-from rollout.trace import Trace
-from trainer.algorithms import BoNBoNOptions, GRPOOptions
-from trainer.learner import Learner
-from trainer.learner_args import LearnerArgs
-from trainer.logprobs import trace_logprobs
+from sliderl.cluster.data import Problem
+from sliderl.cluster.evaluation import score
+from sliderl.rewards.arith import ArithVerifier
+from sliderl.rollout.loader import load_model
+from sliderl.rollout.trace import Trace
+from sliderl.trainer.algorithms import BoNBoNOptions, GRPOOptions
+from sliderl.trainer.learner import Learner
+from sliderl.trainer.learner_args import LearnerArgs
+from sliderl.trainer.logprobs import trace_logprobs
 
 SPEC = "full"
 

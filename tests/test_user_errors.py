@@ -11,9 +11,9 @@ import re
 
 import pytest
 
-from cluster.cli import main
-from cluster.config import load_config
-from cluster.train_config import TrainConfig
+from sliderl.cluster.cli import main
+from sliderl.cluster.config import load_config
+from sliderl.cluster.train_config import TrainConfig
 
 # Each case is one mistake from the list, with the words the one-line message must hold.
 USER_ERRORS = [

@@ -14,10 +14,10 @@ import warnings
 import pytest
 import torch
 
-from rollout.kv_policy import NEVER, KVPolicy
-from trainer.attention import (SHORT_DOCUMENT, FlexPolicyAttention, MaskedSDPA, PackedVisibility, auto_backend,
+from sliderl.rollout.kv_policy import NEVER, KVPolicy
+from sliderl.trainer.attention import (SHORT_DOCUMENT, FlexPolicyAttention, MaskedSDPA, PackedVisibility, auto_backend,
                                flex_bucket, training_attention)
-from trainer.windows import chunked_windows, full_window, training_windows, truncated_window
+from sliderl.trainer.windows import chunked_windows, full_window, training_windows, truncated_window
 
 P, T, W = 5, 100, 8  # prompt tokens, generated tokens, window: T is much longer than k·W for k = 1, 2, 4
 

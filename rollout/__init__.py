@@ -1,9 +1,0 @@
-"""The rollout side: the paged-KV generation engine, its KV policies, models and sampling."""
-
-from rollout.engine import LLM
-from rollout.engine_args import EngineArgs
-from rollout.kv_policy import KVPolicy
-from rollout.sampling import SamplingParams
-from rollout.sequence import KVUsage, RequestOutput
-
-__all__ = ["LLM", "EngineArgs", "KVPolicy", "KVUsage", "RequestOutput", "SamplingParams"]

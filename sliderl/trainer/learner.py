@@ -1,0 +1,419 @@
+"""The Learner: one optimizer step over groups of traces (no Ray; ``cluster/`` wraps it in an actor).
+
+A step: the algorithm selects traces (skipping groups without signal) -> each trace is cut into
+training windows (``trainer.windows``) under its own KV policy -> windows are packed into
+micro-batches of about ``micro_batch_tokens`` input tokens -> per micro-batch: recompute logprobs
+(``trainer.logprobs``), the algorithm's share of the loss, backward -> clip, optimizer step.
+
+Every micro-batch loss is that micro-batch's share of the step's loss (see ``trainer.algorithms``),
+so the accumulated gradient is the gradient of one loss over the whole step, whatever the packing.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field, replace
+
+import torch
+
+from sliderl.rollout.kv_policy import KVPolicy, register_tokens
+from sliderl.rollout.loader import DTYPES, load_model, load_tokenizer
+from sliderl.rollout.pasta import PastaLayout, PastaTokenIds
+from sliderl.rollout.trace import Trace
+from sliderl.rollout.vocab import bind_policy_vocab
+from sliderl.trainer.algorithms import Algorithm, Row, Selection, Totals, make_algorithm
+from sliderl.trainer.checkpoint import (TRAINER_STATE, load_trainer_state, read_hf_source, rng_state, save_hf_model,
+                                save_trainer_state, set_rng_state)
+from sliderl.trainer.learner_args import LearnerArgs
+from sliderl.trainer.logprobs import PackedWindows, WindowInput, logprob_mismatch, pack_windows, packed_logits, packed_logprobs
+from sliderl.trainer.manifest import Manifest, check_intact
+from sliderl.trainer.optimizer import make_optimizer
+from sliderl.trainer.windows import training_windows
+
+WINDOWED_KINDS = ("prefix_sliding", "sliding_window", "streaming")
+
+
+@dataclass(frozen=True)
+class StepMetrics:
+    """What one ``Learner.step`` did; the field names are the metric names.
+
+    The mismatch fields compare recomputed and sampler logprobs on the loss tokens
+    (``trainer.logprobs.Mismatch``); they are None when no trained trace carried sampler logprobs
+    (SFT data) or nothing was stepped.
+    """
+
+    loss: float  # the step's loss (0 when not stepped)
+    grad_norm: float  # before clipping
+    kl_mismatch: float | None  # mean k3 of recomputed vs sampler logprobs
+    kl_mismatch_k1: float | None  # mean (sampler - recomputed)
+    logprob_diff_max: float | None  # largest |sampler - recomputed|
+    num_tokens: int  # model inputs over all micro-batches
+    num_loss_tokens: int
+    num_traces: int  # traces with at least one loss token
+    num_windows: int
+    num_micro_batches: int
+    skipped_traces_no_loss: int  # selected traces without a loss token (all forced)
+    step_seconds: float
+    version: int  # the learner's version after the step
+    stepped: bool  # False when no group carried a training signal (version kept)
+    lr: float  # the learning rate of this step
+    algorithm: dict[str, float] = field(default_factory=dict)  # selection counts, token-weighted loss metrics
+    peak_memory_gib: float | None = None  # CUDA: max_memory_allocated during the step (weights, optimizer state
+                                          # and activations); None on CPU
+
+    def as_dict(self) -> dict[str, float]:
+        """Flat floats, the algorithm's entries merged in, bools as 0/1, absent (None) fields left out."""
+        out = {k: float(v) for k, v in asdict(self).items() if k != "algorithm" and v is not None}
+        return {**out, **self.algorithm}
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """Teacher-forced scores over the loss tokens of some traces (``Learner.evaluate``)."""
+
+    loss: float  # mean NLL per loss token (nats, temperature 1)
+    token_accuracy: float  # fraction of loss tokens that are the model's argmax
+    exact_match: float  # fraction of traces whose every loss token is the argmax (= greedy decoding reproduces it)
+    num_traces: int  # traces with at least one loss token
+
+
+@dataclass
+class MicroBatch:
+    rows: list[Row]
+    packed: PackedWindows
+
+
+class Learner:
+    """Trains a ``DecoderLM`` from traces; see the module docstring for one step.
+
+    ``Learner(model_path, args)`` with a ``LearnerArgs``, or ``Learner(model_path, lr=..., ...)``
+    whose keywords build (or, beside ``args``, replace fields of) the record. model_path: a local HF
+    model directory. Each trace trains under its own ``kv_policy``; W is that policy's window, or
+    ``args.window`` when given; policies without one (full, registers) train on the whole trace.
+    A ``pasta`` trace trains whole under its threads (``rollout.pasta.PastaLayout``: mask, position
+    ids, each token predicted within its thread) and needs ``window_mode='full'``.
+    ``args.vocab_policy`` (e.g. ``registers:N``) adds that policy's tokens before the first step and
+    weight sync (a registers trace can also grow the vocabulary lazily, but only before step 1).
+    The optimizer is AdamW over every parameter at ``args.lr_at(version)``, in the model's dtype or, with
+    ``args.master_weights``, over float32 master copies (``trainer.optimizer``).
+    """
+
+    def __init__(self, model_path: str, args: LearnerArgs | None = None, **kwargs):
+        args = LearnerArgs(**kwargs) if args is None else replace(args, **kwargs)
+        self.algorithm: Algorithm = make_algorithm(args.algo)
+        if self.algorithm.needs_reference and args.reference_model_path is None:
+            args = replace(args, reference_model_path=str(model_path))  # checkpoints keep the initial model
+        self.args = args
+        torch.manual_seed(args.seed)
+        self.model_path = str(model_path)
+        self.device = torch.device(args.device)
+        self.model = load_model(model_path, dtype=DTYPES[args.dtype], device=self.device).train()
+        self.model.gradient_checkpointing = args.gradient_checkpointing
+        self.tokenizer = load_tokenizer(model_path)
+        self._hf_source = read_hf_source(model_path)  # model_path may be a checkpoint that gets pruned
+        self.reference = self._load_reference() if self.algorithm.needs_reference else None
+        self.optimizer = self._make_optimizer()
+        self.version = 0
+        self._policies: dict[str, KVPolicy] = {}
+        self._pasta_tags: PastaTokenIds | None = None  # looked up at the first pasta trace
+        self.vocab_policy = self._bind(args.vocab_policy) if args.vocab_policy else None
+        self._bind("full")  # grows the model when the tokenizer already has more tokens, as the engine does
+
+    # ---- set-up -------------------------------------------------------------------------------
+    def _load_reference(self):
+        reference = load_model(self.args.reference_model_path, dtype=DTYPES[self.args.dtype], device=self.device)
+        if len(self.tokenizer) > reference.config.vocab_size:
+            reference.resize_vocab(len(self.tokenizer))
+        return reference.eval().requires_grad_(False)
+
+    def _make_optimizer(self) -> torch.optim.Optimizer:
+        return make_optimizer(self.model.parameters(), self.args.lr, self.args.weight_decay, self.args.adam_betas,
+                              self.args.master_weights)
+
+    def _bind(self, spec: str) -> KVPolicy:
+        """The parsed policy bound to the tokenizer's ids; grows the vocabulary (and optimizer) if it must."""
+        if spec in self._policies:
+            return self._policies[spec]
+        policy = KVPolicy.parse(spec)
+        vocab = self.tokenizer.get_vocab()
+        if policy.kind == "registers" and self.version > 0 and \
+                any(t not in vocab for t in register_tokens(policy.num_registers)):
+            raise ValueError(f"a {spec} trace needs <reg_i> tokens this learner's vocabulary lacks, and growing it "
+                             f"after {self.version} steps would reset the optimizer; build the Learner with "
+                             f"vocab_policy={spec!r}")
+        before = self.model.config.vocab_size
+        bound = bind_policy_vocab(policy, self.tokenizer, self.model)
+        if self.model.config.vocab_size != before:
+            if self.reference is not None:
+                self.reference.resize_vocab(self.model.config.vocab_size)
+            self.optimizer = self._make_optimizer()
+        self._policies[spec] = bound
+        return bound
+
+    # ---- one step -----------------------------------------------------------------------------
+    def step(self, groups: list[list[Trace]]) -> StepMetrics:
+        """One optimizer step over ``groups`` (each the n traces of one prompt), accumulating over micro-batches.
+
+        When no group carries a training signal nothing is stepped (``stepped`` False, version kept).
+        Bad traces (unknown policy, wrong lengths, ids outside the vocabulary, non-finite sampler
+        logprobs) raise ValueError; a non-finite loss or gradient raises FloatingPointError.
+        """
+        start = time.perf_counter()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self._check_groups(groups)
+        selection = self.algorithm.select(groups)
+        units, inputs, skipped = self._units(selection)
+        lr = self.args.lr_at(self.version)
+        self.optimizer.zero_grad(set_to_none=True)
+        if not units:
+            return StepMetrics(0.0, 0.0, None, None, None, 0, 0, 0, 0, 0, skipped, time.perf_counter() - start,
+                               self.version, False, lr, dict(selection.metrics), self._peak_memory_gib())
+        totals = self._totals(units)
+        batches = self._micro_batches(units, inputs)
+        sums: dict[str, float] = {}
+        for batch in batches:
+            self._accumulate(batch, totals, sums)
+        grad_norm = self._clip_and_step(lr)
+        n, m = totals.num_loss_tokens, sums.get("_mismatch_tokens", 0.0)
+        mean = lambda key: sums[key] / m if m else None  # noqa: E731
+        weighted = {k.split("/", 1)[1]: v / n for k, v in sums.items() if k.startswith("_weighted/")}
+        return StepMetrics(sums["loss"], grad_norm, mean("kl_mismatch"), mean("kl_mismatch_k1"),
+                           sums.get("logprob_diff_max"), int(sums["num_tokens"]), n, totals.num_traces,
+                           sum(len(u) for u in units), len(batches), skipped, time.perf_counter() - start,
+                           self.version, True, lr, {**selection.metrics, **weighted}, self._peak_memory_gib())
+
+    def _peak_memory_gib(self) -> float | None:
+        if self.device.type != "cuda":
+            return None
+        return torch.cuda.max_memory_allocated(self.device) / 2**30
+
+    def _check_groups(self, groups: list[list[Trace]]) -> None:
+        for trace in (t for group in groups for t in group):
+            self._trace_policy(trace)
+            self._check_trace(trace)
+
+    def _units(self, selection: Selection) -> tuple[list[list[Row]], dict[int, WindowInput], int]:
+        """Rows that must share a micro-batch (a BoNBoN pair; else one window), each row's packable input
+        (keyed by ``id(row)``), and how many traces had no loss token (their unit is dropped: a pair needs both)."""
+        per_trace = [self._trace_rows(i, trace, selection.advantages[i], selection.roles[i], selection.group_sizes[i])
+                     for i, trace in enumerate(selection.traces)]
+        units, skipped = [], 0
+        for unit in selection.units:
+            if not all(per_trace[i] for i in unit):
+                skipped += sum(1 for i in unit if not per_trace[i])
+            elif self.algorithm.uses_pairs:
+                units.append([row for i in unit for row, _ in per_trace[i]])
+            else:  # token-linear losses: every window may go to its own micro-batch
+                units += [[row] for i in unit for row, _ in per_trace[i]]
+        inputs = {id(row): item for pairs in per_trace for row, item in pairs}
+        return units, inputs, skipped
+
+    def _trace_rows(self, index: int, trace: Trace, advantage: float = 0.0, role: str = "",
+                    group_size: int = 0) -> list[tuple[Row, WindowInput]]:
+        """The trace's training windows under its own policy, those with a loss token, as (row, input)."""
+        policy = self._trace_policy(trace)
+        prompt_len, num_generated = len(trace.prompt_token_ids), len(trace.completion_token_ids)
+        if num_generated == 0:
+            return []
+        layout = self._pasta_layout(trace) if policy.kind == "pasta" else None
+        window = self.args.window or (policy.window if policy.kind in WINDOWED_KINDS else None)
+        windows = training_windows(self.args.window_mode, prompt_len, num_generated, window, self.args.multiplier)
+        ids = torch.tensor([*trace.prompt_token_ids, *trace.completion_token_ids], dtype=torch.int64)
+        death = policy.death_positions(prompt_len, ids, trace.death_ranges)  # h2o: the engine's evictions too
+        sampler = torch.tensor(trace.logprobs, dtype=torch.float32) if trace.logprobs else None
+        out = []
+        for w in windows:
+            item = WindowInput(ids, death, w, trace.temperature, layout)
+            mask = item.loss_mask(trace.forced)
+            if mask.any():
+                behaviour = sampler[w.target_start:w.target_end] if sampler is not None else None
+                out.append((Row(index, advantage, role, mask, behaviour, group_size=group_size), item))
+        return out
+
+    def _pasta_layout(self, trace: Trace) -> PastaLayout:
+        """The threads of a pasta trace; they span the whole trace, so it trains only with window_mode 'full'."""
+        if self.args.window_mode != "full":
+            raise ValueError(f"trace {trace.trace_id!r} has KV policy pasta, which trains on the whole trace only (its "
+                             f"forks' keys and position ids span it): window_mode={self.args.window_mode!r} is not "
+                             "valid for it; set window_mode='full'")
+        if self._pasta_tags is None:
+            self._pasta_tags = PastaTokenIds.from_tokenizer(self.tokenizer)
+        return PastaLayout.parse(len(trace.prompt_token_ids), trace.completion_token_ids, self._pasta_tags,
+                                 self.tokenizer.decode, trace.forced)
+
+    def _trace_policy(self, trace: Trace) -> KVPolicy:
+        try:
+            return self._bind(trace.kv_policy)
+        except ValueError as err:
+            raise ValueError(f"trace {trace.trace_id!r}: {err}") from None
+
+    def _check_trace(self, trace: Trace) -> None:
+        name, n = f"trace {trace.trace_id!r}", len(trace.completion_token_ids)
+        if not trace.prompt_token_ids:
+            raise ValueError(f"{name} has an empty prompt; a trace needs at least one prompt token")
+        sft_data = not trace.logprobs and not self.algorithm.needs_sampler_logprobs
+        if len(trace.logprobs) != n and not sft_data:
+            raise ValueError(f"{name} has {len(trace.logprobs)} sampler logprobs for {n} completion tokens"
+                             + ("" if trace.logprobs else f" ({self.algorithm.name} needs the sampler's; only sft "
+                                                          "trains on traces without them)"))
+        if trace.forced and len(trace.forced) != n:
+            raise ValueError(f"{name} has {len(trace.forced)} forced flags for {n} completion tokens")
+        length = len(trace.prompt_token_ids) + n
+        for start, end, death in trace.death_ranges:  # raises unless (start, end, death) triples
+            if not 0 <= start < end <= length or death < end:
+                raise ValueError(f"{name} has the kv_deaths range ({start}, {end}, {death}), which does not fit its "
+                                 f"{length} positions (need 0 <= start < end <= {length} and death >= end)")
+        if not all(math.isfinite(x) for x in trace.logprobs):
+            raise ValueError(f"{name} has non-finite sampler logprobs")
+        vocab = self.model.config.vocab_size
+        bad = [t for t in (*trace.prompt_token_ids, *trace.completion_token_ids) if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"{name} has token id {bad[0]} outside the vocabulary [0, {vocab})")
+        if not (trace.temperature >= 0 and math.isfinite(trace.temperature)):
+            raise ValueError(f"{name} has temperature {trace.temperature}; it must be a finite number >= 0")
+
+    def _totals(self, units: list[list[Row]]) -> Totals:
+        per_trace: dict[int, int] = {}
+        for row in (r for u in units for r in u):
+            per_trace[row.trace_index] = per_trace.get(row.trace_index, 0) + int(row.loss_mask.sum())
+        return Totals(sum(per_trace.values()), len(per_trace), len(units), per_trace)
+
+    def _micro_batches(self, units: list[list[Row]], inputs: dict[int, WindowInput]) -> list[MicroBatch]:
+        """Greedy packing in order; a unit never splits, and one larger than the budget goes alone."""
+        batches, current, size = [], [], 0
+        for unit in units:
+            tokens = sum(inputs[id(r)].window.num_inputs for r in unit)
+            if current and size + tokens > self.args.micro_batch_tokens:
+                batches.append(current)
+                current, size = [], 0
+            current += unit
+            size += tokens
+        batches.append(current)
+        return [MicroBatch(rows, pack_windows([inputs[id(r)] for r in rows])) for rows in batches]
+
+    def _accumulate(self, batch: MicroBatch, totals: Totals, sums: dict[str, float]) -> None:
+        """Forward, loss share, backward for one micro-batch; adds token-weighted metrics to ``sums``."""
+        backend = self.args.attention
+        for row, lp in zip(batch.rows, batch.packed.split(packed_logprobs(self.model, batch.packed, backend))):
+            row.logprobs = lp
+        if self.reference is not None:
+            with torch.no_grad():
+                ref = packed_logprobs(self.reference, batch.packed, backend)
+            for row, lp in zip(batch.rows, batch.packed.split(ref)):
+                row.ref_logprobs = lp
+        for row in batch.rows:
+            row.behaviour = row.behaviour.to(self.device) if row.behaviour is not None else None
+            row.loss_mask = row.loss_mask.to(self.device)
+        out = self.algorithm.loss(batch.rows, totals)
+        if not torch.isfinite(out.loss):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise FloatingPointError(f"non-finite loss {out.loss.item()} in a micro-batch of {len(batch.rows)} "
+                                     f"windows (traces {sorted({r.trace_index for r in batch.rows})})")
+        out.loss.backward()
+        self._add_metrics(batch, out.metrics, sums)
+
+    def _add_metrics(self, batch: MicroBatch, loss_metrics: dict[str, float], sums: dict[str, float]) -> None:
+        add = lambda key, value: sums.__setitem__(key, sums.get(key, 0.0) + value)  # noqa: E731
+        add("loss", loss_metrics.get("loss", 0.0))
+        add("num_tokens", float(batch.packed.num_tokens))
+        mask = torch.cat([r.loss_mask for r in batch.rows])
+        for key, value in loss_metrics.items():
+            if key not in ("loss", "num_loss_tokens"):
+                add(f"_weighted/{key}", value * int(mask.sum()))
+        sampled = [r for r in batch.rows if r.behaviour is not None]
+        if not sampled:
+            return
+        mismatch = logprob_mismatch(torch.cat([r.behaviour for r in sampled]),
+                                    torch.cat([r.logprobs.detach() for r in sampled]),
+                                    torch.cat([r.loss_mask for r in sampled]))
+        n = mismatch.num_tokens
+        add("_mismatch_tokens", n)
+        add("kl_mismatch", mismatch.kl * n)
+        add("kl_mismatch_k1", mismatch.kl_k1 * n)
+        sums["logprob_diff_max"] = max(sums.get("logprob_diff_max", 0.0), mismatch.max_abs)
+
+    def _clip_and_step(self, lr: float) -> float:
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.max_grad_norm))
+        if not math.isfinite(grad_norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise FloatingPointError(f"gradient norm is {grad_norm}; the step was not taken")
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.version += 1
+        return grad_norm
+
+    # ---- evaluation ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self, groups: list[list[Trace]]) -> Evaluation:
+        """Teacher-forced loss, token accuracy and exact match on the loss tokens of ``groups``' traces.
+
+        No gradient, no step; every trace under its own policy and windows, as ``step`` trains it.
+        A trace matches exactly when each of its loss tokens is the argmax, i.e. greedy decoding under
+        its policy reproduces it (up to argmax ties). Sampler logprobs are not needed.
+        """
+        traces = [t for group in groups for t in group]
+        for trace in traces:
+            self._trace_policy(trace)
+        per_trace = [self._trace_rows(i, trace) for i, trace in enumerate(traces)]
+        rows = [[row] for pairs in per_trace for row, _ in pairs]
+        if not rows:
+            raise ValueError("evaluate needs at least one trace with a loss token")
+        inputs = {id(row): item for pairs in per_trace for row, item in pairs}
+        nll, correct, wrong_traces, was_training = 0.0, 0, set(), self.model.training
+        self.model.eval()
+        try:
+            for batch in self._micro_batches(rows, inputs):
+                logits = packed_logits(self.model, batch.packed, self.args.attention)  # [M, V]
+                targets = batch.packed.target_ids.to(logits.device)
+                mask = torch.cat([r.loss_mask for r in batch.rows]).to(logits.device)
+                nll -= float(logits.log_softmax(-1).gather(1, targets[:, None])[:, 0][mask].sum())
+                hit = logits.argmax(-1) == targets
+                correct += int(hit[mask].sum())
+                for row, ok, m in zip(batch.rows, batch.packed.split(hit), batch.packed.split(mask)):
+                    if not bool(ok[m].all()):
+                        wrong_traces.add(row.trace_index)
+        finally:
+            self.model.train(was_training)
+        n = sum(int(r.loss_mask.sum()) for (r,) in rows)
+        num_traces = len({r.trace_index for (r,) in rows})
+        return Evaluation(nll / n, correct / n, 1 - len(wrong_traces) / num_traces, num_traces)
+
+    # ---- weights and checkpoints ----------------------------------------------------------------
+    def state_dict(self, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+        """HF-named weights copied to ``device`` (tied ``lm_head.weight`` omitted: ``DecoderLM.load_weights``
+        skips it anyway)."""
+        return {name: p.detach().to(device, copy=True) for name, p in self.model.named_parameters()}
+
+    def save_checkpoint(self, path) -> Manifest:
+        """The model in HF layout in ``path`` plus ``trainer_state.pt`` (optimizer, version, RNG, settings),
+        and ``manifest.json`` listing each file's size and sha256; returns that manifest (a run's
+        checkpoint adds its own files to it)."""
+        manifest = save_hf_model(self.model, self.tokenizer, self._hf_source, path)
+        manifest.add(TRAINER_STATE, save_trainer_state(path, {
+            "version": self.version, "optimizer": self.optimizer.state_dict(), "rng": rng_state(),
+            "args": asdict(self.args)}))
+        manifest.write(path)
+        return manifest
+
+    @classmethod
+    def from_checkpoint(cls, path, args: LearnerArgs | None = None, verify: bool = True) -> Learner:
+        """Resume from ``save_checkpoint(path)``: weights, optimizer, version (so the lr schedule), RNG.
+
+        ``args``: the settings to continue with; default: the ones saved in the checkpoint.
+        ``verify``: check the files against the checkpoint's manifest first (ValueError naming a damaged
+        file); a run's driver has checked them already (``Checkpoints.latest``) and passes False.
+        """
+        if verify:
+            check_intact(path)
+        state = load_trainer_state(path)
+        learner = cls(str(path), args or LearnerArgs.from_dict(state["args"]))
+        learner.optimizer.load_state_dict(state["optimizer"])
+        learner.version = int(state["version"])
+        set_rng_state(state["rng"])
+        return learner
+
+
+__all__ = ["Evaluation", "Learner", "LearnerArgs", "StepMetrics", "TRAINER_STATE"]

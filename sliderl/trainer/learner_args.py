@@ -1,0 +1,122 @@
+"""``LearnerArgs``: every setting of ``trainer.learner.Learner``, declared once with its default.
+
+A frozen stdlib dataclass (``trainer/`` imports without pydantic); the job config validates it
+directly (``__pydantic_config__``: unknown keys are errors, the field docstrings are the help).
+A checkpoint stores ``dataclasses.asdict(args)``; ``LearnerArgs.from_dict`` rebuilds it.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar, Literal
+
+from sliderl.rollout.kv_policy import KVPolicy
+from sliderl.rollout.loader import DTYPES
+from sliderl.trainer.algorithms import RECORD_CONFIG, AlgorithmOptions, GRPOOptions, options_from_dict, require_field
+from sliderl.trainer.attention import ATTENTION_BACKENDS
+from sliderl.trainer.windows import WINDOW_MODES
+LR_SCHEDULES = ("constant", "cosine")
+_DEVICE = re.compile(r"cpu|cuda(:\d+)?")
+
+
+@dataclass(frozen=True)
+class LearnerArgs:
+    """The learner's settings: algorithm, optimizer and schedule, windows, placement."""
+
+    __pydantic_config__: ClassVar[dict] = RECORD_CONFIG
+    algo: AlgorithmOptions = GRPOOptions()
+    """The algorithm and its options, chosen by ``type``: grpo, bonbon or sft."""
+    lr: float = 1e-5
+    """Peak AdamW learning rate (>= 0)."""
+    weight_decay: float = 0.0
+    """AdamW weight decay (>= 0)."""
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW (beta1, beta2), each in [0, 1)."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping norm (> 0)."""
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    """constant: lr after the warm-up; cosine: decay from lr to min_ratio·lr at total_steps."""
+    warmup_steps: int = 0
+    """Steps of linear warm-up from lr/warmup_steps to lr (>= 0)."""
+    total_steps: int | None = None
+    """Horizon of the cosine decay in optimizer steps (> 0; required by cosine); None with constant."""
+    min_lr_ratio: float = 0.1
+    """The cosine's final lr as a fraction of lr, in [0, 1]."""
+    window_mode: Literal["truncated", "chunked", "full"] = "truncated"
+    """truncated: loss on the last W tokens with k·W of context; chunked: every token once, windows
+    accumulated; full: the whole trace."""
+    multiplier: int = 4
+    """k of the truncated window: the context is k·W generated tokens (>= 1)."""
+    window: int | None = None
+    """W of the training windows (>= 1); None: the trace policy's window (whole trace for full/registers)."""
+    micro_batch_tokens: int = 8192
+    """Input tokens per forward/backward micro-batch (>= 1); a window larger than this goes alone."""
+    attention: Literal["auto", "flex", "sdpa", "dense"] = "auto"
+    """Training attention backend (``trainer.attention``); auto: flex on CUDA, sdpa on CPU."""
+    device: str = "cpu"
+    """cpu, cuda or cuda:N."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Parameter dtype of the trained model (and of AdamW's state)."""
+    master_weights: bool = False
+    """With dtype bfloat16/float16: AdamW steps float32 copies of the weights (its moments in float32 too) and
+    rounds them into the model after each step (``trainer.optimizer``); without it an update below half a
+    bf16 spacing is lost (lr 1e-6 never moves a weight of 0.02). +12 bytes per parameter."""
+    gradient_checkpointing: bool = False
+    """Recompute each layer's activations in backward to save memory."""
+    seed: int = 0
+    """torch seed set when the learner starts."""
+    reference_model_path: str | None = None
+    """Frozen reference for BoNBoN and GRPO's KL; None: the model the learner starts from."""
+    vocab_policy: str | None = None
+    """A KV policy spec whose tokens the vocabulary must hold before step 1 (e.g. registers:16); it
+    decides no mask: each trace is trained under its own kv_policy."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.algo, dict):
+            object.__setattr__(self, "algo", options_from_dict(self.algo))
+        object.__setattr__(self, "adam_betas", tuple(self.adam_betas))
+        require_field(self, "lr", self.lr >= 0 and math.isfinite(self.lr), "a finite number >= 0")
+        require_field(self, "weight_decay", self.weight_decay >= 0, ">= 0")
+        require_field(self, "adam_betas", len(self.adam_betas) == 2 and all(0 <= b < 1 for b in self.adam_betas),
+                 "two numbers in [0, 1)")
+        require_field(self, "max_grad_norm", self.max_grad_norm > 0, "> 0")
+        require_field(self, "lr_schedule", self.lr_schedule in LR_SCHEDULES, f"one of {', '.join(LR_SCHEDULES)}")
+        require_field(self, "warmup_steps", self.warmup_steps >= 0, ">= 0")
+        require_field(self, "total_steps", self.total_steps is None or self.total_steps > 0, "> 0 or None")
+        if self.lr_schedule == "cosine" and self.total_steps is None:
+            raise ValueError("total_steps must be > 0 with lr_schedule 'cosine' (the decay's horizon), got None")
+        require_field(self, "min_lr_ratio", 0 <= self.min_lr_ratio <= 1, "in [0, 1]")
+        require_field(self, "window_mode", self.window_mode in WINDOW_MODES, f"one of {', '.join(WINDOW_MODES)}")
+        require_field(self, "multiplier", self.multiplier >= 1, ">= 1")
+        require_field(self, "window", self.window is None or self.window >= 1, ">= 1 or None")
+        require_field(self, "micro_batch_tokens", self.micro_batch_tokens >= 1, ">= 1")
+        require_field(self, "attention", self.attention in ATTENTION_BACKENDS, f"one of {', '.join(ATTENTION_BACKENDS)}")
+        require_field(self, "device", bool(_DEVICE.fullmatch(self.device)), "cpu, cuda or cuda:N")
+        require_field(self, "dtype", self.dtype in DTYPES, f"one of {', '.join(DTYPES)}")
+        if self.vocab_policy is not None:
+            object.__setattr__(self, "vocab_policy", KVPolicy.parse(self.vocab_policy).spec)
+        if self.algo.type == "bonbon" and self.window_mode == "chunked":
+            raise ValueError("window_mode must be 'truncated' or 'full' with bonbon (it needs each trace's whole "
+                             "loss in one window), got 'chunked'")
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of optimizer step ``step`` (0 = the first): linear warm-up ``lr·(step+1)/warmup``,
+        then ``lr`` (constant) or a cosine from ``lr`` to ``min_lr_ratio·lr`` at ``total_steps`` (held after)."""
+        if step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        if self.lr_schedule == "constant":
+            return self.lr
+        progress = min(1.0, (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps))
+        ratio = self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+        return self.lr * ratio
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> LearnerArgs:
+        """The record from ``dataclasses.asdict`` output (a checkpoint's); unknown keys are an error."""
+        valid = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - valid)
+        if unknown:
+            raise ValueError(f"unknown learner setting(s) {unknown}; valid: {sorted(valid)}")
+        return cls(**data)

@@ -1,0 +1,242 @@
+"""Recompute the sampler's per-token logprobs in the trainer, under the trace's own visibility.
+
+The trainer runs the engine's model teacher-forced over packed training windows (``trainer.windows``)
+with the attention of ``trainer.attention`` and scores each target with ``rollout.sampling``'s
+convention — ``log_softmax(logits / T)[token]``, ``T = 1`` for greedy traces (``temperature == 0``)
+— by calling the sampler's own ``logprobs_at``. Over a whole trace the result equals the sampler's
+logprobs up to float error; over a truncated window it differs by the cut context, which
+``logprob_mismatch`` reports.
+
+A ``pasta`` trace (``rollout.pasta.PastaLayout``) is scored whole, under its threads' visibility and
+position ids, each token predicted by the previous token of its own thread (a promise's ``/>``
+predicts the first main-thread token after its block), as the runtime samples it. Inputs stay in
+flattened order; only the predictor of each target, the mask and the position ids change. A fork's
+``<async>`` keeps a target slot, so per-target tensors line up with the completion as for any
+trace, but it is never in the loss (the runtime inserts it).
+
+Shape letters: N packed input tokens, M packed targets, D windows in a pack.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from sliderl.rollout.kv_policy import KVPolicy
+from sliderl.rollout.model import DecoderLM
+from sliderl.rollout.pasta import PastaLayout
+from sliderl.rollout.sampling import logprobs_at
+from sliderl.rollout.trace import Trace
+from sliderl.trainer.attention import PackedVisibility, training_attention
+from sliderl.trainer.windows import TrainingWindow, full_window
+
+
+@dataclass(frozen=True)
+class WindowInput:
+    """One window of one trace: the whole trace's ids and deaths, the window, the sampler temperature, and
+    for a ``pasta`` trace its layout (then the window must be the whole trace)."""
+
+    token_ids: Tensor  # [P + T] int64, prompt then completion
+    death: Tensor  # [P + T] int64, KVPolicy.death_positions over the whole trace
+    window: TrainingWindow
+    temperature: float
+    layout: PastaLayout | None = None  # pasta: threads, position ids and targets of the whole trace
+
+    def __post_init__(self) -> None:
+        w = self.window
+        n = w.prompt_len + w.num_generated
+        if self.token_ids.shape != (n,) or self.death.shape != (n,):
+            raise ValueError(f"window is for {n} trace tokens, got token_ids {tuple(self.token_ids.shape)} "
+                             f"and death {tuple(self.death.shape)}")
+        if self.layout is None:
+            return
+        if (len(self.layout), self.layout.prompt_len) != (n, w.prompt_len):
+            raise ValueError(f"the pasta layout is for {self.layout.prompt_len} prompt + {self.layout.num_generated} "
+                             f"generated tokens, the window for {w.prompt_len} + {w.num_generated}")
+        if (w.target_start, w.loss_start, w.target_end) != (0, 0, w.num_generated):
+            raise ValueError(f"a pasta trace trains on the whole trace only (window_mode='full'; its forks' keys and "
+                             f"position ids span it), got targets [{w.target_start}, {w.target_end}) with loss from "
+                             f"{w.loss_start} of {w.num_generated} generated tokens")
+
+    def loss_mask(self, forced: list[bool] | Tensor | None = None) -> Tensor:
+        """bool ``[num_targets]``: the window's loss mask (``TrainingWindow.loss_mask``), and for a pasta trace
+        not on a fork's ``<async>``."""
+        mask = self.window.loss_mask(forced)
+        return mask if self.layout is None else mask & self.layout.target_mask()
+
+
+@dataclass(frozen=True)
+class PackedWindows:
+    """D windows as one flat stream: model inputs ``[N]`` and the targets they score ``[M]``."""
+
+    input_ids: Tensor  # [N] int64
+    positions: Tensor  # [N] int64, position ids (the original positions; a pasta layout's)
+    visibility: PackedVisibility  # [N] positions, deaths, documents
+    predictor_index: Tensor  # [M] int64, flat input index whose logits score each target
+    target_ids: Tensor  # [M] int64
+    temperature: Tensor  # [M] float32, the sampler's temperature of each target's trace
+    offsets: tuple[int, ...]  # D + 1 cumulative target counts: window d owns targets offsets[d]:offsets[d+1]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+    def split(self, values: Tensor) -> list[Tensor]:
+        """``[M, ...]`` -> D tensors, one per window, in pack order."""
+        return [values[a:b] for a, b in zip(self.offsets[:-1], self.offsets[1:])]
+
+    def to(self, device: torch.device | str) -> PackedWindows:
+        return PackedWindows(self.input_ids.to(device), self.positions.to(device), self.visibility.to(device),
+                             self.predictor_index.to(device), self.target_ids.to(device),
+                             self.temperature.to(device), self.offsets)
+
+
+def pack_windows(windows: Sequence[WindowInput]) -> PackedWindows:
+    """Concatenate windows into one stream; each window's tokens sit at their original positions."""
+    if not windows:
+        raise ValueError("pack_windows needs at least one window")
+    ids, positions, parts, predictors, targets, temps, offsets = [], [], [], [], [], [], [0]
+    base = 0
+    for item in windows:
+        w, layout = item.window, item.layout
+        order = w.input_positions()  # [n] indices into the trace
+        ids.append(item.token_ids[order])
+        if layout is None:
+            positions.append(order)
+            parts.append((order, item.death[order]))
+            predictors.append(base + w.predictor_index())
+        else:  # the whole trace: input index = trace index
+            positions.append(layout.positions[order])
+            parts.append((order, item.death[order], layout.thread[order], layout.exposed_at()[order],
+                          layout.view_at()[order]))
+            predictors.append(base + layout.predictor_index())
+        targets.append(item.token_ids[w.target_positions()])
+        temps.append(torch.full((w.num_targets,), float(item.temperature)))
+        offsets.append(offsets[-1] + w.num_targets)
+        base += order.shape[0]
+    return PackedWindows(torch.cat(ids).long(), torch.cat(positions), PackedVisibility.pack(parts),
+                         torch.cat(predictors), torch.cat(targets).long(), torch.cat(temps), tuple(offsets))
+
+
+def packed_logits(model: DecoderLM, packed: PackedWindows, backend: str = "auto") -> Tensor:
+    """The logits that score every target: float32 ``[M, V]``, with grad when enabled."""
+    device = next(model.parameters()).device
+    packed = packed.to(device)
+    attn = training_attention(packed.visibility, device, backend)
+    hidden = model(packed.input_ids, packed.positions, attn)  # [N, hidden]
+    return model.compute_logits(hidden[packed.predictor_index])  # [M, V] float32
+
+
+LOGIT_CHUNK_ELEMENTS = 2**27  # float32 logits materialised at once by packed_logprobs: 512 MiB
+
+
+def packed_logprobs(model: DecoderLM, packed: PackedWindows, backend: str = "auto",
+                    chunk_rows: int | None = None) -> Tensor:
+    """Logprob of every target under the sampler's convention: float32 ``[M]``, with grad when enabled.
+
+    The ``[M, V]`` float32 logits are never held whole: targets go through the LM head in chunks of
+    ``chunk_rows`` (default: ``LOGIT_CHUNK_ELEMENTS // V``, about 880 rows of a 152K vocabulary), each
+    under activation checkpointing when grad is on, so backward recomputes one chunk's logits at a
+    time. Memory for the loss is then flat in the number of targets instead of M x V x 4 bytes
+    (13.9 GiB at M = 23K of a 152K vocabulary).
+    """
+    device = next(model.parameters()).device
+    packed = packed.to(device)
+    attn = training_attention(packed.visibility, device, backend)
+    hidden = model(packed.input_ids, packed.positions, attn)[packed.predictor_index]  # [M, hidden]
+    rows = chunk_rows or max(1, LOGIT_CHUNK_ELEMENTS // model.config.vocab_size)
+    if hidden.shape[0] <= rows:
+        return _chunk_logprobs(model, hidden, packed.target_ids, packed.temperature)
+    chunks = zip(hidden.split(rows), packed.target_ids.split(rows), packed.temperature.split(rows))
+    if not torch.is_grad_enabled():
+        return torch.cat([_chunk_logprobs(model, *chunk) for chunk in chunks])
+    from torch.utils.checkpoint import checkpoint
+    return torch.cat([checkpoint(_chunk_logprobs, model, *chunk, use_reentrant=False) for chunk in chunks])
+
+
+def _chunk_logprobs(model: DecoderLM, hidden: Tensor, target_ids: Tensor, temperature: Tensor) -> Tensor:
+    """``[C, hidden]`` -> the logprobs of ``target_ids [C]`` at ``temperature [C]``: float32 ``[C]``."""
+    return logprobs_at(model.compute_logits(hidden), target_ids, temperature)
+
+
+def recompute_logprobs(model: DecoderLM, prompt_ids: Sequence[int], completion_ids: Sequence[int],
+                       policy: KVPolicy, *, temperature: float = 1.0, window: TrainingWindow | None = None,
+                       backend: str = "auto", kv_deaths: Sequence[tuple[int, int, int]] = (),
+                       layout: PastaLayout | None = None) -> Tensor:
+    """Logprobs of ``window``'s targets (default: every completion token) under ``policy``: float32 ``[num_targets]``.
+
+    policy: parsed and, for ``registers``, bound to the token ids (``rollout.vocab.bind_policy_vocab``).
+    temperature: the sampler's (0 = greedy, scored at T = 1). kv_deaths: the engine's recorded
+    ``(start, end, death)`` ranges (h2o). layout: a pasta trace's (required for pasta). Runs without
+    grad only if the caller disables it.
+    """
+    item = window_input(prompt_ids, completion_ids, policy, temperature, window, kv_deaths, layout)
+    return packed_logprobs(model, pack_windows([item]), backend)
+
+
+def trace_logprobs(model: DecoderLM, trace: Trace, policy: KVPolicy | None = None, *,
+                   window: TrainingWindow | None = None, backend: str = "auto",
+                   layout: PastaLayout | None = None) -> Tensor:
+    """``recompute_logprobs`` for a Trace, at its temperature; policy defaults to ``trace.kv_policy``."""
+    policy = KVPolicy.parse(trace.kv_policy) if policy is None else policy
+    return recompute_logprobs(model, trace.prompt_token_ids, trace.completion_token_ids, policy,
+                              temperature=trace.temperature, window=window, backend=backend,
+                              kv_deaths=trace.death_ranges, layout=layout)
+
+
+def window_input(prompt_ids: Sequence[int], completion_ids: Sequence[int], policy: KVPolicy, temperature: float,
+                 window: TrainingWindow | None = None, kv_deaths: Sequence[tuple[int, int, int]] = (),
+                 layout: PastaLayout | None = None) -> WindowInput:
+    """A ``WindowInput`` with deaths computed over the whole trace (the policy's, then the recorded
+    ``kv_deaths`` ranges on top); checks the window fits the trace. ``layout``: given exactly for a
+    ``pasta`` policy (``PastaLayout.parse`` of the trace)."""
+    if (policy.kind == "pasta") != (layout is not None):
+        raise ValueError(f"a PastaLayout is required for the pasta policy and only for it, got policy "
+                         f"{policy.spec!r} with layout {'given' if layout is not None else 'None'}; parse one with "
+                         "sliderl.rollout.pasta.PastaLayout.parse(prompt_len, completion_ids, tags, tokenizer.decode)")
+    ids = torch.tensor([*prompt_ids, *completion_ids], dtype=torch.int64)
+    window = window or full_window(len(prompt_ids), len(completion_ids))
+    if (window.prompt_len, window.num_generated) != (len(prompt_ids), len(completion_ids)):
+        raise ValueError(f"window is for a trace of {window.prompt_len} prompt + {window.num_generated} generated "
+                         f"tokens, got {len(prompt_ids)} + {len(completion_ids)}")
+    death = policy.death_positions(len(prompt_ids), ids, kv_deaths)
+    return WindowInput(ids, death, window, temperature, layout)
+
+
+# ---------------------------------------------------------------- sampler/trainer mismatch
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """Sampler vs trainer logprobs over the loss tokens.
+
+    kl: mean k3 estimate ``exp(x) - x - 1`` with ``x = recomputed - behaviour`` — unbiased for
+        KL(sampler || trainer) on tokens drawn from the sampler, and >= 0 token by token (the same
+        estimator as ``grpo_loss``'s ``mismatch_kl``).
+    kl_k1: mean ``behaviour - recomputed`` (the plain estimator of the same KL; can be negative).
+    max_abs: largest ``|behaviour - recomputed|``.
+    """
+
+    kl: float
+    kl_k1: float
+    max_abs: float
+    num_tokens: int
+
+
+def logprob_mismatch(behaviour: Tensor, recomputed: Tensor, mask: Tensor) -> Mismatch:
+    """behaviour, recomputed: ``[M]`` logprobs; mask: ``[M]`` bool loss tokens (at least one)."""
+    if behaviour.shape != recomputed.shape or mask.shape != recomputed.shape:
+        raise ValueError(f"behaviour {tuple(behaviour.shape)}, recomputed {tuple(recomputed.shape)} and mask "
+                         f"{tuple(mask.shape)} must have one shape")
+    mask = mask.bool().to(recomputed.device)
+    n = int(mask.sum())
+    if n == 0:
+        raise ValueError("the loss mask selects no tokens; the mismatch needs at least one loss token")
+    x = (recomputed.detach().double() - behaviour.to(recomputed.device).double())[mask]  # [n]
+    if not torch.isfinite(x).all():
+        raise ValueError("behaviour or recomputed logprobs are not finite on the loss tokens")
+    k3 = torch.exp(x) - x - 1.0
+    return Mismatch(float(k3.mean()), float(-x.mean()), float(x.abs().max()), n)
