@@ -7,9 +7,10 @@ integration.
 """
 
 import os
+import shutil
 import subprocess
 import sys
-import tomllib
+import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,14 +24,20 @@ def test_the_repository_root_holds_one_import_package():
     assert packages == ["sliderl"] and modules == []
 
 
-def test_the_distribution_ships_only_packages_under_sliderl():
-    # Catches: pyproject listing a package outside sliderl (it would land in site-packages as a top-level
-    # name, as "kernels" did), or a sliderl subpackage left out of the wheel. Planted by listing "kernels"
-    # in [tool.setuptools] packages, this fails.
-    listed = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
-    on_disk = sorted(".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "sliderl").rglob("__init__.py"))
-    assert sorted(listed) == on_disk
-    assert all(name == "sliderl" or name.startswith("sliderl.") for name in listed)
+def test_the_wheel_holds_sliderl_and_every_package_under_it(tmp_path):
+    # Catches: a wheel that puts another top-level name into site-packages (as "kernels" did), and a
+    # subpackage of sliderl left out of it. Built by pip as a user's install is, then read as a zip. Planted:
+    # pyproject's find include = ["*"] ships benchmarks and tests beside sliderl, include = ["sliderl"] leaves
+    # sliderl/kernels out; both fail.
+    source = tmp_path / "source"  # a copy: setuptools reuses an in-tree build/, stale files and all
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".git", ".venv", "build", "runs", "*.egg-info", "__pycache__"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation", str(source),
+                    "--wheel-dir", str(tmp_path)], check=True, capture_output=True, timeout=300)
+    (wheel,) = tmp_path.glob("sliderl-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert {n.split("/")[0] for n in names} == {"sliderl", wheel.name.split("-py")[0] + ".dist-info"}
+    packages = sorted(p.parent.relative_to(ROOT).as_posix() for p in (ROOT / "sliderl").rglob("__init__.py"))
+    assert [p for p in packages if f"{p}/__init__.py" not in names] == []
 
 
 def test_transformers_imports_from_the_repository_root():

@@ -76,7 +76,7 @@ class Trace:
         row = dict(row)
         row["reward_components"] = dict(row.get("reward_components") or [])
         row["kv_deaths"] = list(row.get("kv_deaths") or [])  # absent from logs written before h2o
-        row["num_preemptions"] = int(row.get("num_preemptions") or 0)  # absent from logs written before 2026-12-03
+        row["num_preemptions"] = int(row.get("num_preemptions") or 0)  # logs older than this column lack it: read as 0
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in row.items() if k in names})
 
