@@ -36,10 +36,10 @@ sys.path.insert(0, str(ROOT))
 
 import yaml  # noqa: E402
 
-from sliderl.cluster.config import load_config  # noqa: E402
-from sliderl.cluster.train_config import TrainConfig  # noqa: E402
+from sliderl.cluster.config.base import load_config  # noqa: E402
+from sliderl.cluster.config.train import TrainConfig  # noqa: E402
 from sliderl.rollout.block_bound import block_bound  # noqa: E402
-from sliderl.rollout.kv_policy import KVPolicy  # noqa: E402
+from sliderl.core.kv_policy import KVPolicy  # noqa: E402
 
 PROMPT_SLACK = 16  # tokens a prompt template may add around a problem's text (byte-level: one token per character)
 

@@ -1,6 +1,6 @@
 """Wall time of the same training work in sync and async mode, and weight-sync seconds per backend.
 
-Part 1 runs ``cluster.driver.train`` twice on one local Ray instance with identical settings except
+Part 1 runs ``cluster.run.driver.train`` twice on one local Ray instance with identical settings except
 ``train.mode``: a random-weight Qwen3-architecture model (``--hidden``/``--layers``), the arithmetic
 task, GRPO with a length-dependent KV penalty so every step trains, ``--steps`` steps of
 ``--groups`` groups x ``--group-size`` samples of up to ``--max-tokens`` tokens. Reported: the
@@ -48,9 +48,9 @@ def job_overrides(args, model_dir: Path, run_dir: Path, mode: str) -> list[str]:
 
 
 def run_mode(args, model_dir: Path, scratch: Path, mode: str) -> dict:
-    from sliderl.cluster.config import load_config
-    from sliderl.cluster.driver import train
-    from sliderl.cluster.train_config import TrainConfig
+    from sliderl.cluster.config.base import load_config
+    from sliderl.cluster.run.driver import train
+    from sliderl.cluster.config.train import TrainConfig
 
     run_dir = scratch / f"run-{mode}"
     cfg = load_config(TrainConfig, None, job_overrides(args, model_dir, run_dir, mode))
@@ -79,10 +79,12 @@ def time_sync(args, model_dir: Path, backend: str, group: str, device: str) -> d
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    from sliderl.cluster.config import load_config
-    from sliderl.cluster.resources import make_learner, make_queue, make_worker
-    from sliderl.cluster.train_config import TrainConfig
-    from sliderl.cluster.weight_sync import WeightSync
+    from sliderl.cluster.config.base import load_config
+    from sliderl.cluster.actors.placement import make_queue
+    from sliderl.cluster.actors.rollout_worker import make_worker
+    from sliderl.cluster.actors.learner import make_learner
+    from sliderl.cluster.config.train import TrainConfig
+    from sliderl.cluster.actors.weight_sync import WeightSync
 
     if device == "cpu":
         gpus = 0.0
@@ -135,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
     import ray
     import torch
 
-    from sliderl.rollout.tiny import make_tiny_model
+    from sliderl.core.tiny import make_tiny_model
 
     scratch = Path(tempfile.mkdtemp(prefix="sliderl-bench-"))
     model = make_tiny_model(scratch / "model", "qwen3", hidden_size=args.hidden, num_layers=args.layers,
@@ -143,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
     sync_model = make_tiny_model(scratch / "sync-model", "qwen3", hidden_size=args.sync_hidden,
                                  num_layers=args.sync_layers, num_heads=8, num_kv_heads=4,
                                  intermediate_size=4 * args.sync_hidden)
-    from sliderl.cluster.resources import start_local_ray
+    from sliderl.cluster.actors.placement import start_local_ray
 
     num_gpus = torch.cuda.device_count()
     gpu = num_gpus > 0

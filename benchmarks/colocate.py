@@ -122,9 +122,9 @@ def overrides(args, mode: str, kv: str, run_dir: Path) -> list[str]:
 
 def run_child(spec_path: Path) -> None:
     """``--run SPEC``: one ``sliderl train`` in this process; writes the actors' pids and the result to SPEC's ``out``."""
-    from sliderl.cluster.config import load_config
-    from sliderl.cluster.driver import train
-    from sliderl.cluster.train_config import TrainConfig
+    from sliderl.cluster.config.base import load_config
+    from sliderl.cluster.run.driver import train
+    from sliderl.cluster.config.train import TrainConfig
 
     spec = json.loads(spec_path.read_text())
     cfg = load_config(TrainConfig, spec["config"], spec["overrides"])
@@ -344,8 +344,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.cpu_smoke:  # a pool the CPU can hold
         args.keep_kv_gb = args.release_kv_gb = 0.05
     prepare_inputs(args)
-    from sliderl.cluster.config import load_config
-    from sliderl.cluster.train_config import TrainConfig
+    from sliderl.cluster.config.base import load_config
+    from sliderl.cluster.config.train import TrainConfig
 
     base = load_config(TrainConfig, str(args.config), [f"model.path={args.model}", *args.set])
     args.per_step = (base.rollout.max_inflight_groups / base.train.groups_per_step,

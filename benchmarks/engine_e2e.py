@@ -107,7 +107,7 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         if args.cpu_smoke:
-            from sliderl.rollout.tiny import make_tiny_model
+            from sliderl.core.tiny import make_tiny_model
             path, device, dtype = make_tiny_model(Path(tmp) / "tiny", "qwen3"), "cpu", "float32"
         else:
             from engine_gpu import build_model

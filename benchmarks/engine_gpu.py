@@ -46,7 +46,7 @@ STEP_TOKENS = 256  # registers: a register token every this many tokens after th
 
 def build_model(root: Path) -> Path:
     """Qwen3-1.7B config with random bf16 weights (built on the GPU), saved with the tiny byte tokenizer."""
-    from sliderl.rollout.tiny import make_qwen3_1p7b
+    from sliderl.core.tiny import make_qwen3_1p7b
     return make_qwen3_1p7b(root)
 
 

@@ -64,7 +64,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -122,7 +122,7 @@ def visible_pairs(positions, death) -> int:
 def make_traces(prompt: int, length: int, window: int, vocab: int) -> list:
     import torch
 
-    from sliderl.rollout.trace import Trace
+    from sliderl.core.trace import Trace
 
     gen = torch.Generator().manual_seed(0)
     return [Trace(f"t{i}", "g", "p", 0, 0, f"prefix_sliding:{window}",
@@ -133,7 +133,7 @@ def make_traces(prompt: int, length: int, window: int, vocab: int) -> list:
 
 def learner_counts(traces: list, mode: str, multiplier: int) -> dict:
     """Trained, processed, scored tokens and visible pairs of one step of the Learner on ``traces``."""
-    from sliderl.rollout.kv_policy import KVPolicy
+    from sliderl.core.kv_policy import KVPolicy
     from sliderl.trainer.logprobs import window_input
     from sliderl.trainer.windows import training_windows
 
@@ -174,7 +174,7 @@ def peer_stepper(args: argparse.Namespace):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from sliderl.rollout.loader import DTYPES
+    from sliderl.core.loader import DTYPES
 
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=DTYPES[args.dtype], attn_implementation="sdpa")
     model = model.to(args.device).train()
@@ -404,7 +404,7 @@ def format_row(r: dict) -> str:
 
 
 def build_model(args: argparse.Namespace, root: Path) -> str:
-    from sliderl.rollout.tiny import make_qwen3_1p7b, make_tiny_model
+    from sliderl.core.tiny import make_qwen3_1p7b, make_tiny_model
 
     if args.tiny:
         return str(make_tiny_model(root / "model", "qwen3", hidden_size=128, num_layers=2, num_heads=4,

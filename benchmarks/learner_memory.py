@@ -31,7 +31,7 @@ def child(args: argparse.Namespace) -> dict:
     sys.path.insert(0, str(ROOT))
     import torch
 
-    from sliderl.rollout.trace import Trace
+    from sliderl.core.trace import Trace
     from sliderl.trainer.learner import Learner
 
     learner = Learner(args.model, window_mode=args.mode, multiplier=args.multiplier, micro_batch_tokens=1,
@@ -71,7 +71,7 @@ def run_one(args: argparse.Namespace, mode: str, length: int) -> dict:
 
 def build_model(args: argparse.Namespace, root: Path) -> str:
     sys.path.insert(0, str(ROOT))
-    from sliderl.rollout.tiny import make_tiny_model
+    from sliderl.core.tiny import make_tiny_model
 
     return str(make_tiny_model(root / "model", "qwen3", hidden_size=args.hidden_size, num_layers=args.layers,
                                num_heads=8, num_kv_heads=4, intermediate_size=4 * args.hidden_size,

@@ -74,9 +74,9 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.accuracy_vs_w import PROMPT_SLACK, EvalEntry, pool_blocks, run_evals, window_entries  # noqa: E402
 from benchmarks.accuracy_vs_w import table as window_table  # noqa: E402
 from benchmarks.long_rl_report import GpuBusy, write_report  # noqa: E402
-from sliderl.cluster.config import load_config, save_config  # noqa: E402
-from sliderl.cluster.sft_config import SFTJobConfig  # noqa: E402
-from sliderl.cluster.train_config import TrainConfig  # noqa: E402
+from sliderl.cluster.config.base import load_config, save_config  # noqa: E402
+from sliderl.cluster.config.sft import SFTJobConfig  # noqa: E402
+from sliderl.cluster.config.train import TrainConfig  # noqa: E402
 from sliderl.trainer.checkpoint import TRAINER_STATE  # noqa: E402
 from sliderl.trainer.manifest import MANIFEST, Manifest  # noqa: E402
 
@@ -289,7 +289,7 @@ def arm_main(argv: list[str]) -> int:
     ``final.json``: its step), so that an arm killed past the deadline still leaves its last weights."""
     import ray
 
-    from sliderl.cluster.driver import train
+    from sliderl.cluster.run.driver import train
 
     parser = argparse.ArgumentParser(prog="long_rl.py arm")
     parser.add_argument("config", type=Path)

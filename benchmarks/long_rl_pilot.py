@@ -42,8 +42,8 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.accuracy_vs_w import EvalEntry, run_evals  # noqa: E402
 from benchmarks.long_rl import RL_RECIPE, SFT_RECIPE, TENTH, run_logged, write_data  # noqa: E402
-from sliderl.cluster.config import load_config  # noqa: E402
-from sliderl.cluster.sft_config import SFTJobConfig  # noqa: E402
+from sliderl.cluster.config.base import load_config  # noqa: E402
+from sliderl.cluster.config.sft import SFTJobConfig  # noqa: E402
 
 BOXED = re.compile(r"\\boxed\{(\d+)\}")
 

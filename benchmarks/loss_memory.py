@@ -42,9 +42,9 @@ def main() -> None:
     args = parser.parse_args()
     from transformers import Qwen3Config
 
-    from sliderl.rollout.kv_policy import KVPolicy
-    from sliderl.rollout.loader import load_model
-    from sliderl.rollout.tiny import QWEN3_1P7B, build_tokenizer
+    from sliderl.core.kv_policy import KVPolicy
+    from sliderl.core.loader import load_model
+    from sliderl.core.tiny import QWEN3_1P7B, build_tokenizer
     from sliderl.trainer.logprobs import LOGIT_CHUNK_ELEMENTS, pack_windows, window_input
     with tempfile.TemporaryDirectory() as tmp:
         from transformers import AutoModelForCausalLM

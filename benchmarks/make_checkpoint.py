@@ -5,7 +5,7 @@ template, and a generation config whose end-of-sequence ids the engines honour.
     python benchmarks/make_checkpoint.py OUT_DIR [--size 1.7b|0.6b|tiny] [--stop-ids 150] [--device cuda]
 
 Nothing is downloaded: the shapes are Qwen3-0.6B's or Qwen3-1.7B's (``tiny``: a 2-layer model for
-CPU checks); the tokenizer is ``rollout.tiny``'s byte-level one (ids 0-255 are bytes, then
+CPU checks); the tokenizer is ``core.tiny``'s byte-level one (ids 0-255 are bytes, then
 ``<|endoftext|>`` 256, ``<|im_start|>`` 257, ``<|im_end|>`` 258, ``<think>`` 259, ``</think>`` 260), with
 ``CHAT_TEMPLATE`` below (ChatML; ``enable_thinking=False`` writes an empty think block, as Qwen3's
 does). ``generation_config.json`` ends a sequence at ``<|im_end|>`` or ``<|endoftext|>`` — and, with
@@ -41,7 +41,7 @@ CHAT_TEMPLATE = (
 _QWEN3 = dict(vocab_size=151936, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
               max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=True, rope_theta=1_000_000)
 SIZES = {
-    "1.7b": dict(_QWEN3, hidden_size=2048, intermediate_size=6144),  # = rollout.tiny.QWEN3_1P7B
+    "1.7b": dict(_QWEN3, hidden_size=2048, intermediate_size=6144),  # = core.tiny.QWEN3_1P7B
     "0.6b": dict(_QWEN3, hidden_size=1024, intermediate_size=3072),
     "tiny": dict(_QWEN3, vocab_size=261, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096),
@@ -60,8 +60,8 @@ def stop_ids(vocab_size: int, count: int) -> list[int]:
 
 
 def build_tokenizer():
-    """The byte-level tokenizer of ``rollout.tiny`` with the Qwen3-style ``CHAT_TEMPLATE``."""
-    from sliderl.rollout.tiny import build_tokenizer as byte_tokenizer
+    """The byte-level tokenizer of ``core.tiny`` with the Qwen3-style ``CHAT_TEMPLATE``."""
+    from sliderl.core.tiny import build_tokenizer as byte_tokenizer
 
     tokenizer = byte_tokenizer()
     tokenizer.chat_template = CHAT_TEMPLATE

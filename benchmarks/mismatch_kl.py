@@ -8,8 +8,8 @@
 
 1. Traces: the engine (``rollout.LLM``, ``kv=prefix_sliding:W``) samples T tokens after each prompt at
    temperature 1 with ``ignore_eos``; the sampler's logprob of each sampled token is the behaviour.
-   Prompts are the arithmetic task's (``rewards.arith``, 26 steps: 124 byte-level tokens).
-2. Recompute: a fresh copy of the model (``rollout.loader.load_model``, as the Learner loads it) scores
+   Prompts are the arithmetic task's (``tasks.arith``, 26 steps: 124 byte-level tokens).
+2. Recompute: a fresh copy of the model (``core.loader.load_model``, as the Learner loads it) scores
    the same tokens through the trainer's path — ``trainer.windows.training_windows`` ->
    ``trainer.logprobs.window_input`` (deaths of prefix_sliding:W over the whole trace) ->
    ``pack_windows`` -> ``packed_logprobs`` (attention ``auto``: compiled FlexAttention on CUDA,
@@ -28,7 +28,7 @@
 Models: ``tiny`` (``TINY``: random Qwen3, 4 layers, hidden 64), ``trained`` (that model after a short SFT
 through ``trainer.sft`` on the arithmetic task under prefix_sliding:W, ``SFT_STEPS`` steps; cached by
 fingerprint in ``--cache``, default ``--out``/sft-cache), ``qwen3-1.7b`` (the Qwen3-1.7B config with
-random weights, ``rollout.tiny.make_qwen3_1p7b``). Writes ``rows.jsonl`` and ``mismatch_kl.png`` (KL
+random weights, ``core.tiny.make_qwen3_1p7b``). Writes ``rows.jsonl`` and ``mismatch_kl.png`` (KL
 against k, log y, chunked and whole trace as horizontal lines) to ``--out``.
 
 With L layers each of W-token windows, a token's logits depend on at most L·(W-1) earlier positions
@@ -55,12 +55,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from sliderl.rewards.arith import ArithTask  # noqa: E402
+from sliderl.tasks.arith import ArithTask  # noqa: E402
 from sliderl.rollout import LLM, EngineArgs, KVPolicy, RequestOutput, SamplingParams  # noqa: E402
 from sliderl.rollout.block_bound import block_bound  # noqa: E402
-from sliderl.rollout.loader import DTYPES, load_model, load_tokenizer  # noqa: E402
-from sliderl.rollout.tiny import TinyModelSpec, make_qwen3_1p7b, make_tiny_model  # noqa: E402
-from sliderl.rollout.vocab import bind_policy_vocab  # noqa: E402
+from sliderl.core.loader import DTYPES, load_model, load_tokenizer  # noqa: E402
+from sliderl.core.tiny import TinyModelSpec, make_qwen3_1p7b, make_tiny_model  # noqa: E402
+from sliderl.core.vocab import bind_policy_vocab  # noqa: E402
 from sliderl.trainer.algorithms import SFTOptions  # noqa: E402
 from sliderl.trainer.learner_args import LearnerArgs  # noqa: E402
 from sliderl.trainer.logprobs import logprob_mismatch, pack_windows, packed_logprobs, window_input  # noqa: E402

@@ -4,7 +4,7 @@ Part 1 — weight sync of a Qwen3-1.7B-config model (random bf16 weights, 3.4 GB
 version from the learner to every worker, NCCL broadcast against the Ray object store, median of
 ``--repeats`` after a warm-up.
 
-Part 2 — the same training work in ``sync`` and ``async`` mode (``cluster.driver.train``): GRPO on
+Part 2 — the same training work in ``sync`` and ``async`` mode (``cluster.run.driver.train``): GRPO on
 the arithmetic task's prompts with the same random 1.7B model (random weights: the point is
 throughput; stop tokens every 8th id give completions of varying length, so rewards vary and every
 step trains), learner in bf16 on GPU 0, one rollout worker per other GPU, weights synced by NCCL
@@ -34,7 +34,7 @@ STOP_IDS = list(range(0, 256, 8))
 
 def build_model(root: Path, smoke: bool) -> Path:
     """The Qwen3-1.7B-config model of benchmarks/engine_gpu.py (or a tiny one for --cpu-smoke)."""
-    from sliderl.rollout.tiny import make_tiny_model
+    from sliderl.core.tiny import make_tiny_model
     if smoke:
         return make_tiny_model(root, "qwen3", hidden_size=64, num_layers=2)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -55,10 +55,12 @@ def time_sync(args, model_dir: Path, backend: str) -> dict:
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    from sliderl.cluster.config import load_config
-    from sliderl.cluster.resources import make_learner, make_queue, make_worker
-    from sliderl.cluster.train_config import TrainConfig
-    from sliderl.cluster.weight_sync import WeightSync
+    from sliderl.cluster.config.base import load_config
+    from sliderl.cluster.actors.placement import make_queue
+    from sliderl.cluster.actors.rollout_worker import make_worker
+    from sliderl.cluster.actors.learner import make_learner
+    from sliderl.cluster.config.train import TrainConfig
+    from sliderl.cluster.actors.weight_sync import WeightSync
 
     cfg = load_config(TrainConfig, None, placement(args) + [
         f"model.path={model_dir}", f"weight_sync.backend={backend}", "engine.num_blocks=256"])
@@ -81,9 +83,9 @@ def time_sync(args, model_dir: Path, backend: str) -> dict:
 
 
 def run_mode(args, model_dir: Path, scratch: Path, mode: str) -> dict:
-    from sliderl.cluster.config import load_config
-    from sliderl.cluster.driver import train
-    from sliderl.cluster.train_config import TrainConfig
+    from sliderl.cluster.config.base import load_config
+    from sliderl.cluster.run.driver import train
+    from sliderl.cluster.config.train import TrainConfig
 
     run_dir = scratch / f"run-{mode}"
     cfg = load_config(TrainConfig, None, placement(args) + [
@@ -127,7 +129,7 @@ def main() -> None:
     import ray
     import torch
 
-    from sliderl.cluster.resources import start_local_ray
+    from sliderl.cluster.actors.placement import start_local_ray
     gpus = torch.cuda.device_count()
     if not args.cpu_smoke and gpus < 2:
         raise SystemExit(f"needs at least 2 GPUs (learner + a rollout worker), found {gpus}")

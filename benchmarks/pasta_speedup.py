@@ -6,13 +6,13 @@
 One request at a time. *Realised* speedup = wall-clock of the sequential response decoded by the same
 engine under ``kv="full"`` ÷ wall-clock of the Pasta response decoded under ``kv="pasta"`` (its forks
 decoded as threads beside the main thread, in one batch). *Theoretical* speedup = the sequential
-response's tokens ÷ the Pasta response's critical path (``rollout.pasta.PastaLayout.critical_path``:
+response's tokens ÷ the Pasta response's critical path (``core.pasta.PastaLayout.critical_path``:
 a step per main-thread token, a fork's block runs beside the main thread from its ``/>``, a ``<sync/>``
 waits for its forks). The target is realised ≥ 80% of theoretical.
 
 - ``scripted``: a Qwen3 with random weights — the 1.7B config in bf16 on CUDA, a tiny config in fp32 on
   CPU — is teacher-forced (``LLM.force``) through held-out problems of the summed-chains task
-  (``rewards.pasta_task``): each thread of the Pasta engine takes its part of the annotated solution,
+  (``tasks.pasta``): each thread of the Pasta engine takes its part of the annotated solution,
   the full engine takes the plain solution, each followed by eos. The outputs are checked to be exactly
   those responses, so both engines do the work the theory counts.
 - ``trained``: held-out problems (the task's eval split) generated greedily by a Pasta-SFT checkpoint
@@ -50,7 +50,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 from sliderl.rollout import LLM, SamplingParams  # noqa: E402
-from sliderl.rollout.pasta import PASTA_TOKENS, PastaLayout, PastaTokenIds  # noqa: E402
+from sliderl.core.pasta import PASTA_TOKENS, PastaLayout, PastaTokenIds  # noqa: E402
 from sliderl.rollout.sequence import Status  # noqa: E402
 
 TINY = dict(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=512)  # CPU model
@@ -189,15 +189,15 @@ def clock_of(args):
 def build_model(root: Path, device: str, tiny: dict) -> Path:
     """CUDA: the Qwen3-1.7B config, random bf16 weights; CPU: a tiny Qwen3. Both with the Pasta-Lang tokens."""
     if device.startswith("cuda"):
-        from sliderl.rollout.tiny import make_qwen3_1p7b
+        from sliderl.core.tiny import make_qwen3_1p7b
         return make_qwen3_1p7b(root / "qwen3-1.7b-pasta", device=device, extra_special_tokens=PASTA_TOKENS)
-    from sliderl.rollout.tiny import make_tiny_model
+    from sliderl.core.tiny import make_tiny_model
     return make_tiny_model(root / "tiny-pasta", "qwen3", extra_special_tokens=PASTA_TOKENS, **tiny)
 
 
 def task_traces(tokenizer, n: int, num_chains: tuple[int, int], num_steps: tuple[int, int], seed: int) -> list[Trace]:
     """The first ``n`` problems of the summed-chains task's eval split (held out from every training split)."""
-    from sliderl.rewards.pasta_task import PastaTask
+    from sliderl.tasks.pasta import PastaTask
     task = PastaTask(num_chains=num_chains, num_steps=num_steps, seed=seed)
     encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
     return [Trace(p["prompt_id"], encode(p["prompt"]), encode(p["solution"]), encode(p["solution_plain"]), p["answer"])
@@ -210,7 +210,7 @@ def run_scripted(args) -> list[Row]:
         tiny = {**TINY, "hidden_size": args.hidden_size or TINY["hidden_size"],
                 "num_layers": args.layers or TINY["num_layers"]}
         path = build_model(Path(tmp), device, tiny)
-        from sliderl.rollout.loader import load_tokenizer
+        from sliderl.core.loader import load_tokenizer
         traces = task_traces(load_tokenizer(path), args.problems, tuple(args.num_chains), tuple(args.num_steps),
                              args.task_seed)
         longest = max(len(t.prompt) + max(len(t.annotated), len(t.plain)) for t in traces)
@@ -249,10 +249,10 @@ def serial_times(times: dict[str, float], last: dict) -> tuple:
 
 def run_trained(args) -> list[Row]:
     """Held-out problems, Pasta-SFT under kv=pasta against Baseline-SFT under kv=full, greedy."""
-    from sliderl.cluster.config import load_config
-    from sliderl.cluster.prompts import prompt_format
-    from sliderl.cluster.sft_config import SFTJobConfig
-    from sliderl.rewards.pasta_task import PastaTaskVerifier
+    from sliderl.cluster.config.base import load_config
+    from sliderl.cluster.config.prompts import prompt_format
+    from sliderl.cluster.config.sft import SFTJobConfig
+    from sliderl.rewards.arith import ArithVerifier
 
     config = args.config or Path(args.pasta_model).resolve().parent / "config.yaml"
     cfg = load_config(SFTJobConfig, str(config))
@@ -261,7 +261,7 @@ def run_trained(args) -> list[Row]:
     engines = engines_for(args.pasta_model, args.baseline_model,
                           engine_args(args.device, args.max_model_len, args.max_forks))
     prompts = prompt_format(cfg.data, cfg.model, engines["pasta"].tokenizer)
-    verify = PastaTaskVerifier()
+    verify = ArithVerifier()
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     rows = []
     for p in cfg.task.generator().problems(args.problems, "eval"):

@@ -35,14 +35,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from sliderl.cluster.config import load_config  # noqa: E402
-from sliderl.cluster.sft_job import stage_examples  # noqa: E402
-from sliderl.cluster.train_config import TrainConfig  # noqa: E402
-from sliderl.cluster.warm_start import cached_warm_start  # noqa: E402
+from sliderl.cluster.config.base import load_config  # noqa: E402
+from sliderl.cluster.run.sft_job import stage_examples  # noqa: E402
+from sliderl.cluster.config.train import TrainConfig  # noqa: E402
+from sliderl.cluster.actors.warm_start import cached_warm_start  # noqa: E402
 from sliderl.rewards.arith import ArithVerifier  # noqa: E402
 from sliderl.rollout import LLM, SamplingParams  # noqa: E402
-from sliderl.rollout.kv_policy import KVPolicy  # noqa: E402
-from sliderl.rollout.tiny import make_tiny_model  # noqa: E402
+from sliderl.core.kv_policy import KVPolicy  # noqa: E402
+from sliderl.core.tiny import make_tiny_model  # noqa: E402
 from sliderl.trainer.learner import Learner  # noqa: E402
 from sliderl.trainer.sft import MARKER, SFTExample, sft_trace  # noqa: E402
 
@@ -101,7 +101,7 @@ def compare(cfg: TrainConfig, steps: int, base: str) -> dict:
 
 def old_trainer(old, model_dir: Path, cfg: TrainConfig):
     """(step(rows) -> loss, check(rows)) of the old warm start's loop, with the stage's optimizer settings."""
-    from sliderl.rollout.loader import load_model, load_tokenizer
+    from sliderl.core.loader import load_model, load_tokenizer
 
     args, steps = cfg.warmstart.learner, cfg.warmstart.learner.total_steps
     model, tokenizer = load_model(model_dir).train(), load_tokenizer(model_dir)

@@ -37,10 +37,10 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from sliderl.cluster.comparison import EntryResult  # noqa: E402
-from sliderl.cluster.comparison_report import write_report  # noqa: E402
-from sliderl.cluster.evaluation import SampledEval  # noqa: E402
-from sliderl.cluster.run_checkpoints import MARKER  # noqa: E402
+from sliderl.cluster.eval.comparison import EntryResult  # noqa: E402
+from sliderl.cluster.eval.report import write_report  # noqa: E402
+from sliderl.cluster.eval.evaluation import SampledEval  # noqa: E402
+from sliderl.cluster.run.checkpoints import MARKER  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ("tip", "tip-gpu")  # configs/RECIPE-{sft,grpo,eval}.yaml: the CPU default, the GPU-scale variant

@@ -58,7 +58,7 @@ def trl_run(spec_path: Path) -> None:
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from sliderl.cluster.prompts import BOXED_INSTRUCTION
+    from sliderl.cluster.config.prompts import BOXED_INSTRUCTION
     from sliderl.rewards.math import MathReward
 
     spec = json.loads(spec_path.read_text())

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from sliderl.cluster.config import load_config
-from sliderl.cluster.resources import start_local_ray
-from sliderl.cluster.train_config import TrainConfig
+from sliderl.cluster.config.base import load_config
+from sliderl.cluster.actors.placement import start_local_ray
+from sliderl.cluster.config.train import TrainConfig
 
 STOP_IDS = list(range(0, 256, 8))
 
@@ -56,7 +56,7 @@ def metric_rows(run_dir: Path) -> dict[int, dict]:
 
 def logged_traces(run_dir: Path) -> list[dict]:
     """Every row of the Parquet trace log (group id, trace id, version, worker, tokens)."""
-    from sliderl.cluster.trace_log import TraceLog
+    from sliderl.cluster.storage.trace_log import TraceLog
 
     columns = ["group_id", "trace_id", "policy_version", "worker_id", "completion_token_ids", "reward", "num_preemptions"]
     return TraceLog(run_dir).read(columns).to_pylist()

@@ -33,9 +33,9 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def tiny_model_factory(tmp_path_factory):
-    """``make(arch="qwen3", **kw) -> Path``: a tiny HF model dir from ``rollout.tiny.make_tiny_model``,
+    """``make(arch="qwen3", **kw) -> Path``: a tiny HF model dir from ``core.tiny.make_tiny_model``,
     built once per distinct (arch, kw) in the session and shared between tests. Treat it as read-only."""
-    from sliderl.rollout.tiny import make_tiny_model
+    from sliderl.core.tiny import make_tiny_model
 
     root = tmp_path_factory.mktemp("tiny_models")
     built: dict[str, Path] = {}
@@ -55,8 +55,8 @@ def register_model(tmp_path_factory):
     registers often (about one token in five), giving steps that are killed and evicted."""
     from safetensors.torch import load_file, save_file
 
-    from sliderl.rollout.kv_policy import register_tokens
-    from sliderl.rollout.tiny import make_tiny_model
+    from sliderl.core.kv_policy import register_tokens
+    from sliderl.core.tiny import make_tiny_model
 
     path = make_tiny_model(tmp_path_factory.mktemp("reg") / "m", "qwen3", tie_word_embeddings=False,
                            extra_special_tokens=tuple(register_tokens(3)))

@@ -9,10 +9,11 @@ import math
 import pytest
 
 from sliderl.cluster.cli import main
-from sliderl.cluster.config import ConfigError, load_config
-from sliderl.cluster.data import load_problems
-from sliderl.cluster.run_plan import prepare
-from sliderl.cluster.train_config import TrainConfig
+from sliderl.cluster.config.base import load_config
+from sliderl.cluster.errors import ConfigError
+from sliderl.cluster.storage.data import load_problems
+from sliderl.cluster.run.plan import prepare
+from sliderl.cluster.config.train import TrainConfig
 
 
 def write_rows(path, rows) -> str:
@@ -104,8 +105,8 @@ def test_a_reward_that_raises_skips_its_group_and_the_worker_goes_on(tiny_model_
     # try/except, the group never arrives and the worker reports the error.
     import queue as std_queue
 
-    from sliderl.cluster.data import Problem, PromptGroup
-    from sliderl.cluster.rollout_worker import RolloutWorker
+    from sliderl.cluster.records import Problem, PromptGroup
+    from sliderl.cluster.actors.rollout_worker import RolloutWorker
     from sliderl.rewards import RewardSpec
     from sliderl.rollout import EngineArgs, SamplingParams
     from sliderl.trainer.algorithms import GRPO, GRPOOptions
@@ -150,8 +151,8 @@ def test_an_engine_thread_failure_is_reported_not_swallowed(tiny_model_factory):
     # show in status() (which the driver's health check turns into a RunError naming the worker) and
     # in every blocked call. Planted by catching and dropping the exception in RolloutWorker._guard,
     # status().error stays None and evaluate() blocks (the test times out).
-    from sliderl.cluster.data import Problem, PromptGroup
-    from sliderl.cluster.rollout_worker import RolloutWorker
+    from sliderl.cluster.records import Problem, PromptGroup
+    from sliderl.cluster.actors.rollout_worker import RolloutWorker
     from sliderl.rewards import RewardSpec
     from sliderl.rollout import EngineArgs, SamplingParams
 

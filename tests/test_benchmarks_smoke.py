@@ -10,7 +10,7 @@ import torch
 
 from benchmarks.learner_gpu import (PEAK_FLOPS, Shape, learner_counts, layer_params, make_traces, model_flops,
                                     rates, row_specs, visible_pairs)
-from sliderl.rollout.kv_policy import KVPolicy
+from sliderl.core.kv_policy import KVPolicy
 from sliderl.trainer.attention import PackedVisibility
 
 TINY = Shape(layers=2, hidden=128, heads=4, kv_heads=2, head_dim=32, intermediate=256, vocab=261)  # --tiny's model
@@ -88,7 +88,7 @@ def test_tiny_run_has_every_row_and_the_documented_numbers(tmp_path):
 
 
 def _long_rl_traces(policy: str, prompt_len: int, generated: int) -> list:
-    from sliderl.rollout.trace import Trace
+    from sliderl.core.trace import Trace
 
     return [Trace(f"t{i}", "g0", "p0", 0, 0, policy, list(range(1, prompt_len + 1)), [7] * generated,
                   [-1.0] * generated, "length", reward=float(i)) for i in range(2)]  # rewards 0, 1: a signal
@@ -102,8 +102,8 @@ def test_long_rl_arms_put_the_loss_where_they_say(tiny_model_factory):
     # Whole trace: 2·100 loss tokens and 2·(10 + 100 - 1) = 218 inputs. Truncated: the last k·W = 64 targets
     # with the loss on the last W = 16: 2·16 = 32 loss tokens, 2·(10 + 64) = 148 inputs.
     from benchmarks.long_rl import ARMS, RL_RECIPE, SMOKE
-    from sliderl.cluster.config import load_config
-    from sliderl.cluster.train_config import TrainConfig
+    from sliderl.cluster.config.base import load_config
+    from sliderl.cluster.config.train import TrainConfig
     from sliderl.trainer.learner import Learner
 
     expected = {"ps-trunc": ("prefix_sliding:16", 32, 148), "ps-whole": ("prefix_sliding:16", 200, 218),

@@ -15,9 +15,9 @@ from safetensors.torch import load_file, save, save_file
 from transformers import AutoModelForCausalLM
 
 from sliderl.cluster.cli import main
-from sliderl.cluster.run_checkpoints import Checkpoints, DamagedCheckpoint, DriverState
+from sliderl.cluster.run.checkpoints import Checkpoints, DamagedCheckpoint, DriverState
 from cluster_jobs import model_dir, tiny_overrides  # noqa: F401 (fixture)
-from sliderl.rollout.trace import Trace
+from sliderl.core.trace import Trace
 from sliderl.trainer.algorithms import SFTOptions
 from sliderl.trainer.checkpoint import write_safetensors
 from sliderl.trainer.learner import Learner

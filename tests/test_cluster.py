@@ -17,14 +17,15 @@ import pytest
 import torch
 
 from sliderl.cluster.cli import main
-from sliderl.cluster.config import ConfigError, load_config
-from sliderl.cluster.data import Problem, PromptGroup
-from sliderl.cluster.ledger import GroupLedger, LedgerState
-from sliderl.cluster.resources import ResourceError
-from sliderl.cluster.rollout_worker import RolloutGroup
-from sliderl.cluster.run_checkpoints import Checkpoints, DriverState
-from sliderl.cluster.train_config import TrainConfig
-from sliderl.cluster.weight_sync import FlatLayout, flatten, unflatten
+from sliderl.cluster.config.base import load_config
+from sliderl.cluster.errors import ConfigError
+from sliderl.cluster.records import Problem, PromptGroup
+from sliderl.cluster.run.ledger import GroupLedger, LedgerState
+from sliderl.cluster.actors.placement import ResourceError
+from sliderl.cluster.records import RolloutGroup
+from sliderl.cluster.run.checkpoints import Checkpoints, DriverState
+from sliderl.cluster.config.train import TrainConfig
+from sliderl.cluster.actors.weight_sync import FlatLayout, flatten, unflatten
 from sliderl.trainer.manifest import Manifest
 from cluster_jobs import expected_actor_name, initial_weight, logged_traces, metric_rows, model_dir, ray_session, tiny_job, tiny_overrides  # noqa: F401 (fixtures)
 
@@ -48,7 +49,7 @@ def stepped_versions(rows: dict[int, dict]) -> list[int]:
 @pytest.fixture(scope="module")
 def sync_run(ray_session, model_dir, tmp_path_factory):
     """Sync mode, object-store sync, 3 steps x 2 groups x 4 samples; weights read at step 1."""
-    from sliderl.cluster.driver import train
+    from sliderl.cluster.run.driver import train
 
     seen = {}
 
@@ -99,7 +100,7 @@ def test_a_pool_too_small_for_what_is_in_flight_shows_in_the_traces_the_metrics_
     # Checked against the trace log read back with pyarrow: the step's preempted_traces is the fraction of its
     # traces with num_preemptions > 0 (planted: the mean count instead of the fraction, or the worker not copying
     # RequestOutput.num_preemptions, fails), and the warning names the pool
-    from sliderl.cluster.driver import train
+    from sliderl.cluster.run.driver import train
 
     cfg = tiny_job(model_dir, tmp_path / "run", "train.mode=sync", "train.steps=1", "engine.kv=full", "engine.num_blocks=8",
                    "sampling.max_tokens=64", "sampling.stop_token_ids=[]")  # no early stops: every sequence grows
@@ -131,7 +132,7 @@ def test_actors_are_built_from_the_configs_records(sync_run):
 def test_actors_are_named_by_run_and_role(sync_run):
     # Catches: unnamed actors (the dashboard's Actors page shows only class and id) or a name that is not
     # the run's label and role (README: <run>-<hash>/<role>): each name resolves to that very actor.
-    # Planted by dropping "name" from cluster.resources._options, get_actor fails in the run.
+    # Planted by dropping "name" from cluster.actors.placement.actor_options, get_actor fails in the run.
     _, seen = sync_run
     assert seen["named"] == {"learner": True, "rollout-0": True, "trace-queue": True}
 
@@ -158,7 +159,7 @@ def test_eval_scores_the_checkpoint_with_the_engine(sync_run, capsys):
 @pytest.fixture(scope="module")
 def async_grpo_run(ray_session, model_dir, tmp_path_factory):
     """Async GRPO, 2 workers, gloo broadcast sync, max_staleness=0; weights read after the last step."""
-    from sliderl.cluster.driver import train
+    from sliderl.cluster.run.driver import train
 
     seen = {}
 
@@ -197,7 +198,7 @@ def test_async_broadcast_sync_reaches_every_worker(async_grpo_run, model_dir):
 
 
 def test_async_bonbon_run(ray_session, model_dir, tmp_path):
-    from sliderl.cluster.driver import train
+    from sliderl.cluster.run.driver import train
 
     cfg = tiny_job(model_dir, tmp_path / "run", "train.mode=async", "train.steps=2",
                    "reward={correctness: 1.0, kv_penalty: {budget: 1, coef: 0.01}}",
@@ -215,7 +216,7 @@ def test_async_bonbon_run(ray_session, model_dir, tmp_path):
 @pytest.mark.parametrize("backend, group, gpus", [("cuda_ipc", "auto", 0.5), ("broadcast", "nccl", 1.0)])
 def test_gpu_weight_sync_backends(ray_session, model_dir, tmp_path, backend, group, gpus):
     """Learner and worker on CUDA: after a 2-step run the worker holds the learner's weights (by value)."""
-    from sliderl.cluster.driver import train
+    from sliderl.cluster.run.driver import train
 
     if gpus == 1.0 and torch.cuda.device_count() < 2:
         pytest.skip("NCCL broadcast needs a GPU per rank (2 GPUs)")
@@ -266,7 +267,7 @@ def all_cpus_free(ray, timeout_s: float = 30.0) -> bool:
 
 
 def test_impossible_resources_fail_before_any_actor(ray_session, model_dir, tmp_path):
-    from sliderl.cluster.driver import train
+    from sliderl.cluster.run.driver import train
     from ray.util import placement_group_table
 
     assert all_cpus_free(ray_session)  # an earlier test's released placement group is returned asynchronously
@@ -279,7 +280,7 @@ def test_impossible_resources_fail_before_any_actor(ray_session, model_dir, tmp_
 
 
 def test_dataset_without_the_configured_fields(ray_session, model_dir, tmp_path):
-    from sliderl.cluster.driver import train
+    from sliderl.cluster.run.driver import train
     from ray.util import placement_group_table
 
     data = tmp_path / "problems.jsonl"
@@ -306,7 +307,7 @@ def test_unreachable_ray_address_is_a_clear_error(model_dir, tmp_path):
 def test_task_and_warm_start_settings_reach_the_generator_and_the_sft_stage(tmp_path):
     # Catches: task or warm-start keys accepted by the config but not used (the generator's range,
     # the stage's learner settings and stopping rule, its visibility = the rollouts' engine.kv).
-    from sliderl.cluster.sft_job import stage_examples
+    from sliderl.cluster.run.sft_job import stage_examples
 
     cfg = load_config(TrainConfig, None, ["task.min_value=40", "task.max_value=60", "warmstart.sft.target_accuracy=0.3",
                                           "warmstart.sft.steps=3", "warmstart.sft.batch_size=2", "warmstart.learner.lr=0.5"])

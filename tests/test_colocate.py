@@ -8,8 +8,9 @@ import weakref
 
 import pytest
 
-from sliderl.cluster.config import ConfigError, load_config
-from sliderl.cluster.train_config import TrainConfig
+from sliderl.cluster.config.base import load_config
+from sliderl.cluster.errors import ConfigError
+from sliderl.cluster.config.train import TrainConfig
 from sliderl.rollout import LLM, EngineArgs, SamplingParams
 
 PROMPTS = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7]]
@@ -63,7 +64,7 @@ def test_a_sleeping_engine_queues_but_refuses_to_step_and_sleep_needs_no_running
 
 
 def _worker(model, out):
-    from sliderl.cluster.rollout_worker import RolloutWorker
+    from sliderl.cluster.actors.rollout_worker import RolloutWorker
     from sliderl.rewards import RewardSpec
 
     return RolloutWorker(0, str(model), 0, EngineArgs(kv="prefix_sliding:6", block_size=4, num_blocks=64),
@@ -71,7 +72,7 @@ def _worker(model, out):
 
 
 def _group(n: int):
-    from sliderl.cluster.data import Problem, PromptGroup
+    from sliderl.cluster.records import Problem, PromptGroup
 
     return PromptGroup(f"g{n:08d}", Problem(f"p{n}", f"{n} + {n} =", str(2 * n)), 2, 100 + n)
 

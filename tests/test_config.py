@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from sliderl.cluster.config import ConfigError, GenerateConfig, HFModel, TinyModel, field_docs, load_config, save_config
+from sliderl.cluster.config.base import GenerateConfig, HFModel, TinyModel, field_docs, load_config, save_config
+from sliderl.cluster.errors import ConfigError
 from sliderl.rollout.engine_args import EngineArgs
 from sliderl.rollout.sampling import SamplingParams
 

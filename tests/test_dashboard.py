@@ -34,10 +34,10 @@ import pytest
 import yaml
 
 from sliderl.cluster.cli import main
-from sliderl.cluster.config import load_config
-from sliderl.cluster.dashboard import job_metadata, run_label, run_name, warn_if_submitted_without_metadata
-from sliderl.cluster.resources import connect
-from sliderl.cluster.train_config import TrainConfig
+from sliderl.cluster.config.base import load_config
+from sliderl.cluster.observe.dashboard import job_metadata, run_label, run_name, warn_if_submitted_without_metadata
+from sliderl.cluster.actors.placement import connect
+from sliderl.cluster.config.train import TrainConfig
 from headless_browser import Browser, chromium_path
 from multinode_cluster import free_port, listening
 
@@ -48,7 +48,7 @@ TOKEN_DIALOG = "Authentication Token Required"  # the dashboard's dialog when a 
 LIVE_S = 240  # for the job to start its actors and for each page to show up (2 shared cores can be slow)
 HTTP_S = 90  # for one answer of the dashboard or the metrics endpoint (its processes share 2 busy cores)
 METRICS_S = 60  # for every metric to reach the head's endpoint once the run steps (reported every 0.5 s)
-# every metric sliderl exports, as Prometheus names them (README, sliderl/cluster/ray_metrics.py); one prefix
+# every metric sliderl exports, as Prometheus names them (README, sliderl/cluster/observe/ray_metrics.py); one prefix
 SERIES = {"ray_sliderl_rollout_tokens_per_s", "ray_sliderl_visible_kv_tokens", "ray_sliderl_reward",
           "ray_sliderl_learner_step_seconds_count", "ray_sliderl_staleness_versions", "ray_sliderl_queue_depth",
           "ray_sliderl_weight_sync_seconds_count", "ray_sliderl_learner_steps_total"}
@@ -268,7 +268,7 @@ def live_run():
     token = secrets.token_hex(16)
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token, RAY_metrics_report_interval_ms="500",
-               RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",  # every port of the head on 127.0.0.1 (cluster.resources)
+               RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0",  # every port of the head on 127.0.0.1 (cluster.actors.placement)
                PYTHONPATH=str(ROOT), PATH=f"{BIN}:{env.get('PATH', '')}", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     run_dir = base / "runs" / "smoke"
     args = [str(ROOT / "configs" / "smoke.yaml"), f"run_dir={run_dir}", "train.steps=100000", "checkpoint.every=0",
@@ -345,7 +345,7 @@ def test_jobs_page_shows_the_run_with_its_metadata(live_run):
 @pytest.mark.browser
 def test_actors_page_shows_the_runs_actors_by_role(live_run):
     # Catches: unnamed actors (the Actors page lists them only by class and id) or names that do not say
-    # whose run they belong to. Planted by dropping "name" from cluster.resources._options, the learner
+    # whose run they belong to. Planted by dropping "name" from cluster.actors.placement.actor_options, the learner
     # and rollout worker are missing here (and the fixture's wait for them by name times out).
     actors = live_run.pages["actors"]
     for role in ("learner", "rollout-0", "trace-queue", "warm-start"):  # the warm start's actor is DEAD by now
@@ -356,7 +356,7 @@ def test_actors_page_shows_the_runs_actors_by_role(live_run):
 def test_live_run_exports_every_sliderl_metric_under_one_prefix(live_run):
     # Catches: a metric exported under another prefix (a dashboard panel or alert on ray_sliderl_* misses
     # it), a role that records nothing in a real run, or a Grafana panel on a series a run never exports.
-    # Planted by renaming sliderl_queue_depth to queue_depth in sliderl/cluster/ray_metrics.py, this fails.
+    # Planted by renaming sliderl_queue_depth to queue_depth in sliderl/cluster/observe/ray_metrics.py, this fails.
     from test_metrics import dashboard_series
 
     names = series_names(live_run.metrics)

@@ -19,7 +19,7 @@ def hf_model(path):
     return model.eval()
 
 
-# ---- the rule, written out independently of rollout.kv_policy --------------------------------
+# ---- the rule, written out independently of core.kv_policy --------------------------------
 def dense_visibility(spec: str, prompt_len: int, tokens: list[int], reg_ids=(), end_think=None) -> torch.Tensor:
     """[T, T] bool: may query position q attend to key position k (DESIGN.md's table)."""
     t = len(tokens)

@@ -58,7 +58,7 @@ def test_gpu_bf16_runs_and_samples_like_cpu_seeded(tiny_model_factory):
 @pytest.fixture(scope="module")
 def qwen3_1p7b(tmp_path_factory):
     """The Qwen3-1.7B config with random bf16 weights (built on the GPU), saved with the tiny byte tokenizer."""
-    from sliderl.rollout.tiny import make_qwen3_1p7b
+    from sliderl.core.tiny import make_qwen3_1p7b
 
     return make_qwen3_1p7b(tmp_path_factory.mktemp("qwen3-1.7b"))
 

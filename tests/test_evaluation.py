@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 
 from sliderl.cluster.cli import main
-from sliderl.cluster.comparison import CompareConfig, EntryResult, expand, fill_budget
-from sliderl.cluster.comparison_report import pareto_front
-from sliderl.cluster.data import Problem
-from sliderl.cluster.evaluation import SampledEval, pass_at_k, score_samples
+from sliderl.cluster.eval.comparison import EntryResult, expand
+from sliderl.cluster.config.compare import CompareConfig, fill_budget
+from sliderl.cluster.eval.report import pareto_front
+from sliderl.cluster.records import Problem
+from sliderl.cluster.eval.evaluation import SampledEval, pass_at_k, score_samples
 from sliderl.rewards.spec import CorrectnessTerm
 from sliderl.rollout.sequence import KVUsage
 
@@ -197,7 +198,7 @@ def test_a_comparison_cut_short_keeps_the_entries_it_finished(tiny_model_factory
     # Ctrl-C here; a time box or a lost machine alike: tip_seeds' GPU call lost every seed's 7 finished rows
     # this way) leaves nothing. The first two entries really run; the third is interrupted. Planted by dropping
     # the per-entry write in the CLI, results.jsonl does not exist and this fails.
-    import sliderl.cluster.comparison as comparison
+    import sliderl.cluster.eval.comparison as comparison
     real, calls = comparison.run_entry, []
 
     def cut_at_the_third(*args, **kwargs):

@@ -19,7 +19,7 @@ from cluster_jobs import expected_actor_name, logged_traces, metric_rows, tiny_j
 def killed_worker_run(ray_session, model_dir, tmp_path_factory):
     """Async, one worker; SIGKILL its process after the first step at which it holds groups (long
     completions make that step 1); 4 steps in all."""
-    from sliderl.cluster.driver import train
+    from sliderl.cluster.run.driver import train
 
     seen = {}
 
@@ -47,7 +47,7 @@ def test_killed_worker_is_restarted_and_its_groups_reissued(killed_worker_run):
     assert state.step == 4 and state.worker_restarts == 1
     assert seen["pid_after"] != seen["pid"]  # a new process took the worker's place
     # Catches: a restarted worker that loses its dashboard name (named per process, or not at all).
-    # Planted by dropping "name" from cluster.resources._options, get_actor fails in the run.
+    # Planted by dropping "name" from cluster.actors.placement.actor_options, get_actor fails in the run.
     assert seen["pid_by_name"] == seen["pid_after"]
     assert seen.get("held") and set(seen["held"]) <= set(state.ledger.reissued)
 
@@ -70,7 +70,7 @@ def test_every_logged_group_is_trained_exactly_once(killed_worker_run):
 def resumed_runs(ray_session, model_dir, tmp_path_factory):
     """Run A stops after step 3 (checkpoints every 2 steps, so the last is step 2); run B resumes it to
     step 4, and its learner is killed after step 3 (B recreates it from the step-2 checkpoint)."""
-    from sliderl.cluster.driver import train
+    from sliderl.cluster.run.driver import train
 
     run_dir = tmp_path_factory.mktemp("resume") / "run"
     args = ("train.mode=sync", "train.steps=4", "checkpoint.every=2")
@@ -105,7 +105,7 @@ def test_learner_crash_resumes_from_the_last_checkpoint(resumed_runs):
     assert len(kills) == 1 and second.state.learner_restarts == 1
     # Catches: a resumed run, or a learner recreated from its checkpoint, whose actor cannot take (or does
     # not keep) the run's name: every step of run B finds its current learner by name, the recreated one too.
-    # Planted by dropping "name" from cluster.resources._options, get_actor fails in run B.
+    # Planted by dropping "name" from cluster.actors.placement.actor_options, get_actor fails in run B.
     assert by_name and all(named == current for named, current in by_name), by_name
     assert by_name[-1][1] != kills[0]  # the last step's learner is the recreated one
     assert second.state.step == 4 and second.state.version == sum(
@@ -127,7 +127,7 @@ def test_resumed_runs_log_each_trained_group_once(resumed_runs):
 def kept_two_run(resumed_runs, model_dir):
     """Run C resumes run B (at step 4) to step 7 with a checkpoint every step and keep=2; the checkpoint
     folders right after it."""
-    from sliderl.cluster.driver import train
+    from sliderl.cluster.run.driver import train
 
     _, second, _, _ = resumed_runs
     third = train(tiny_job(model_dir, second.run_dir, "train.mode=sync", "train.steps=7", "checkpoint.every=1",
@@ -150,7 +150,7 @@ def test_resume_falls_back_past_a_damaged_newest_checkpoint(kept_two_run, model_
     # resume=true picked step_000007 anyway; the learner failed to load it, was restarted on the same
     # checkpoint, and the run ended with "restarts are used up" although step_000006 was intact.
     # Planted by latest() without the manifest check, train() raises RunError.
-    from sliderl.cluster.driver import train
+    from sliderl.cluster.run.driver import train
     from sliderl.trainer.manifest import Manifest
 
     third, _, _ = kept_two_run

@@ -13,7 +13,7 @@ import signal
 
 import pytest
 
-from sliderl.cluster.worker_pool import RunError
+from sliderl.cluster.errors import RunError
 from cluster_jobs import logged_traces, metric_rows, model_dir, ray_session, tiny_job  # noqa: F401 (fixtures)
 
 WEIGHT = "model.layers.0.mlp.down_proj.weight"
@@ -33,7 +33,7 @@ def test_a_learner_lost_without_a_checkpoint_ends_the_run_and_keeps_its_traces(r
     # Catches: a learner death with nothing to resume from crashing on `None[0]` (or hanging)
     # instead of a RunError that says so and leaves the trace log. Planted by dropping the
     # `latest is None` test in driver._sessions, this fails with a TypeError.
-    from sliderl.cluster.driver import train
+    from sliderl.cluster.run.driver import train
 
     kills: list = []
     cfg = tiny_job(model_dir, tmp_path / "run", "train.mode=sync", "train.steps=3", "checkpoint.every=0")
@@ -49,8 +49,8 @@ def test_learner_restarts_used_up_end_the_run_with_the_checkpoints_intact(ray_se
     # allowed: the first death resumes from step_000001, the second ends the run. Planted with
     # `restarts > max_learner_restarts`, the run restarts twice and finishes; with `>=` replaced
     # by `>= max - 1`... the first death already ends it (the kills list then has one entry).
-    from sliderl.cluster.driver import train
-    from sliderl.cluster.run_checkpoints import Checkpoints
+    from sliderl.cluster.run.driver import train
+    from sliderl.cluster.run.checkpoints import Checkpoints
 
     kills: list = []
     cfg = tiny_job(model_dir, tmp_path / "run", "train.mode=sync", "train.steps=4", "checkpoint.every=1",
@@ -67,7 +67,7 @@ def test_a_hung_worker_ends_the_run_after_group_timeout(ray_session, model_dir, 
     # verifier). The worker's process is stopped with SIGSTOP after step 1 (sync mode: step 2's groups
     # are dealt after that), so it answers neither groups nor health checks. Planted by never raising
     # in Session._collect, the run hangs (the test times out).
-    from sliderl.cluster.driver import train
+    from sliderl.cluster.run.driver import train
 
     stopped = []
 
@@ -94,7 +94,7 @@ def test_every_worker_dead_ends_the_run(ray_session, model_dir, tmp_path):
     # timeout, or dealing to a dead worker, instead of ending at once with the reason. Planted by
     # removing the `not self.pool.live()` check in Session._handle, the run ends only at
     # group_timeout_s with a different message and this fails.
-    from sliderl.cluster.driver import train
+    from sliderl.cluster.run.driver import train
 
     def kill_worker(session, step, report):
         if step == 1:
@@ -111,7 +111,7 @@ def test_a_diverged_learner_ends_the_run_with_a_clear_error(ray_session, model_d
     # an optimizer step taken on NaN gradients). lr=1e30 makes the first Adam step blow the weights
     # up, so the next step's loss is not finite. Planted by removing the RayTaskError branch in
     # Session._train, a raw RayTaskError escapes and this fails.
-    from sliderl.cluster.driver import train
+    from sliderl.cluster.run.driver import train
 
     cfg = tiny_job(model_dir, tmp_path / "run", "train.mode=sync", "train.steps=4", "learner.lr=1e30",
                    "learner.max_grad_norm=1e30")
@@ -126,7 +126,7 @@ def test_sync_every_2_publishes_every_other_step(ray_session, model_dir, tmp_pat
     # variance): versions 2 and 4 are published, never 1 or 3, so every trace was sampled at version 0
     # or 2, and only steps 2 and 4 report a weight-sync time. Planted with `due = True`, the traces of
     # version 1 appear and step 1 has a sync time.
-    from sliderl.cluster.driver import train
+    from sliderl.cluster.run.driver import train
 
     cfg = tiny_job(model_dir, tmp_path / "run", "train.mode=async", "train.steps=4", "train.sync_every=2",
                    "train.max_staleness=4", "rollout.max_inflight_groups=2")
@@ -150,8 +150,10 @@ def test_a_failed_broadcast_is_published_again(ray_session, model_dir, tmp_path)
     # and worker 1 stays fenced.
     import time
 
-    from sliderl.cluster.resources import make_learner, make_queue, make_worker, release, reserve
-    from sliderl.cluster.weight_sync import WeightSync
+    from sliderl.cluster.actors.placement import make_queue, release, reserve
+    from sliderl.cluster.actors.rollout_worker import make_worker
+    from sliderl.cluster.actors.learner import make_learner
+    from sliderl.cluster.actors.weight_sync import WeightSync
 
     cfg = tiny_job(model_dir, tmp_path / "run", "rollout.num_workers=2", "rollout.num_cpus=0.25",
                    "learner.num_cpus=0.25", "weight_sync.backend=broadcast", "rollout.max_restarts=2")

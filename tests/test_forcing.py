@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from sliderl.rollout import LLM, SamplingParams
-from sliderl.rollout.pasta import PastaTokenIds
+from sliderl.core.pasta import PastaTokenIds
 from test_pasta_runtime import RESPONSE_A, assert_matches_reference, lay_out, pasta_llm, pasta_model  # noqa: F401
 
 

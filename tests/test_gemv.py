@@ -19,8 +19,8 @@ if not torch.cuda.is_available():
 import sliderl.kernels.gemv as gemv_module
 from sliderl.kernels.decode import split_counters
 from sliderl.kernels.gemv import GemvConfig, gemv, gemv_config
-from sliderl.rollout.loader import load_model
-from sliderl.rollout.model import DenseAttention, causal_mask
+from sliderl.core.loader import load_model
+from sliderl.core.model import DenseAttention, causal_mask
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -218,7 +218,7 @@ def test_gpu_cuda_graph_of_the_gemv_decoder_matches_eager(tmp_path):
     # catches: a GEMV launch that cannot be captured (allocating split counters or autotuning during
     # capture) or whose replay differs from eager (stale partial buffers, counters not reset between
     # replays: the second replay would leave y unwritten); and GEMV logits drifting from cuBLAS's
-    from sliderl.rollout.tiny import make_qwen3_1p7b
+    from sliderl.core.tiny import make_qwen3_1p7b
 
     path = make_qwen3_1p7b(tmp_path / "qwen3-1.7b")
     model = load_model(path, dtype=torch.bfloat16, device="cuda")

@@ -17,8 +17,8 @@ import pytest
 from benchmarks.colocate import DATA_CANDIDATES, step_numbers, table
 from benchmarks.make_checkpoint import SIZES, make_checkpoint, stop_ids
 from sliderl.cluster.cli import main as cli
-from sliderl.cluster.config import load_config
-from sliderl.cluster.train_config import TrainConfig
+from sliderl.cluster.config.base import load_config
+from sliderl.cluster.config.train import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = {"1gpu": ROOT / "configs/qwen3-math-1gpu.yaml", "ngpu": ROOT / "configs/qwen3-math-ngpu.yaml"}
@@ -88,8 +88,8 @@ def test_the_recipe_reads_the_math_file_through_the_chat_template(checkpoint, tm
     # exactly apply_chat_template([user: problem + blank line + instruction]) with the generation prompt)
     from transformers import AutoTokenizer
 
-    from sliderl.cluster.prompts import BOXED_INSTRUCTION
-    from sliderl.cluster.run_plan import prepare
+    from sliderl.cluster.config.prompts import BOXED_INSTRUCTION
+    from sliderl.cluster.run.plan import prepare
 
     cpu = ["engine.device=cpu", "learner.device=cpu", "rollout.num_gpus=0", "learner.num_gpus=0",
            "weight_sync.backend=object_store", "engine.dtype=float32", "learner.dtype=float32"]
@@ -114,7 +114,7 @@ def test_the_checkpoint_is_qwen3_shaped_and_both_engines_stop_on_its_extra_end_i
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from sliderl.rollout import LLM, SamplingParams
-    from sliderl.rollout.tiny import QWEN3_1P7B
+    from sliderl.core.tiny import QWEN3_1P7B
 
     common = dict(num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936)
     assert SIZES["0.6b"] | common == SIZES["0.6b"] and (SIZES["0.6b"]["hidden_size"], SIZES["0.6b"]["intermediate_size"]) == (1024, 3072)

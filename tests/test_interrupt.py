@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from cluster_jobs import tiny_overrides
-from sliderl.cluster.run_checkpoints import MARKER
+from sliderl.cluster.run.checkpoints import MARKER
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -10,8 +10,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from sliderl.rollout import LLM, SamplingParams
-from sliderl.rollout.loader import load_model
-from sliderl.rollout.trace import Trace
+from sliderl.core.loader import load_model
+from sliderl.core.trace import Trace
 from sliderl.trainer.algorithms import BoNBoNOptions, GRPOOptions, SFTOptions
 from sliderl.trainer.learner import Learner
 from sliderl.trainer.logprobs import trace_logprobs

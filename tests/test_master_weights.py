@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from sliderl.rollout.trace import Trace
+from sliderl.core.trace import Trace
 from sliderl.trainer.learner import Learner
 from sliderl.trainer.optimizer import MasterAdamW
 

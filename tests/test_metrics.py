@@ -14,13 +14,14 @@ import matplotlib.image
 import pytest
 from pydantic import ValidationError
 
-from sliderl.cluster.evaluation import EvalResult
-from sliderl.cluster.monitor import MonitorConfig, Monitor, WandbConfig
-from sliderl.cluster.ray_metrics import LearnerMetrics, RolloutMetrics
-from sliderl.cluster.resources import start_local_ray
-from sliderl.cluster.step_report import KEYS, StepReport
-from sliderl.cluster.trace_log import TraceLog
-from sliderl.rollout.trace import Trace
+from sliderl.cluster.records import EvalResult
+from sliderl.cluster.observe.monitor import Monitor
+from sliderl.cluster.config.monitor import MonitorConfig, WandbConfig
+from sliderl.cluster.observe.ray_metrics import LearnerMetrics, RolloutMetrics
+from sliderl.cluster.actors.placement import start_local_ray
+from sliderl.cluster.records import KEYS, StepReport
+from sliderl.cluster.storage.trace_log import TraceLog
+from sliderl.core.trace import Trace
 
 STEPS = [  # what a driver logs at optimizer steps 1..4
     {"reward": 0.1, "accuracy": 0.25, "visible_kv": 60.0, "rollout_tokens_per_s": 1000.0,
@@ -347,7 +348,8 @@ def dashboard_series() -> set[str]:
 def test_metrics_jsonl_is_strict_json_when_a_value_is_not_finite(tmp_path):
     # Catches: a NaN reward written as the bare token NaN (json.dumps' default), which strict JSON
     # readers reject, and a resumed Monitor choking on the null that replaces it.
-    from sliderl.cluster.monitor import Monitor, MonitorConfig, WandbConfig
+    from sliderl.cluster.observe.monitor import Monitor
+    from sliderl.cluster.config.monitor import MonitorConfig, WandbConfig
 
     cfg = MonitorConfig(wandb=WandbConfig(mode="disabled"), plots=True)
     first = Monitor(tmp_path, cfg, total_steps=3)
@@ -397,7 +399,7 @@ def test_visible_kv_plot_starts_at_zero_with_prompt_window_and_bound_lines():
     bounded curve then looks like noise), or the bound drawn at W alone."""
     from matplotlib.figure import Figure
 
-    from sliderl.cluster.monitor import _visible_kv_axes
+    from sliderl.cluster.observe.monitor import _visible_kv_axes
 
     history = {s: {KEYS.visible_kv: 40.0 + s, KEYS.peak_visible_kv: 50.0, KEYS.prompt_tokens: 12.0} for s in (1, 2, 3)}
     ax = Figure().add_subplot()

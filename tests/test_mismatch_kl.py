@@ -19,7 +19,7 @@ from benchmarks.mismatch_kl import generate, main, measure, parse_args, prompts
 
 ROOT = Path(__file__).resolve().parents[1]
 W, T, N = 8, 128, 2  # T = 16·W generated tokens, N traces
-P = 124  # tokens of a 26-step arithmetic prompt (rewards.arith) under the byte-level tokenizer
+P = 124  # tokens of a 26-step arithmetic prompt (tasks.arith) under the byte-level tokenizer
 MODES = ["truncated k=1", "truncated k=2", "truncated k=4", "truncated k=8", "chunked k=4", "full", "full (last W)"]
 
 

@@ -10,7 +10,6 @@ import dataclasses
 import hashlib
 import io
 import json
-import os
 import shutil
 import socket
 import subprocess
@@ -24,14 +23,14 @@ import pytest
 import torch
 
 from sliderl.cluster.cli import main
-from sliderl.cluster.config import load_config
-from sliderl.cluster.learner_actor import LearnerActor
-from sliderl.cluster.resources import ResourceError, bundles, check_resources
-from sliderl.cluster.run_checkpoints import Checkpoints, DriverState
-from sliderl.cluster.trace_log import TraceLog
-from sliderl.cluster.train_config import TrainConfig
+from sliderl.cluster.config.base import load_config
+from sliderl.cluster.actors.learner import LearnerActor
+from sliderl.cluster.actors.placement import ResourceError, bundles, check_resources
+from sliderl.cluster.run.checkpoints import Checkpoints, DriverState
+from sliderl.cluster.storage.trace_log import TraceLog
+from sliderl.cluster.config.train import TrainConfig
 from cluster_jobs import ray_session, tiny_overrides  # noqa: F401 (fixture)
-from sliderl.rollout.trace import Trace
+from sliderl.core.trace import Trace
 from test_trace_log import make_trace
 from sliderl.trainer.algorithms import SFTOptions
 from sliderl.trainer.learner_args import LearnerArgs
@@ -191,7 +190,7 @@ def test_the_warm_start_cache_in_a_bucket_is_whole_or_absent_and_reused(s3, tiny
     # in the bucket, the third call trains ("sft step" printed).
     from pyarrow import fs
 
-    from sliderl.cluster.warm_start import cached_warm_start
+    from sliderl.cluster.actors.warm_start import cached_warm_start
 
     node = tmp_path / "node"  # this "node"'s TMPDIR, where its copy of the checkpoint goes
     node.mkdir()
@@ -274,7 +273,7 @@ def test_model_files_reach_another_node_as_a_copy_of_the_folder(ray_session, tin
     # from the folder (a file left out, bytes changed), a copy rewritten by every actor of the node,
     # and a folder that was never shipped being opened elsewhere without a word. Planted: local_path
     # returning ``path`` whatever the node, the copy is not under this node's TMPDIR.
-    from sliderl.cluster.model_files import ModelFiles
+    from sliderl.cluster.storage.model_files import ModelFiles
 
     model = tiny_model_factory("qwen3")
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))

@@ -4,7 +4,7 @@ While a real `sliderl train` runs (a local Ray with the dashboard, a learner and
 W&B offline) the test lists, every fraction of a second, the listening TCP sockets of the run's
 process tree (the CLI, the GCS, the raylet and the processes they start) from /proc, and fails on
 any that is not bound to a loopback address. The allowlist is empty: with its node IP set to
-127.0.0.1 (``cluster.resources.start_local_ray``) Ray binds every port it opens to it.
+127.0.0.1 (``cluster.actors.placement.start_local_ray``) Ray binds every port it opens to it.
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def test_a_local_run_listens_on_loopback_only(tiny_model_factory, tmp_path):
     # Catches (issue 11, bug 8): a local run whose Ray ports (GCS, raylet, object manager, core
     # workers, dashboard agent, metrics endpoints) listen on every interface, where anyone on the
     # network can reach them. Planted by starting Ray with a plain ray.init(address="local") in
-    # cluster.resources.connect, this fails: the GCS, raylet and workers listen on "::", the metrics
+    # cluster.actors.placement.connect, this fails: the GCS, raylet and workers listen on "::", the metrics
     # exporters on 0.0.0.0.
     model = tiny_model_factory("qwen3")
     overrides = tiny_overrides(model, tmp_path / "run") + [

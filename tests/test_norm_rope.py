@@ -1,4 +1,4 @@
-"""Fused RMSNorm and q/k-norm + RoPE (``kernels.norm_rope``) against the PyTorch ops of ``rollout.model``.
+"""Fused RMSNorm and q/k-norm + RoPE (``kernels.norm_rope``) against the PyTorch ops of ``core.model``.
 
 On CPU these run under ``TRITON_INTERPRET=1`` at small shapes (odd token counts, head counts and
 hidden sizes that are not powers of two); ``gpu`` tests repeat them at the Qwen3-1.7B shape.
@@ -15,8 +15,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before kernels.norm_rope imports triton
 
 from sliderl.kernels.norm_rope import qk_norm_rope, rms_norm
-from sliderl.rollout.loader import load_model
-from sliderl.rollout.model import DenseAttention, RMSNorm, apply_rope, causal_mask
+from sliderl.core.loader import load_model
+from sliderl.core.model import DenseAttention, RMSNorm, apply_rope, causal_mask
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EPS = 1e-6

@@ -13,14 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from sliderl.cluster.baseline_lengths import FILE, BaselineLengths, read_lengths, settle_lengths
-from sliderl.cluster.data import Problem
-from sliderl.cluster.evaluation import SampledEval
-from sliderl.cluster.storage import Storage
+from sliderl.cluster.actors.baseline import FILE, BaselineLengths, read_lengths, settle_lengths
+from sliderl.cluster.records import Problem
+from sliderl.cluster.eval.evaluation import SampledEval
+from sliderl.cluster.storage.root import Storage
 from sliderl.rewards import CorrectnessTerm, RewardInput, RewardSpec, SpeedupTerm
-from sliderl.rollout.pasta import PASTA_TOKENS, PastaTokenIds
-from sliderl.rollout.tiny import build_tokenizer
-from sliderl.rollout.trace import Trace
+from sliderl.core.pasta import PASTA_TOKENS, PastaTokenIds
+from sliderl.core.tiny import build_tokenizer
+from sliderl.core.trace import Trace
 from sliderl.trainer.algorithms import BoNBoN, BoNBoNOptions
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -156,8 +156,8 @@ def test_evaluation_speedup_is_the_geometric_mean_over_samples():
 # catches: a report that leaves out the speedup column or the quality-vs-speedup plot when the comparison
 # has a speedup baseline (and one that shows an empty column without it).
 def test_report_has_the_speedup_column_and_plot(tmp_path):
-    from sliderl.cluster.comparison import EntryResult
-    from sliderl.cluster.comparison_report import markdown_table, write_report
+    from sliderl.cluster.eval.comparison import EntryResult
+    from sliderl.cluster.eval.report import markdown_table, write_report
 
     def result(label, accuracy, speedup):
         run = SampledEval(4, 1, accuracy, accuracy, 0.0, 0, 40, 1.0, 40.0, (10,) * 4, (10,) * 4, speedup)
@@ -212,12 +212,12 @@ def test_the_stage_runs_on_ray_and_reuses_the_baseline_lengths_on_resume(tiny_mo
     import torch
     from transformers import AutoModelForCausalLM
 
-    from sliderl.cluster.config import load_config
-    from sliderl.cluster.driver import train
-    from sliderl.cluster.resources import start_local_ray
-    from sliderl.cluster.train_config import TrainConfig
-    from sliderl.cluster.trace_log import TraceLog
-    from sliderl.rollout.pasta import PastaLayout
+    from sliderl.cluster.config.base import load_config
+    from sliderl.cluster.run.driver import train
+    from sliderl.cluster.actors.placement import start_local_ray
+    from sliderl.cluster.config.train import TrainConfig
+    from sliderl.cluster.storage.trace_log import TraceLog
+    from sliderl.core.pasta import PastaLayout
 
     import ray
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import torch
 
 from sliderl.rollout import SamplingParams
-from sliderl.rollout.kv_policy import KVPolicy
-from sliderl.rollout.loader import load_model
-from sliderl.rollout.pasta import PastaLayout, PastaTokenIds
+from sliderl.core.kv_policy import KVPolicy
+from sliderl.core.loader import load_model
+from sliderl.core.pasta import PastaLayout, PastaTokenIds
 from test_pasta_runtime import GREEDY, RESPONSE_A, RESPONSE_B, lay_out, pasta_llm, pasta_model, run_scripted  # noqa: F401 (fixture)
 from sliderl.trainer.logprobs import recompute_logprobs
 

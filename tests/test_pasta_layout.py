@@ -1,4 +1,4 @@
-"""Pasta-Lang layouts (rollout.pasta.PastaLayout): threads, position ids, forks, the visibility mask,
+"""Pasta-Lang layouts (core.pasta.PastaLayout): threads, position ids, forks, the visibility mask,
 targets, critical path and malformed pieces.
 
 Expectations are worked out by hand from the rule in DESIGN.md ("Pasta threads") and the thesis'
@@ -13,8 +13,8 @@ import random
 import pytest
 import torch
 
-from sliderl.rollout.kv_policy import NEVER
-from sliderl.rollout.pasta import DEFAULT_PROMISE_UNITS, PastaLayout, PastaMalformed, PastaTokenIds
+from sliderl.core.kv_policy import NEVER
+from sliderl.core.pasta import DEFAULT_PROMISE_UNITS, PastaLayout, PastaMalformed, PastaTokenIds
 
 TAGS = PastaTokenIds(promise_open=1000, tag_close=1001, async_open=1002, async_close=1003, sync=1004)
 PR, CL, AO, AC, SY = 1000, 1001, 1002, 1003, 1004

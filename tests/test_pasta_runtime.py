@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from sliderl.rollout import LLM, SamplingParams
-from sliderl.rollout.kv_policy import NEVER
-from sliderl.rollout.loader import load_tokenizer
-from sliderl.rollout.model import DenseAttention
-from sliderl.rollout.pasta import DEFAULT_PROMISE_UNITS, PASTA_TOKENS, UNIT, PastaTokenIds
-from sliderl.rollout.sampling import logprobs_at
+from sliderl.core.kv_policy import NEVER
+from sliderl.core.loader import load_tokenizer
+from sliderl.core.model import DenseAttention
+from sliderl.core.pasta import DEFAULT_PROMISE_UNITS, PASTA_TOKENS, UNIT, PastaTokenIds
+from sliderl.core.logprob import logprobs_at
 
 EOS = 256  # the tiny tokenizer's <|endoftext|>
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -67,7 +67,7 @@ class Layout:
 
 def lay_out(pieces: list, tags: PastaTokenIds, prompt_len: int, units_default: int = DEFAULT_PROMISE_UNITS,
             eos: int = EOS) -> Layout:
-    """The rule of rollout.pasta's docstring and the issue, written out independently of the runtime."""
+    """The rule of core.pasta's docstring and the issue, written out independently of the runtime."""
     out = Layout([], [], [], [], [], [], [], [])
     main_next, unjoined = prompt_len, []
 

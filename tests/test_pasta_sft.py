@@ -3,9 +3,9 @@ base model without the Pasta-Lang tags, and the loss falls."""
 
 from __future__ import annotations
 
-from sliderl.rewards.pasta_task import PastaTask
-from sliderl.rollout.loader import load_tokenizer
-from sliderl.rollout.pasta import PASTA_TOKENS
+from sliderl.tasks.pasta import PastaTask
+from sliderl.core.loader import load_tokenizer
+from sliderl.core.pasta import PASTA_TOKENS
 from sliderl.trainer.algorithms import SFTOptions
 from sliderl.trainer.learner_args import LearnerArgs
 from sliderl.trainer.sft import SFTArgs, SFTExample, run_sft
@@ -17,7 +17,7 @@ TINY = dict(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermedi
 # tags -> the Learner cannot find them), or one whose pasta traces carry no loss (planted:
 # PastaLayout.target_mask all False -> nothing is stepped and the loss stays 0).
 def test_pasta_sft_stage_runs_and_the_loss_falls(tmp_path):
-    from sliderl.rollout.tiny import make_tiny_model
+    from sliderl.core.tiny import make_tiny_model
 
     base = make_tiny_model(tmp_path / "base", **TINY)
     task = PastaTask(num_chains=(2, 2), num_steps=(8, 8))

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from benchmarks.pasta_speedup import Trace, scripted_engines, scripted_row, theoretical_speedup, thread_scripts
-from sliderl.rollout.pasta import PASTA_TOKENS
+from sliderl.core.pasta import PASTA_TOKENS
 
 # two forks of 60 tokens each, joined by one <sync/>, then "z"
 CONTENT = ["abcdefghij" * 6, "klmnopqrst" * 6]
@@ -71,9 +71,9 @@ def test_scripted_mode_runs_and_writes_its_rows(tmp_path):
 # catches: the trained mode reading the wrong config (task, prompt format) or scoring an eos as a token
 @pytest.mark.slow
 def test_trained_mode_runs_on_two_checkpoints(tmp_path, pasta_model):
-    from sliderl.cluster.config import save_config
-    from sliderl.cluster.sft_config import SFTJobConfig
-    from sliderl.cluster.task_config import PastaTaskConfig
+    from sliderl.cluster.config.base import save_config
+    from sliderl.cluster.config.sft import SFTJobConfig
+    from sliderl.cluster.config.task import PastaTaskConfig
 
     cfg = SFTJobConfig(task=PastaTaskConfig(num_chains=(2, 2), num_steps=(2, 3)), kv="pasta",
                        data={"source": "task", "task_solution": "solution"})

@@ -1,8 +1,8 @@
-"""The summed-chains task (rewards.pasta_task): annotated responses parse into K forks joined by one sync
+"""The summed-chains task (tasks.pasta): annotated responses parse into K forks joined by one sync
 with a shorter critical path than the plain response, the plain response is the annotated one without
 annotations, answers verify, splits are disjoint and stable.
 
-Independent references: the byte-level tokenizer itself (token counts), rollout.pasta's parser and a
+Independent references: the byte-level tokenizer itself (token counts), core.pasta's parser and a
 text-level schedule written here (two separate implementations of the critical path), a regular
 expression that strips the annotations, and arithmetic redone here from the prompt.
 """
@@ -14,10 +14,11 @@ import re
 
 import pytest
 
-from sliderl.rewards.pasta_task import PASTA_TAGS, UNIT, PastaTask, PastaTaskVerifier, byte_level_tokens, format_annotated
-from sliderl.rollout import pasta
-from sliderl.rollout.pasta import PastaLayout, PastaTokenIds
-from sliderl.rollout.tiny import build_tokenizer
+from sliderl.rewards.arith import ArithVerifier
+from sliderl.tasks.pasta import PASTA_TAGS, UNIT, PastaTask, byte_level_tokens, format_annotated
+from sliderl.core import pasta
+from sliderl.core.pasta import PastaLayout, PastaTokenIds
+from sliderl.core.tiny import build_tokenizer
 
 TOKENIZER = build_tokenizer(extra_special_tokens=pasta.PASTA_TOKENS)
 TAGS = PastaTokenIds.from_tokenizer(TOKENIZER)
@@ -32,7 +33,7 @@ def problems() -> list[dict]:
     return task.problems(30) + task.problems(10, "eval")
 
 
-# catches: the task's copies of the tag strings or the unit drifting from rollout.pasta's, and a token
+# catches: the task's copies of the tag strings or the unit drifting from core.pasta's, and a token
 # count that does not match the tokenizer the models use (planted: tags counted by their bytes -> fails).
 def test_constants_and_token_count_agree_with_the_tokenizer():
     assert PASTA_TAGS == pasta.PASTA_TOKENS and UNIT == pasta.UNIT
@@ -44,7 +45,7 @@ def test_constants_and_token_count_agree_with_the_tokenizer():
 
 def text_schedule(annotated: str) -> int:
     """Critical path of an annotated response from its text pieces: each token one step on its thread, a fork
-    starting after its promise's "/>", the sync waiting for every fork (the rule of rollout.pasta, redone)."""
+    starting after its promise's "/>", the sync waiting for every fork (the rule of core.pasta, redone)."""
     pieces = re.split(r'(<promise[^<>]*/><async>.*?</async>|<sync/>)', annotated, flags=re.S)
     step, ends = 0, []
     for piece in pieces:
@@ -128,7 +129,7 @@ def test_plain_response_is_the_annotated_one_without_annotations():
 # showing the value before it), a combination that does not add the finals (planted: the running sum adding
 # each chain's start -> fails), a verifier that cannot read an annotated response.
 def test_answers_follow_the_prompt_and_verify():
-    verifier = PastaTaskVerifier()
+    verifier = ArithVerifier()
     for p in problems():
         *chains, question = p["prompt"].splitlines()
         finals = {}

@@ -3,7 +3,7 @@ modifications: the mask, the position ids, each token predicted within its threa
 
 The independent reference: the response is built here from labelled pieces, so each token's thread,
 position id, predictor and the mask follow from the construction and the rule as DESIGN.md states it
-(written out below without rollout.pasta), then a float64 dense forward of the same weights scores it.
+(written out below without core.pasta), then a float64 dense forward of the same weights scores it.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ import warnings
 import pytest
 import torch
 
-from sliderl.rollout.loader import load_model, load_tokenizer
-from sliderl.rollout.model import DenseAttention
-from sliderl.rollout.pasta import DEFAULT_PROMISE_UNITS, PASTA_TOKENS, UNIT, PastaLayout, PastaTokenIds
-from sliderl.rollout.trace import Trace
-from sliderl.rollout.vocab import bind_policy_vocab
+from sliderl.core.loader import load_model, load_tokenizer
+from sliderl.core.model import DenseAttention
+from sliderl.core.pasta import DEFAULT_PROMISE_UNITS, PASTA_TOKENS, UNIT, PastaLayout, PastaTokenIds
+from sliderl.core.trace import Trace
+from sliderl.core.vocab import bind_policy_vocab
 from sliderl.trainer.algorithms import SFTOptions
 from sliderl.trainer.attention import FlexPolicyAttention, training_attention
 from sliderl.trainer.learner import Learner

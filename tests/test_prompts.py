@@ -10,9 +10,10 @@ import queue
 import pytest
 from transformers import AutoTokenizer
 
-from sliderl.cluster.config import ConfigError, load_config
-from sliderl.cluster.run_plan import prepare
-from sliderl.cluster.train_config import TrainConfig
+from sliderl.cluster.config.base import load_config
+from sliderl.cluster.errors import ConfigError
+from sliderl.cluster.run.plan import prepare
+from sliderl.cluster.config.train import TrainConfig
 
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."  # written out, not imported
 # A Qwen3-like template: it writes the tokenizer's BOS text first and reads enable_thinking after the
@@ -73,7 +74,7 @@ def bos_model(tmp_path_factory):
     the BOS text itself (as Llama 3's does), and reads enable_thinking (as Qwen3's does)."""
     from tokenizers import processors
 
-    from sliderl.rollout.tiny import make_tiny_model
+    from sliderl.core.tiny import make_tiny_model
 
     path = make_tiny_model(tmp_path_factory.mktemp("bos") / "m", "qwen3", hidden_size=32, num_layers=1, num_heads=2,
                            num_kv_heads=1, intermediate_size=64, extra_special_tokens=("<s>",))
@@ -95,10 +96,10 @@ def test_a_template_that_writes_its_bos_reaches_engine_and_trainer_with_one_bos(
     # re-encoding a chat prompt's text instead of using its ids (a warm start would train two BOS) or putting
     # a BOS before the completion. The reference ids are transformers' apply_chat_template; the engine's are
     # read back from the worker's trace.
-    from sliderl.cluster.data import PromptGroup
-    from sliderl.cluster.prompts import prompt_format
-    from sliderl.cluster.rollout_worker import RolloutWorker
-    from sliderl.cluster.sft_job import written
+    from sliderl.cluster.records import PromptGroup
+    from sliderl.cluster.config.prompts import prompt_format
+    from sliderl.cluster.actors.rollout_worker import RolloutWorker
+    from sliderl.cluster.run.sft_job import written
     from sliderl.rewards import RewardSpec
     from sliderl.rollout import EngineArgs, SamplingParams
     from sliderl.trainer.sft import sft_trace
@@ -170,7 +171,7 @@ def test_chat_settings_the_job_cannot_use_are_errors(tmp_path, tiny_model_factor
     # Catches: data.chat_template=true silently falling back to raw prompts with a tokenizer that has no chat
     # template, and a system prompt silently dropped because prompts resolved to raw (a tiny model is raw
     # under auto).
-    from sliderl.rollout.tiny import make_tiny_model
+    from sliderl.core.tiny import make_tiny_model
 
     plain = make_tiny_model(tmp_path / "plain", "qwen3", hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
                             intermediate_size=64)

@@ -120,7 +120,7 @@ def test_a_relative_run_dir_in_a_submitted_job_is_refused(tmp_path, monkeypatch,
     assert not (tmp_path / "runs").exists()
     # an absolute run_dir, or a job without a working-dir copy, goes on (to the next check: none here)
     monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", '{"runtime_env": {}, "metadata": {}}')
-    from sliderl.cluster.config import check_outlives_job
+    from sliderl.cluster.config.base import check_outlives_job
 
     check_outlives_job("runs/smoke", "run_dir")
     monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR",

@@ -1,10 +1,10 @@
-"""The register-machine task (sliderl/rewards/regmachine.py): valid eviction schedules, real KV savings, a task
+"""The register-machine task (sliderl/tasks/regmachine.py): valid eviction schedules, real KV savings, a task
 that a recency window cannot solve.
 
 The schedules are checked by a simulator written here from the task's text alone (it parses the
 annotated lines, keeps its own register table and re-executes the program), independent of
 ``register_schedule`` / ``last_readers``; the KV numbers come from the engine's own rule
-(``rollout.kv_policy``) on the byte-level tokens the model sees.
+(``core.kv_policy``) on the byte-level tokens the model sees.
 """
 
 from __future__ import annotations
@@ -17,9 +17,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from sliderl.rewards.regmachine import RegisterMachineTask, RegisterMachineVerifier, register_schedule
-from sliderl.rollout.kv_policy import KVPolicy, register_tokens
-from sliderl.rollout.tiny import build_tokenizer
+from sliderl.rewards.arith import ArithVerifier
+from sliderl.tasks.regmachine import RegisterMachineTask, register_schedule
+from sliderl.core.kv_policy import KVPolicy, register_tokens
+from sliderl.core.tiny import build_tokenizer
 
 LINE = re.compile(r"^(?:<reg_(\d+)>)?(?:(\d+) )?([a-z])=(\d+)([+-])(\d)=(\d+)$")
 
@@ -227,7 +228,7 @@ def test_splits_are_disjoint_and_stable():
 
 # Catches: the verifier counting a wrong or missing answer as right.
 def test_verifier_scores_the_boxed_integer(task_rows):
-    row, verify = task_rows[0], RegisterMachineVerifier()
+    row, verify = task_rows[0], ArithVerifier()
     assert verify(row["solution"], row["answer"]).total == 1.0
     wrong = row["solution"].rpartition("{")[0] + "{" + str(int(row["answer"]) + 1) + "}"
     assert verify(wrong, row["answer"]).total == 0.0

@@ -111,7 +111,7 @@ def test_thinking_penalty_counts_tokens_before_think_end():
     assert penalty("a b c d e f g h").total == pytest.approx(-1.0)  # never ended: all 8 count
 
 
-# Pasta's speedup (Baseline-SFT's length / the critical path of rollout.pasta.PastaLayout): tests/test_pasta_bonbon.py
+# Pasta's speedup (Baseline-SFT's length / the critical path of core.pasta.PastaLayout): tests/test_pasta_bonbon.py
 
 
 # --------------------------------------------------------------------------- composite

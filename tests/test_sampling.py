@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from sliderl.rollout.sampling import SamplingParams, logprobs_at, sample, uniform_noise
+from sliderl.core.logprob import logprobs_at
+from sliderl.rollout.sampling import SamplingParams, sample, uniform_noise
 
 # Tiny vocabulary, deliberately unsorted so the sampler's sort must map ranks back to token ids.
 LOGITS6 = np.array([0.5, -1.0, 2.0, -3.0, 1.0, 0.0])

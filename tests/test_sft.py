@@ -7,11 +7,11 @@ import json
 import pytest
 import torch
 
-from sliderl.rewards.arith import ArithTask
+from sliderl.tasks.arith import ArithTask
 from sliderl.rollout import LLM, SamplingParams
-from sliderl.rollout.loader import load_model
-from sliderl.rollout.model import DenseAttention, causal_mask
-from sliderl.rollout.tiny import build_tokenizer
+from sliderl.core.loader import load_model
+from sliderl.core.model import DenseAttention, causal_mask
+from sliderl.core.tiny import build_tokenizer
 from sliderl.trainer.algorithms import GRPOOptions, SFTOptions
 from sliderl.trainer.learner_args import LearnerArgs
 from sliderl.trainer.sft import MARKER, SFTArgs, SFTExample, cached_sft, run_sft, sft_trace
@@ -30,7 +30,7 @@ def examples(n: int, split: str = "train") -> list[SFTExample]:
 
 @pytest.fixture(scope="module")
 def base_model(tmp_path_factory):
-    from sliderl.rollout.tiny import make_tiny_model
+    from sliderl.core.tiny import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("sft-init") / "init", **TINY)
 
@@ -194,7 +194,7 @@ def test_register_sft_tokenizes_registers_as_the_engine_does(tmp_path, base_mode
     # emits a register token and the engine never evicts. The first step's loss (the start weights) must
     # equal the teacher-forced loss of the same batch tokenized with <reg_i> as single tokens, computed
     # by a separate learner bound to registers:16 up front.
-    from sliderl.rewards.regmachine import RegisterMachineTask
+    from sliderl.tasks.regmachine import RegisterMachineTask
     from sliderl.trainer.learner import Learner
 
     rows = RegisterMachineTask(repeats=(2, 3)).problems(4)

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from sliderl.cluster.config import load_config
-from sliderl.cluster.sft_config import SFTJobConfig
-from sliderl.cluster.train_config import TrainConfig
-from sliderl.rollout.kv_policy import register_tokens
-from sliderl.rollout.tiny import build_tokenizer
+from sliderl.cluster.config.base import load_config
+from sliderl.cluster.config.sft import SFTJobConfig
+from sliderl.cluster.config.train import TrainConfig
+from sliderl.core.kv_policy import register_tokens
+from sliderl.core.tiny import build_tokenizer
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 RECIPES = ["tip", "tip-gpu"]

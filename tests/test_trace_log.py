@@ -14,8 +14,8 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
 
-from sliderl.cluster.trace_log import TraceLog
-from sliderl.rollout.trace import TRACE_SCHEMA, Int32, Trace, arrow_schema, traces_from_table
+from sliderl.cluster.storage.trace_log import TraceLog
+from sliderl.core.trace import TRACE_SCHEMA, Int32, Trace, arrow_schema, traces_from_table
 
 ROOT = Path(__file__).resolve().parents[1]
 FLOAT32_FIELDS = {"logprobs", "temperature"}  # float32 in TRACE_SCHEMA
@@ -129,7 +129,7 @@ def test_killed_writer_leaves_only_complete_parts(tmp_path):
         import sys
         sys.path.insert(0, {str(ROOT)!r})
         sys.path.insert(0, {str(Path(__file__).parent)!r})
-        from sliderl.cluster.trace_log import TraceLog
+        from sliderl.cluster.storage.trace_log import TraceLog
         from test_trace_log import make_trace
         log = TraceLog({str(tmp_path)!r})
         i = 0

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from sliderl.rollout import LLM, SamplingParams
-from sliderl.rollout.loader import load_model, load_tokenizer
-from sliderl.rollout.vocab import bind_policy_vocab
+from sliderl.core.loader import load_model, load_tokenizer
+from sliderl.core.vocab import bind_policy_vocab
 from sliderl.trainer.logprobs import logprob_mismatch, recompute_logprobs, window_input, pack_windows, packed_logprobs
 from sliderl.trainer.windows import chunked_windows, truncated_window
 

@@ -13,9 +13,11 @@ import yaml
 from transformers import AutoTokenizer
 
 from sliderl.cluster.cli import main
-from sliderl.cluster.config import ConfigError, load_config
-from sliderl.cluster.data import Problem, load_split
-from sliderl.cluster.train_config import TrainConfig
+from sliderl.cluster.config.base import load_config
+from sliderl.cluster.errors import ConfigError
+from sliderl.cluster.storage.data import load_split
+from sliderl.cluster.records import Problem
+from sliderl.cluster.config.train import TrainConfig
 
 ROWS = [{"uid": f"u{i}", "question": f"What is {i} + {i}?", "final": str(2 * i), "level": i % 3} for i in range(6)]
 COLUMNS = ["data.prompt_field=question", "data.answer_field=final", "data.id_field=uid"]
@@ -94,9 +96,9 @@ def test_sft_on_a_chat_messages_file_trains_the_chat_templates_prompts(tmp_path)
     # again with special tokens), data.system_prompt ignored or overriding a conversation's own system
     # message, and the job not reaching the trainer (the loss must fall). Reference prompt ids:
     # transformers' apply_chat_template on the conversation's messages before the last one.
-    from sliderl.cluster.prompts import prompt_format
-    from sliderl.cluster.sft_config import SFTJobConfig
-    from sliderl.cluster.sft_job import stage_examples
+    from sliderl.cluster.config.prompts import prompt_format
+    from sliderl.cluster.config.sft import SFTJobConfig
+    from sliderl.cluster.run.sft_job import stage_examples
     from sliderl.trainer.sft import sft_trace
 
     rows = conversations(40)
@@ -129,9 +131,9 @@ def test_sft_pairs_through_the_chat_template_and_bad_conversations(tmp_path, cap
     # are templated), and malformed conversations failing inside the trainer instead of naming the row.
     pairs = write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": f"say {i}", "completion": f"{i}"} for i in range(8)])
     base = ["sft", *TINY, f"model.cache_dir={tmp_path / 'models'}", "data.held_out=2", f"output_dir={tmp_path / 'run'}"]
-    from sliderl.cluster.prompts import prompt_format
-    from sliderl.cluster.sft_config import SFTJobConfig
-    from sliderl.cluster.sft_job import stage_examples
+    from sliderl.cluster.config.prompts import prompt_format
+    from sliderl.cluster.config.sft import SFTJobConfig
+    from sliderl.cluster.run.sft_job import stage_examples
 
     cfg = load_config(SFTJobConfig, None, base[1:] + [f"data.source={pairs}", "data.chat_template=true"])
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.resolve(), local_files_only=True)

@@ -12,8 +12,8 @@ import re
 import pytest
 
 from sliderl.cluster.cli import main
-from sliderl.cluster.config import load_config
-from sliderl.cluster.train_config import TrainConfig
+from sliderl.cluster.config.base import load_config
+from sliderl.cluster.config.train import TrainConfig
 
 # Each case is one mistake from the list, with the words the one-line message must hold.
 USER_ERRORS = [
@@ -87,7 +87,7 @@ def test_help_shows_the_values_the_actors_are_built_with(capsys):
     shown = dict(re.findall(r"^  ([\w.\[\]]+) = (.+?)  ", capsys.readouterr().out, flags=re.M))
     cfg = load_config(TrainConfig, None)  # what `sliderl train` with no arguments runs
     actors = {"learner": cfg.learner_args(), "engine": cfg.worker_engine_args(0), "sampling": cfg.sampling,
-              "reward": cfg.reward}  # what cluster.resources passes to the learner and to worker 0
+              "reward": cfg.reward}  # what cluster.actors.placement passes to the learner and to worker 0
     checked = 0
     for prefix, record in actors.items():
         for key, value in _leaves(record, prefix):

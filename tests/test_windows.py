@@ -3,7 +3,7 @@
 Window expectations are worked out by hand from DESIGN.md's "Truncated window": a trace of P
 prompt and T generated tokens; generated token j sits at position P + j; the model is fed the
 prompt and the token before every target. Attention backends are checked against a float64 dense
-reference whose mask is written out here from DESIGN.md's table, not taken from rollout.kv_policy.
+reference whose mask is written out here from DESIGN.md's table, not taken from core.kv_policy.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import warnings
 import pytest
 import torch
 
-from sliderl.rollout.kv_policy import NEVER, KVPolicy
+from sliderl.core.kv_policy import NEVER, KVPolicy
 from sliderl.trainer.attention import (SHORT_DOCUMENT, FlexPolicyAttention, MaskedSDPA, PackedVisibility, auto_backend,
                                flex_bucket, training_attention)
 from sliderl.trainer.windows import chunked_windows, full_window, training_windows, truncated_window

@@ -1,6 +1,9 @@
-"""Everything that runs jobs: the config schema (``config``, ``train_config``), the ``sliderl`` CLI,
-Ray connection and placement (``resources``), the rollout-worker and learner actors, weight sync,
-the trace queue and the driver loop (``driver``, ``ledger``, ``worker_pool``), data, the run's
-storage root (``storage``: a local folder or a URI) and checkpoints (``run_checkpoints``), the model on
-every node (``model_files``), the warm start's actor (``warm_start``), the trace log and monitoring
-(``step_report``, ``monitor``, ``ray_metrics``). Ray is imported only here."""
+"""Everything that runs jobs, by role; Ray is imported only here. Floors, bottom up:
+
+- ``errors``, ``records`` (the records that cross process boundaries) and ``config/`` (the job schemas);
+- ``storage/``: the run's storage root, the trace log, model files on every node, datasets;
+- ``observe/``: the monitor (metrics.jsonl, W&B, plots), Ray metrics, the dashboard's names;
+- ``actors/``: each Ray actor beside the function that places it, over one placement module, and weight sync;
+- ``eval/``: accuracy of a policy and comparisons of checkpoints x KV policies;
+- ``run/``: the driver, the group ledger, the worker pool, a run's checkpoints and plan, SFT jobs;
+- ``cli``: the ``sliderl`` command on top."""

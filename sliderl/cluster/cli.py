@@ -19,10 +19,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sliderl.cluster.config import (ConfigError, GenerateConfig, check_device, check_outlives_job, config_reference,
-                            load_config, save_config, to_yaml)
-from sliderl.cluster.sft_config import SFTJobConfig
-from sliderl.cluster.train_config import TrainConfig
+from sliderl.cluster.config.base import GenerateConfig, check_device, check_outlives_job, config_reference, load_config, save_config, to_yaml
+from sliderl.cluster.errors import ConfigError
+from sliderl.cluster.config.sft import SFTJobConfig
+from sliderl.cluster.config.train import TrainConfig
 
 RUN_FAILED = 1
 USER_ERROR = 2
@@ -145,7 +145,7 @@ def _keys_help(schema, path: str | None = None, overrides: list[str] = ()) -> st
 
 def _compare_keys_help() -> str:
     """The ``eval.compare`` keys with their defaults and meanings."""
-    from sliderl.cluster.comparison import CompareConfig, CompareEntry
+    from sliderl.cluster.config.compare import CompareConfig, CompareEntry
 
     entry = [f"  eval.compare.entries[].{name}: {' '.join((field.description or '').split())}"
              for name, field in CompareEntry.model_fields.items()]
@@ -256,7 +256,7 @@ def print_summary(summary: dict[str, Any], out_dir: Path) -> None:
 
 def run_job_metadata(config_path: str | None, overrides: list[str]) -> int:
     """``sliderl job-metadata``: the train job's Ray job metadata, one JSON object on stdout."""
-    from sliderl.cluster.dashboard import job_metadata
+    from sliderl.cluster.observe.dashboard import job_metadata
 
     cfg = load_config(TrainConfig, config_path, overrides)
     print(json.dumps(job_metadata(cfg, config_path)))
@@ -265,8 +265,8 @@ def run_job_metadata(config_path: str | None, overrides: list[str]) -> int:
 
 def run_train(config_path: str | None, overrides: list[str]) -> int:
     """``sliderl train``: load the config, run the job, print the summary."""
-    from sliderl.cluster.driver import train
-    from sliderl.cluster.worker_pool import RunError
+    from sliderl.cluster.run.driver import train
+    from sliderl.cluster.errors import RunError
 
     cfg = load_config(TrainConfig, config_path, overrides)
     print(to_yaml(cfg), end="", flush=True)
@@ -292,9 +292,9 @@ def run_train(config_path: str | None, overrides: list[str]) -> int:
 
 def run_sft(config_path: str | None, overrides: list[str]) -> int:
     """``sliderl sft``: load the config, fine-tune, print where the checkpoint is."""
-    from sliderl.cluster.prompts import prompt_format
-    from sliderl.cluster.sft_job import run_sft_job, stage_pairs, written
-    from sliderl.rollout.loader import load_tokenizer
+    from sliderl.cluster.config.prompts import prompt_format
+    from sliderl.cluster.run.sft_job import run_sft_job, stage_pairs, written
+    from sliderl.core.loader import load_tokenizer
 
     cfg = load_config(SFTJobConfig, config_path, overrides)
     check_device(cfg.learner.device, "learner.device")
@@ -336,10 +336,10 @@ def checked_checkpoint(checkpoint: str, key: str = "checkpoint") -> Path:
 
 def eval_problems(cfg: TrainConfig) -> list:
     """The first eval.num_problems problems of the config's eval split (prompts: the problem texts, not yet written
-    by ``cluster.prompts.PromptFormat``)."""
+    by ``cluster.config.prompts.PromptFormat``)."""
     import tempfile
 
-    from sliderl.cluster.data import data_sources, load_split
+    from sliderl.cluster.storage.data import data_sources, load_split
 
     with tempfile.TemporaryDirectory() as scratch:
         _, eval_source = data_sources(cfg, scratch)
@@ -349,10 +349,10 @@ def eval_problems(cfg: TrainConfig) -> list:
 def run_checkpoint_eval(checkpoint: str | None, overrides: list[str]) -> int:
     """``sliderl eval CHECKPOINT``: accuracy and KV numbers of a checkpoint on the eval split, its prompts
     written by the run's ``data`` settings with the checkpoint's tokenizer."""
-    from sliderl.cluster.evaluation import score
-    from sliderl.cluster.prompts import prompt_format
+    from sliderl.cluster.eval.evaluation import score
+    from sliderl.cluster.config.prompts import prompt_format
     from sliderl.rollout import LLM
-    from sliderl.rollout.loader import load_tokenizer
+    from sliderl.core.loader import load_tokenizer
 
     if checkpoint is None:
         raise ConfigError("sliderl eval needs a CHECKPOINT directory (e.g. runs/x/checkpoints/step_000120) "
@@ -375,8 +375,8 @@ def run_checkpoint_eval(checkpoint: str | None, overrides: list[str]) -> int:
 
 def run_compare(config_path: str, overrides: list[str]) -> int:
     """``sliderl eval COMPARE.yaml``: every entry of eval.compare sampled k times per problem; table and plots."""
-    from sliderl.cluster.comparison import run_comparison
-    from sliderl.cluster.comparison_report import text_table, write_report, write_tables
+    from sliderl.cluster.eval.comparison import run_comparison
+    from sliderl.cluster.eval.report import text_table, write_report, write_tables
 
     cfg = load_config(TrainConfig, config_path, overrides)
     compare = cfg.eval.compare

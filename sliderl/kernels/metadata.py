@@ -5,11 +5,11 @@ The engine flattens a batch into N query tokens; sequence s owns query rows
 ``block_size`` slots; slot ``b * block_size + j`` of physical block b holds the key at logical
 position ``block_index * block_size + j`` of the sequence whose table lists b.
 
-Visibility (see ``rollout.kv_policy``): a query at position q reads the key at position k when
+Visibility (see ``core.kv_policy``): a query at position q reads the key at position k when
 ``k <= q < death[slot]``. ``block_tables`` lists only *live* blocks (inter-tile skipping: a dead or
 out-of-window block is never read); boundary blocks are masked slot by slot (intra-tile masking).
 These positions are the tokens' places in the sequence's block table, which are their token
-positions except for Pasta threads (``rollout.pasta_thread``): their tables interleave threads, a block
+positions except for Pasta threads (``rollout.pasta.thread``): their tables interleave threads, a block
 may sit at different logical indices in different threads' tables, and RoPE positions travel apart.
 """
 

@@ -1,6 +1,6 @@
 """Fused RMSNorm (with the residual add before it) and q/k-norm + RoPE: one launch where PyTorch needs ~6-30.
 
-The decoder's inference path uses these; ``rollout.model``'s PyTorch ops stay the training path and
+The decoder's inference path uses these; ``core.model``'s PyTorch ops stay the training path and
 the reference. Both kernels round where those ops round: the norm runs in fp32 and is cast to the
 dtype before the weight multiply (as transformers does), and every elementwise op of RoPE is rounded
 to the dtype, as each separate torch op rounds its bf16 result. FMA contraction is off for the same
@@ -128,7 +128,7 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
     """Qwen3's per-head RMSNorm (when ``q_weight``/``k_weight [D]`` are given), then rotate-half RoPE.
 
     q: [N, H_q, D], k: [N, H_kv, D], cos/sin: [N, D], all of one dtype -> new (q, k). Equals
-    ``apply_rope(q_norm(q), cos, sin), apply_rope(k_norm(k), cos, sin)`` of ``rollout.model``.
+    ``apply_rope(q_norm(q), cos, sin), apply_rope(k_norm(k), cos, sin)`` of ``core.model``.
     """
     if q.dim() != 3 or k.dim() != 3 or q.dtype not in FLOAT_DTYPES:
         raise ValueError(f"q and k must be [N, H, D] of {FLOAT_DTYPES}, got {q.dtype} {tuple(q.shape)} "

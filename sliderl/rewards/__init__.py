@@ -2,9 +2,9 @@
 
 Owns math correctness (``MathReward``, math_verify), TIP's KV-cache penalty (``KVPenalty``), a
 thinking-length penalty, Pasta's theoretical speedup (``SpeedupReward``: Baseline-SFT's length over the
-critical path of ``rollout.pasta.PastaLayout``) and their weighted sum (``CompositeReward``, built from the
+critical path of ``core.pasta.PastaLayout``) and their weighted sum (``CompositeReward``, built from the
 typed ``RewardSpec``). Plain Python: no Ray; math_verify is imported on first verification, torch
-(``rollout.pasta``) by the speedup term when it is built.
+(``core.pasta``) by the speedup term when it is built.
 """
 
 from sliderl.rewards.composite import CompositeReward

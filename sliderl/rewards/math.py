@@ -16,7 +16,7 @@ import weakref
 
 from sliderl.rewards.record import RewardInput, RewardRecord
 
-END_THINK = "</think>"
+from sliderl.core.vocab import END_THINK
 BOX_COMMANDS = ("\\boxed", "\\fbox")
 
 logger = logging.getLogger(__name__)

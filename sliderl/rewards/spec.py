@@ -14,7 +14,8 @@ from typing import ClassVar
 
 from sliderl.rewards.arith import ArithVerifier
 from sliderl.rewards.composite import CompositeReward
-from sliderl.rewards.math import END_THINK, MathReward
+from sliderl.core.vocab import END_THINK
+from sliderl.rewards.math import MathReward
 from sliderl.rewards.record import Reward
 from sliderl.rewards.terms import KVPenalty, SpeedupReward, ThinkingPenalty
 
@@ -102,7 +103,7 @@ class SpeedupTerm:
     path of the Pasta-Lang response (``rewards.terms.SpeedupReward``). Needs ``engine.kv=pasta``.
 
     Baseline-SFT's lengths are generated once per training prompt (greedy, under kv=full) at the start of the
-    run and kept in ``run_dir/baseline_lengths.json`` (``cluster.baseline_lengths``). With BoNBoN the samples
+    run and kept in ``run_dir/baseline_lengths.json`` (``cluster.actors.baseline``). With BoNBoN the samples
     are ranked by ``speedup + λ·quality``, λ being ``learner.algo.quality_weight`` and quality the
     ``correctness`` term: the task's verifier (1 right, 0 wrong) — no LLM judge, unlike the thesis.
     """

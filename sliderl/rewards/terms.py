@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from sliderl.rewards.math import END_THINK
+from sliderl.core.vocab import END_THINK
 from sliderl.rewards.record import RewardInput, RewardRecord
 
 
@@ -90,24 +90,24 @@ class SpeedupReward:
     """Pasta's theoretical speedup (thesis §3.4): ``baseline_tokens / critical path``.
 
     ``baseline_tokens`` is Baseline-SFT's response length for the same prompt (``RewardInput.baseline_tokens``;
-    ``cluster.baseline_lengths`` generates them); the critical path is the response's longest sequential chain
-    of decode steps, in tokens, read by ``rollout.pasta.PastaLayout`` from the flattened token ids and the
+    ``cluster.actors.baseline`` generates them); the critical path is the response's longest sequential chain
+    of decode steps, in tokens, read by ``core.pasta.PastaLayout`` from the flattened token ids and the
     runtime's forced flags — the structure the engine decoded and the trainer trains. A response without
     forks has its own length as critical path. ``tokenizer`` gives the Pasta-Lang tag ids and decodes a
-    promise's ``tokens="N"``; ``rollout.pasta`` (torch) is imported here, on first use.
+    promise's ``tokens="N"``; ``core.pasta`` (torch) is imported here, on first use.
     """
 
     name = "speedup"
 
     def __init__(self, tokenizer):
-        from sliderl.rollout.pasta import PastaTokenIds
+        from sliderl.core.pasta import PastaTokenIds
 
         self.tags = PastaTokenIds.from_tokenizer(tokenizer)
         self.decode = tokenizer.decode
 
     def __call__(self, prompt_len: int, completion_ids: Sequence[int], baseline_tokens: int,
                  forced: Sequence[bool] | None = None) -> RewardRecord:
-        from sliderl.rollout.pasta import PastaLayout
+        from sliderl.core.pasta import PastaLayout
 
         layout = PastaLayout.parse(prompt_len, completion_ids, self.tags, self.decode, forced)
         speedup = layout.speedup(baseline_tokens)

@@ -2,7 +2,7 @@
 
 from sliderl.rollout.engine import LLM
 from sliderl.rollout.engine_args import EngineArgs
-from sliderl.rollout.kv_policy import KVPolicy
+from sliderl.core.kv_policy import KVPolicy
 from sliderl.rollout.sampling import SamplingParams
 from sliderl.rollout.sequence import KVUsage, RequestOutput
 

@@ -1,5 +1,5 @@
 """The seam between a rollout worker and its generation engine: ``RolloutEngine`` is every call the
-worker (``cluster.rollout_worker``) makes, and ``build_engine`` is the one place an engine is chosen,
+worker (``cluster.actors.rollout_worker``) makes, and ``build_engine`` is the one place an engine is chosen,
 by ``rollout.backend`` in the job config.
 
 sliderl's own engine, ``paged`` (``rollout.LLM``), is the only backend: its KV policies bound the
@@ -36,7 +36,7 @@ class RolloutEngine(Protocol):
 
     args: EngineArgs
     device: Any  # torch.device of the weights, where weight sync delivers new ones
-    policy: Any  # rollout.kv_policy.KVPolicy; its ``spec`` is written on every trace
+    policy: Any  # core.kv_policy.KVPolicy; its ``spec`` is written on every trace
     asleep: bool  # True between sleep() and wake()
 
     def add_request(self, prompt: str | list[int], params: SamplingParams) -> RequestHandle: ...

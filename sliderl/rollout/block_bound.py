@@ -13,7 +13,7 @@ pages (``rollout.heavy_hitters``); before that the prefill holds the prompt's pa
 step (its eviction waits for the prefill's mass) holds them plus the page it writes; one more position
 of slack covers a decode step queued ahead.
 
-Under pasta (``rollout.pasta_runtime``) a request is several threads that never free a block: the main
+Under pasta (``rollout.pasta.runtime``) a request is several threads that never free a block: the main
 thread holds its prompt and tokens, starting a fresh block at each promise that forks and at each
 ``<sync/>`` that joins (at most ``2·max_forks`` part-filled blocks), and each fork holds its own block
 of at most ``max_tokens`` sampled tokens plus ``<async>`` and ``</async>``; the shared prefix counts once.
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from functools import partial
 
-from sliderl.rollout.kv_policy import KVPolicy
+from sliderl.core.kv_policy import KVPolicy
 
 
 def block_bound(policy: KVPolicy, prompt_len: int, max_tokens: int, max_model_len: int, block_size: int,

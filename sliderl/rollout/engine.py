@@ -17,16 +17,16 @@ from sliderl.kernels.metadata import PagedKVCache
 from sliderl.rollout.block_bound import block_bound
 from sliderl.rollout.block_manager import BlockManager
 from sliderl.rollout.engine_args import EngineArgs
-from sliderl.rollout.loader import DTYPES, load_model, load_tokenizer
+from sliderl.core.loader import DTYPES, load_model, load_tokenizer
 from sliderl.rollout.model_runner import ModelRunner
-from sliderl.rollout.pasta import PastaTokenIds
-from sliderl.rollout.pasta_runtime import PastaRuntime
+from sliderl.core.pasta import PastaTokenIds
+from sliderl.rollout.pasta.runtime import PastaRuntime
 from sliderl.rollout.postprocess import Postprocessor
 from sliderl.rollout.run_ahead import RunAhead
 from sliderl.rollout.sampling import SamplingParams
 from sliderl.rollout.scheduler import ScheduledBatch, Scheduler
 from sliderl.rollout.sequence import RequestOutput, Sequence, Status
-from sliderl.rollout.vocab import bind_policy_vocab
+from sliderl.core.vocab import bind_policy_vocab
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ class EngineStats:
 
 
 class LLM:
-    """Paged-KV generation under a KV retention policy (see ``rollout.kv_policy``).
+    """Paged-KV generation under a KV retention policy (see ``core.kv_policy``).
 
     Keywords are the fields of ``EngineArgs`` (their defaults and meaning are there), e.g.
     ``LLM(model, kv="prefix_sliding:4096", device="cuda", dtype="bfloat16")``; or pass a ready record,
@@ -57,7 +57,7 @@ class LLM:
     Under a bounded policy each request reserves its block bound on admission (``Sequence.block_bound``),
     so ``max_concurrency(prompt_len, max_tokens)`` requests of that shape run at once and none is ever
     preempted; a request whose bound alone exceeds the pool is refused by ``add_request``.
-    Under ``kv="pasta"`` every request runs the Pasta-Lang runtime (``rollout.pasta_runtime``): its outputs are
+    Under ``kv="pasta"`` every request runs the Pasta-Lang runtime (``rollout.pasta.runtime``): its outputs are
     flattened responses with their forks (``RequestOutput.pasta``).
     ``close()`` (or leaving ``with LLM(...) as llm:``) frees the KV pool, the weights and the CUDA graphs;
     ``sleep()`` frees the pool and the graphs only, until ``wake()`` (a learner colocated on the GPU uses

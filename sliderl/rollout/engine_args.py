@@ -12,8 +12,8 @@ import re
 from dataclasses import dataclass, fields, replace
 from typing import ClassVar
 
-from sliderl.rollout.kv_policy import KVPolicy
-from sliderl.rollout.loader import DTYPES
+from sliderl.core.kv_policy import KVPolicy
+from sliderl.core.loader import DTYPES
 
 DEVICE_PATTERN = r"cpu|cuda(:\d+)?"
 

@@ -19,7 +19,8 @@ from sliderl.kernels.metadata import AttentionMetadata, PagedKVCache
 from sliderl.rollout.decode_graphs import DecodeGraphs
 from sliderl.rollout.forcing import ForcedTokens
 from sliderl.rollout.paged_attention import PagedAttention, attention_impl
-from sliderl.rollout.sampling import logprobs_at, sample
+from sliderl.core.logprob import logprobs_at
+from sliderl.rollout.sampling import sample
 from sliderl.rollout.scheduler import ScheduledBatch
 from sliderl.rollout.sequence import Sequence
 
@@ -86,7 +87,7 @@ class ModelRunner:
         A new key's death is the one known now (``Sequence.key_deaths``); a register kill that comes
         later reaches the cache through ``set_death``. The mask's query positions are the tokens' slots in
         their block table's order (``Sequence.table_positions``), RoPE's are ``Sequence.rope_positions``: the
-        same numbers except for Pasta threads, whose tables interleave threads (``rollout.pasta_runtime``).
+        same numbers except for Pasta threads, whose tables interleave threads (``rollout.pasta.runtime``).
         """
         bs = self.block_size
         pos, table_pos, slots, deaths, starts = [], [], [], [], [0]

@@ -1,7 +1,7 @@
 """What happens to a sequence once its token is sampled: append it (or the token budget forcing puts
 in its place), apply register kills, stop on eos / stop ids / stop strings / length, finish, free
 the blocks no future query sees; and the ``RequestOutput`` of a finished request. Under ``kv="pasta"``
-the Pasta runtime (``rollout.pasta_runtime``) then reads the main thread's tags and takes the forks' tokens."""
+the Pasta runtime (``rollout.pasta.runtime``) then reads the main thread's tags and takes the forks' tokens."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import time
 
 import torch
 
-from sliderl.rollout.pasta_runtime import PastaRuntime
-from sliderl.rollout.pasta_thread import PastaThread
-from sliderl.rollout.sampling import logprobs_at
+from sliderl.rollout.pasta.runtime import PastaRuntime
+from sliderl.rollout.pasta.thread import PastaThread
+from sliderl.core.logprob import logprobs_at
 from sliderl.rollout.scheduler import ScheduledBatch, Scheduler
 from sliderl.rollout.sequence import RequestOutput, Sequence, Status
 

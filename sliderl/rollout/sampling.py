@@ -32,6 +32,8 @@ from typing import ClassVar
 
 import torch
 
+from sliderl.core.logprob import logprob_of, scaled_logits
+
 _MASK32 = 0xFFFFFFFF
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
@@ -165,26 +167,6 @@ def gumbel_noise(seed: torch.Tensor, step: torch.Tensor, vocab_size: int) -> tor
 # ---------------------------------------------------------------- sampler
 
 
-def _scaled(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
-    """``logits / T`` in float32, with greedy rows (T == 0) left unscaled: ``[B, V]``."""
-    t = torch.where(temperature > 0, temperature, torch.ones_like(temperature)).to(torch.float32)
-    return logits.to(torch.float32) / t[:, None]
-
-
-def _logprob_of(scaled: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """``log_softmax(scaled)[token]`` per row without materialising the log-softmax: ``[B]``."""
-    picked = scaled.gather(1, tokens[:, None]).squeeze(1)
-    return picked - torch.logsumexp(scaled, dim=-1)
-
-
-def logprobs_at(logits: torch.Tensor, tokens: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
-    """Logprob of given (e.g. forced) tokens under the sampler's convention: ``[B, V], [B], [B] -> [B]``.
-
-    ``log_softmax(logits / T)[token]``, or ``log_softmax(logits)[token]`` where T == 0.
-    """
-    return _logprob_of(_scaled(logits, temperature), tokens.long())
-
-
 def _truncation_keep(sorted_scaled: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
     """Which sorted ranks survive top-k then top-p: ``[B, V]`` bool, rank 0 always kept.
 
@@ -244,13 +226,13 @@ def torch_sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.T
                  any_truncation: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """``sample`` in plain torch ops on any device: the CPU path, rows that truncate, and the reference
     the fused kernel is checked against."""
-    scaled = _scaled(logits, temperature)  # [B, V]
+    scaled = scaled_logits(logits, temperature)  # [B, V]
     greedy = temperature <= 0
     if all_greedy is None:
         all_greedy = bool(greedy.all())
     if all_greedy:
         tokens = scaled.argmax(dim=-1)
-        return tokens, _logprob_of(scaled, tokens)
+        return tokens, logprob_of(scaled, tokens)
     noise = gumbel_noise(seed, step, scaled.shape[1])  # [B, V]
     if any_truncation:
         sorted_scaled, order = torch.sort(scaled, dim=-1, descending=True, stable=True)  # [B, V]
@@ -260,4 +242,4 @@ def torch_sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.T
     else:
         sampled = (scaled + noise).argmax(dim=-1)
     tokens = torch.where(greedy, scaled.argmax(dim=-1), sampled)
-    return tokens, _logprob_of(scaled, tokens)
+    return tokens, logprob_of(scaled, tokens)

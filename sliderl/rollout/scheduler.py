@@ -71,7 +71,7 @@ class Scheduler:
     recomputed from its tokens later. Under h2o a decode step's pages over the budget are evicted
     just before the step is allocated (``evict``), so its block table is the first to lack them.
 
-    A request may run as several sequences (the threads of a Pasta request, ``rollout.pasta_runtime``):
+    A request may run as several sequences (the threads of a Pasta request, ``rollout.pasta.runtime``):
     ``running`` keeps each request's threads together, in admission order of the requests; a step
     schedules them in ``Sequence.threads()`` order, each as far as ``Sequence.ready_tokens`` allows, and
     preemption takes a whole request. The oldest request is never preempted for another, so it always

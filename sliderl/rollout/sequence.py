@@ -11,11 +11,11 @@ import numpy as np
 
 from sliderl.rollout.block_bound import block_bound
 from sliderl.rollout.heavy_hitters import HeavyHitters
-from sliderl.rollout.kv_policy import DeathTracker
+from sliderl.core.kv_policy import DeathTracker
 from sliderl.rollout.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from sliderl.rollout.pasta_runtime import PastaOutput
+    from sliderl.rollout.pasta.runtime import PastaOutput
     from sliderl.rollout.scheduler import ScheduledBatch
 
 
@@ -38,8 +38,8 @@ class KVUsage:
 class RequestOutput:
     """A finished request. ``logprobs[i]`` is the sampler's log-probability of ``token_ids[i]``.
 
-    Under ``kv="pasta"`` ``token_ids`` is the flattened response (``rollout.pasta``) and ``pasta`` its
-    threads and speed (``rollout.pasta_runtime.PastaOutput``); the tags the runtime inserted are forced, with
+    Under ``kv="pasta"`` ``token_ids`` is the flattened response (``core.pasta``) and ``pasta`` its
+    threads and speed (``rollout.pasta.runtime.PastaOutput``); the tags the runtime inserted are forced, with
     logprob 0.0.
     """
 

@@ -20,7 +20,7 @@ from typing import Any, ClassVar, Literal
 import torch
 from torch import Tensor
 
-from sliderl.rollout.trace import Trace
+from sliderl.core.trace import Trace
 from sliderl.trainer.losses import (AGGREGATIONS, LossOutput, bonbon_beta, bonbon_loss, group_advantages, grpo_loss,
                             latency_aware_score, preference_pairs, sft_loss)
 

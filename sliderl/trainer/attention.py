@@ -11,11 +11,11 @@ One rule covers every policy: ``full`` (death never), ``prefix_sliding``, ``slid
 ``streaming`` (death = position + W outside the kept prefix) and ``registers`` (death = the
 position of the register token that killed the step). Every query sees at least itself.
 
-A ``pasta`` window (``rollout.pasta``) also carries each token's thread, ``exposed_at`` and
+A ``pasta`` window (``core.pasta``) also carries each token's thread, ``exposed_at`` and
 ``view_at``, and its tokens' positions above are their indices in the trace (write order), while
 the model gets the layout's position ids; the rule then also needs
 
-    thread[j] == thread[i]  or  exposed_at[j] <= view_at[i]          (rollout.pasta.thread_visible)
+    thread[j] == thread[i]  or  exposed_at[j] <= view_at[i]          (core.pasta.thread_visible)
 
 Backends (all GQA-aware, scale 1/sqrt(D), output in q's dtype):
   flex  FlexAttention with a ``mask_mod`` reading the position/death/document tensors and a block
@@ -28,7 +28,7 @@ Backends (all GQA-aware, scale 1/sqrt(D), output in q's dtype):
         D·T² (T the longest document) is under half of N² — over the documents as a padded
         ``[D, T]`` batch with one ``[T, T]`` mask each (``DocumentBatch``), or ``is_causal`` when the
         stream is one document under ``full``.
-  dense ``rollout.model.DenseAttention`` over the same mask (reference; float64 capable).
+  dense ``core.model.DenseAttention`` over the same mask (reference; float64 capable).
 
 ``auto`` on CUDA also takes the per-document SDPA when a stream packs many short documents (every
 one at most ``SHORT_DOCUMENT`` tokens): FlexAttention's block mask is built by evaluating the rule
@@ -47,9 +47,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from sliderl.rollout.kv_policy import NEVER
-from sliderl.rollout.model import AttentionBackend, DenseAttention
-from sliderl.rollout.pasta import thread_visible
+from sliderl.core.kv_policy import NEVER
+from sliderl.core.model import AttentionBackend, DenseAttention
+from sliderl.core.pasta import thread_visible
 
 ATTENTION_BACKENDS = ("auto", "flex", "sdpa", "dense")
 _MIN_FLEX_BUCKET = 128
@@ -70,7 +70,7 @@ class PackedVisibility:
     @classmethod
     def pack(cls, parts: Sequence[tuple[Tensor, ...]]) -> PackedVisibility:
         """Concatenate D windows' ``(positions, death)``, or ``(positions, death, thread, exposed_at, view_at)``
-        for a pasta window (``rollout.pasta.PastaLayout``), each ``[n_i]``; document i gets id i.
+        for a pasta window (``core.pasta.PastaLayout``), each ``[n_i]``; document i gets id i.
         With any pasta window, the others get one thread (0) each."""
         if not parts:
             raise ValueError("cannot pack zero windows")

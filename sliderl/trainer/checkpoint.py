@@ -2,7 +2,7 @@
 
 A checkpoint directory holds ``config.json``, ``model.safetensors``, the tokenizer files (with any
 ``<reg_i>`` tokens the learner added) and ``generation_config.json`` when the source model had one —
-loadable by ``transformers.AutoModelForCausalLM`` and ``rollout.loader.load_model`` — and
+loadable by ``transformers.AutoModelForCausalLM`` and ``core.loader.load_model`` — and
 ``trainer_state.pt``: optimizer state, version, RNG states and the learner's settings. The writers
 return each file's size and sha256 for the checkpoint's manifest (``trainer.manifest``); the two big
 files are hashed while they are written.
@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from sliderl.rollout.loader import model_dir
-from sliderl.rollout.model import DecoderLM
+from sliderl.core.loader import model_dir
+from sliderl.core.model import DecoderLM
 from sliderl.trainer.manifest import FileEntry, HashingWriter, Manifest, hash_file
 
 TRAINER_STATE = "trainer_state.pt"

@@ -17,11 +17,11 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from sliderl.rollout.kv_policy import KVPolicy, register_tokens
-from sliderl.rollout.loader import DTYPES, load_model, load_tokenizer
-from sliderl.rollout.pasta import PastaLayout, PastaTokenIds
-from sliderl.rollout.trace import Trace
-from sliderl.rollout.vocab import bind_policy_vocab
+from sliderl.core.kv_policy import KVPolicy, register_tokens
+from sliderl.core.loader import DTYPES, load_model, load_tokenizer
+from sliderl.core.pasta import PastaLayout, PastaTokenIds
+from sliderl.core.trace import Trace
+from sliderl.core.vocab import bind_policy_vocab
 from sliderl.trainer.algorithms import Algorithm, Row, Selection, Totals, make_algorithm
 from sliderl.trainer.checkpoint import (TRAINER_STATE, load_trainer_state, read_hf_source, rng_state, save_hf_model,
                                 save_trainer_state, set_rng_state)
@@ -91,7 +91,7 @@ class Learner:
     whose keywords build (or, beside ``args``, replace fields of) the record. model_path: a local HF
     model directory. Each trace trains under its own ``kv_policy``; W is that policy's window, or
     ``args.window`` when given; policies without one (full, registers) train on the whole trace.
-    A ``pasta`` trace trains whole under its threads (``rollout.pasta.PastaLayout``: mask, position
+    A ``pasta`` trace trains whole under its threads (``core.pasta.PastaLayout``: mask, position
     ids, each token predicted within its thread) and needs ``window_mode='full'``.
     ``args.vocab_policy`` (e.g. ``registers:N``) adds that policy's tokens before the first step and
     weight sync (a registers trace can also grow the vocabulary lazily, but only before step 1).

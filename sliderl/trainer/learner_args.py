@@ -12,8 +12,8 @@ import re
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar, Literal
 
-from sliderl.rollout.kv_policy import KVPolicy
-from sliderl.rollout.loader import DTYPES
+from sliderl.core.kv_policy import KVPolicy
+from sliderl.core.loader import DTYPES
 from sliderl.trainer.algorithms import RECORD_CONFIG, AlgorithmOptions, GRPOOptions, options_from_dict, require_field
 from sliderl.trainer.attention import ATTENTION_BACKENDS
 from sliderl.trainer.windows import WINDOW_MODES

@@ -7,7 +7,7 @@ convention — ``log_softmax(logits / T)[token]``, ``T = 1`` for greedy traces (
 logprobs up to float error; over a truncated window it differs by the cut context, which
 ``logprob_mismatch`` reports.
 
-A ``pasta`` trace (``rollout.pasta.PastaLayout``) is scored whole, under its threads' visibility and
+A ``pasta`` trace (``core.pasta.PastaLayout``) is scored whole, under its threads' visibility and
 position ids, each token predicted by the previous token of its own thread (a promise's ``/>``
 predicts the first main-thread token after its block), as the runtime samples it. Inputs stay in
 flattened order; only the predictor of each target, the mask and the position ids change. A fork's
@@ -25,11 +25,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from sliderl.rollout.kv_policy import KVPolicy
-from sliderl.rollout.model import DecoderLM
-from sliderl.rollout.pasta import PastaLayout
-from sliderl.rollout.sampling import logprobs_at
-from sliderl.rollout.trace import Trace
+from sliderl.core.kv_policy import KVPolicy
+from sliderl.core.model import DecoderLM
+from sliderl.core.pasta import PastaLayout
+from sliderl.core.logprob import logprobs_at
+from sliderl.core.trace import Trace
 from sliderl.trainer.attention import PackedVisibility, training_attention
 from sliderl.trainer.windows import TrainingWindow, full_window
 
@@ -168,7 +168,7 @@ def recompute_logprobs(model: DecoderLM, prompt_ids: Sequence[int], completion_i
                        layout: PastaLayout | None = None) -> Tensor:
     """Logprobs of ``window``'s targets (default: every completion token) under ``policy``: float32 ``[num_targets]``.
 
-    policy: parsed and, for ``registers``, bound to the token ids (``rollout.vocab.bind_policy_vocab``).
+    policy: parsed and, for ``registers``, bound to the token ids (``core.vocab.bind_policy_vocab``).
     temperature: the sampler's (0 = greedy, scored at T = 1). kv_deaths: the engine's recorded
     ``(start, end, death)`` ranges (h2o). layout: a pasta trace's (required for pasta). Runs without
     grad only if the caller disables it.
@@ -196,7 +196,7 @@ def window_input(prompt_ids: Sequence[int], completion_ids: Sequence[int], polic
     if (policy.kind == "pasta") != (layout is not None):
         raise ValueError(f"a PastaLayout is required for the pasta policy and only for it, got policy "
                          f"{policy.spec!r} with layout {'given' if layout is not None else 'None'}; parse one with "
-                         "sliderl.rollout.pasta.PastaLayout.parse(prompt_len, completion_ids, tags, tokenizer.decode)")
+                         "sliderl.core.pasta.PastaLayout.parse(prompt_len, completion_ids, tags, tokenizer.decode)")
     ids = torch.tensor([*prompt_ids, *completion_ids], dtype=torch.int64)
     window = window or full_window(len(prompt_ids), len(completion_ids))
     if (window.prompt_len, window.num_generated) != (len(prompt_ids), len(completion_ids)):

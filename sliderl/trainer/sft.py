@@ -8,9 +8,9 @@ examples are scored by ``Learner.evaluate`` and training stops once their exact 
 decoding reproduces the completion) reaches ``target_accuracy``.
 
 A ``pasta`` stage trains Pasta-Lang-annotated completions under Pasta-SFT's modifications (the
-threads' mask, position ids and in-thread targets: ``rollout.pasta``; it needs ``window_mode='full'``)
+threads' mask, position ids and in-thread targets: ``core.pasta``; it needs ``window_mode='full'``)
 and adds the tags to the vocabulary first; Baseline-SFT is the same stage under ``full`` on the
-completions without annotations (``rewards.pasta_task`` generates both).
+completions without annotations (``tasks.pasta`` generates both).
 
 ``run_sft`` writes the checkpoint (Hugging Face layout + ``trainer_state.pt``) to ``out_dir`` and the
 marker ``sft.json`` (settings, steps run, checks, losses, seconds) last. ``cached_sft`` trains into a
@@ -31,9 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from sliderl.rollout.kv_policy import KVPolicy
-from sliderl.rollout.trace import Trace
-from sliderl.rollout.vocab import policy_tokens
+from sliderl.core.kv_policy import KVPolicy
+from sliderl.core.trace import Trace
+from sliderl.core.vocab import policy_tokens
 from sliderl.trainer.algorithms import RECORD_CONFIG, require_field
 from sliderl.trainer.learner import Learner
 from sliderl.trainer.learner_args import LearnerArgs

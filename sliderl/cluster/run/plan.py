@@ -1,0 +1,163 @@
+"""What a run starts from, settled before any actor exists: the storage root (run_dir), resolved config,
+data (fields checked), the initial model, the warm start's examples, the checkpoint to resume and, with
+``reward.speedup``, the Baseline-SFT checkpoint.
+Every mistake a user can make here is a ``ConfigError`` naming the bad value.
+
+The storage root (``cluster.storage.root``) holds the run's config, checkpoints, driver state and traces.
+A local root is also the driver's own folder. For a URI root the driver keeps its own files
+(task data, metrics.jsonl, W&B's offline folder, plots, summary) in a temporary folder and copies
+them to the root (``RunPlan.push_driver_files``, ``RunPlan.finish``); a resume starts by copying them
+back, so a fresh driver with nothing on its disk continues the run from the root alone.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path, PurePath
+
+from sliderl.cluster.actors.baseline import baseline_model_path
+from sliderl.cluster.config.base import check_device, check_outlives_job, to_yaml
+from sliderl.cluster.errors import ConfigError
+from sliderl.cluster.storage.data import data_sources, keep_fitting, load_split
+from sliderl.cluster.records import Problem
+from sliderl.cluster.observe.monitor import DRIVER_FILES, WANDB_DIR
+from sliderl.cluster.config.prompts import PromptFormat, prompt_format
+from sliderl.cluster.run.checkpoints import Checkpoints, DamagedCheckpoint, DriverState
+from sliderl.cluster.run.sft_job import stage_examples
+from sliderl.cluster.storage.root import Storage
+from sliderl.cluster.config.train import TrainConfig
+from sliderl.trainer.sft import SFTExample
+
+CONFIG_FILE = "config.yaml"
+
+
+@dataclass
+class RunPlan:
+    """What a run starts from, checked before any actor exists."""
+
+    storage: Storage  # the run's storage root (run_dir)
+    local_dir: Path  # the driver's own files: the root itself when local, else a temporary folder
+    model_path: str  # the configured model on the driver's disk, before any warm start
+    train_problems: list[Problem]
+    eval_problems: list[Problem]
+    resume: tuple[PurePath, DriverState] | None
+    warm_start: tuple[list[SFTExample], list[SFTExample]] | None = None  # the stage's (train, held-out) examples
+    baseline_model: str | None = None  # reward.speedup's Baseline-SFT checkpoint (cluster.actors.baseline)
+
+    @property
+    def run_dir(self) -> Path | str:
+        """The root as users name it: a Path when local, else its URI."""
+        return self.storage.root if self.storage.local else self.storage.location
+
+    def push_driver_files(self, final: bool = False) -> bool:
+        """Copy the driver's own files to a remote root: metrics.jsonl, and when ``final`` also the summary,
+        plots and W&B's folder (nothing to do for a local root). False when a copy failed (with a warning)."""
+        if self.storage.local:
+            return True
+        try:
+            for name in DRIVER_FILES if final else DRIVER_FILES[:1]:
+                if (self.local_dir / name).is_file():
+                    self.storage.write_bytes(self.storage.path(name), (self.local_dir / name).read_bytes())
+            if final and (self.local_dir / WANDB_DIR).is_dir():
+                self.storage.upload(self.local_dir / WANDB_DIR, self.storage.path(WANDB_DIR))
+        except OSError as err:  # the checkpoints are what a resume needs; these files can wait for the next copy
+            print(f"sliderl: warning: could not copy the driver's files from {self.local_dir} to "
+                  f"{self.storage.location}: {err}", file=sys.stderr, flush=True)
+            return False
+        return True
+
+    def finish(self) -> None:
+        """The driver's last copy to a remote root; its temporary folder goes once everything is there."""
+        if self.push_driver_files(final=True) and not self.storage.local:
+            shutil.rmtree(self.local_dir, ignore_errors=True)
+
+
+def prepare(cfg: TrainConfig) -> RunPlan:
+    """Storage root, resolved config, data (fields checked), initial model and warm-start examples; no Ray yet."""
+    check_devices(cfg)
+    check_outlives_job(cfg.run_dir, "run_dir")
+    baseline = baseline_model_path(cfg) if cfg.reward.speedup is not None else None
+    storage, local_dir, resume = _open_run(cfg)
+    train_source, eval_source = data_sources(cfg, local_dir)
+    train_problems = load_split(cfg, train_source)
+    wants_eval = cfg.eval.before or cfg.eval.after
+    eval_problems = load_split(cfg, eval_source, cfg.eval.num_problems) if wants_eval else []
+    # prompts are written (raw or chat template) and checked against the configured model's tokenizer and
+    # length first: a dataset nothing of which fits is an error before the warm start (which keeps the
+    # tokenizer and the config); the warm start's prompts are written the same way
+    model_path = cfg.model.resolve()
+    prompts = prompt_format_of(cfg, model_path)
+    train_problems, eval_problems = engine_prompts(cfg, model_path, prompts, train_problems, eval_problems)
+    warm_start = stage_examples(cfg.warmstart, cfg.task, prompts) if cfg.warmstart.enabled else None
+    return RunPlan(storage, local_dir, model_path, train_problems, eval_problems, resume, warm_start, baseline)
+
+
+def _open_run(cfg: TrainConfig) -> tuple[Storage, Path, tuple[PurePath, DriverState] | None]:
+    """The storage root opened and checked (resume or a fresh run) with config.yaml written, the driver's own
+    folder (with a remote root's driver files when resuming), and the checkpoint to resume; a root that
+    cannot be reached or written is a ConfigError."""
+    try:
+        storage = Storage(cfg.run_dir)
+        checkpoints = Checkpoints(storage, cfg.checkpoint.keep)
+        resume = latest_checkpoint(checkpoints) if cfg.resume else None
+        if cfg.resume and resume is None:
+            raise ConfigError(f"resume=true but {storage.uri(checkpoints.dir)} holds no complete, intact checkpoint")
+        if not cfg.resume and checkpoints.complete():
+            raise ConfigError(f"run_dir {storage.location!r} already holds checkpoints of a run; pass resume=true "
+                              "to continue it, or choose another run_dir")
+        storage.make_dir(storage.root)
+        storage.write_bytes(storage.path(CONFIG_FILE), to_yaml(cfg).encode())
+        if storage.local:
+            return storage, Path(storage.root), resume
+        local_dir = Path(tempfile.mkdtemp(prefix="sliderl-run-"))
+        for name in DRIVER_FILES if resume is not None else ():  # a resumed Monitor reads them back
+            if storage.is_file(storage.path(name)):
+                (local_dir / name).write_bytes(storage.read_bytes(storage.path(name)))
+        return storage, local_dir, resume
+    except OSError as err:  # pyarrow's errors (unreachable endpoint, no bucket, no credentials) are OSErrors
+        raise ConfigError(f"run_dir {cfg.run_dir!r} cannot be written ({err.strerror or ' '.join(str(err).split())}); "
+                          "choose a writable folder, or check the storage URI, its bucket and credentials") from None
+
+
+def latest_checkpoint(checkpoints: Checkpoints) -> tuple[PurePath, DriverState] | None:
+    """``checkpoints.latest()`` (damaged ones skipped with a warning); one it cannot judge is a ConfigError."""
+    try:
+        return checkpoints.latest()
+    except DamagedCheckpoint as err:
+        raise ConfigError(f"resume=true: {err}") from None
+
+
+def prompt_format_of(cfg: TrainConfig, model_path: str) -> PromptFormat:
+    """How ``cfg.data`` writes prompts (raw, or the chat template of ``model_path``'s tokenizer)."""
+    from sliderl.core.loader import load_tokenizer
+
+    return prompt_format(cfg.data, cfg.model, load_tokenizer(model_path))
+
+
+def engine_prompts(cfg: TrainConfig, model_path: str, prompts: PromptFormat, train: list[Problem],
+                   evaluation: list[Problem]):
+    """Train and eval problems with their prompts written by ``prompts``, kept when the written prompt fits
+    the engine's max_model_len (others left out, counted)."""
+    from transformers import AutoConfig
+
+    limit = cfg.engine.max_model_len or AutoConfig.from_pretrained(model_path, local_files_only=True).max_position_embeddings
+    fitting = keep_fitting(prompts.apply(train), limit, "train")
+    return fitting, keep_fitting(prompts.apply(evaluation), limit, "eval") if evaluation else evaluation
+
+
+def check_devices(cfg: TrainConfig) -> None:
+    """A CUDA device asked of a local run whose torch has no CUDA is a ConfigError (before Ray starts).
+
+    Joining a cluster, the driver's own torch says nothing about the workers' nodes: Ray's resource
+    check covers them (``rollout.num_gpus``, ``learner.num_gpus``).
+    """
+    from sliderl.cluster.actors.placement import cluster_address
+
+    if cluster_address(cfg) is not None:
+        return
+    for key, device in (("engine.device", cfg.engine.device), ("learner.device", cfg.learner.device),
+                        ("warmstart.learner.device", cfg.warmstart.learner.device if cfg.warmstart.enabled else "cpu")):
+        check_device(device, key)

@@ -1,0 +1,162 @@
+"""The project's own task: multi-step arithmetic whose chain of steps outgrows the KV window.
+
+A problem names a start value and a list of lettered operations; the reference solution restates
+the start value, then writes one line per step (its letter, its operation, the new value) and
+boxes the final value::
+
+    prompt:   Start at 47. Apply a+5 b-3 c+8 d-2 e+7 f+1 g-9 h+4.
+    solution: <think>
+              47
+              a+5=52
+              b-3=49
+              ...
+              h+4=53
+              </think>
+              Answer: \\boxed{53}
+
+With byte-level tokens a step line is 7 tokens (every value has two digits by default), so a
+window of 24 tokens holds the last three lines: the running value and the current step letter.
+The operation of the next step is only in the prompt, looked up by its letter, and so is the
+number of steps. Under ``prefix_sliding:W`` the prompt stays visible and the chain can be finished;
+under ``sliding_window:W`` the prompt leaves the window after the first few lines and the remaining
+operations are unknowable.
+
+Every value stays in ``[min_value, max_value]``: each step's operand is drawn first, then its sign
+among those that keep the value in range. Train and eval problems come from separate random
+streams and a problem belongs to the eval split exactly when a hash of its prompt says so, so the
+splits are disjoint whatever their sizes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import string
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+from sliderl.core.vocab import END_THINK
+
+
+SPLITS = ("train", "eval")
+STEP_LABELS = string.ascii_lowercase  # one byte-level token per step label
+EVAL_EVERY = 8  # a prompt whose hash is 0 modulo this belongs to the eval split
+
+
+@dataclass(frozen=True)
+class ArithTask:
+    """Generator of multi-step arithmetic problems (see the module docstring for the format)."""
+
+    __pydantic_config__: ClassVar[dict] = {"extra": "forbid", "use_attribute_docstrings": True}
+
+    num_steps: tuple[int, int] = (8, 12)
+    """(fewest, most) steps per problem, inclusive; at most 26 (one letter per step)."""
+    max_operand: int = 9
+    """Operands are drawn from 1..max_operand."""
+    min_value: int = 10
+    """The start value and every later value lie in min_value..max_value (10..99: two digits each)."""
+    max_value: int = 99
+    """See min_value; max_value - min_value must be at least max_operand."""
+    seed: int = 0
+    """Problems are a pure function of (settings, seed, split, index)."""
+
+    def __post_init__(self) -> None:
+        lo, hi = self.num_steps
+        if not 1 <= lo <= hi <= len(STEP_LABELS):
+            raise ValueError(f"num_steps must be (a, b) with 1 <= a <= b <= {len(STEP_LABELS)}, got {self.num_steps}")
+        check_chain_bounds(self.max_operand, self.min_value, self.max_value)
+        object.__setattr__(self, "num_steps", (int(lo), int(hi)))
+
+    def problems(self, n: int, split: str = "train") -> list[dict]:
+        """The first ``n`` problems of ``split``: dicts ``{prompt_id, prompt, answer, solution}``.
+
+        ``answer`` is the final value as a string; ``solution`` the reference completion (without
+        the end-of-sequence token). The first n problems of a split never change with n.
+        """
+        rng = split_rng("arith", self.seed, split, n)
+        records: list[dict] = []
+        while len(records) < n:
+            start, ops = draw_chain(rng, self.num_steps, self.max_operand, self.min_value, self.max_value)
+            prompt = format_prompt(start, ops)
+            if is_eval_prompt(prompt) == (split == "eval"):
+                values = run_chain(start, ops)
+                records.append({"prompt_id": f"arith-{split}-{len(records):06d}", "prompt": prompt,
+                                "answer": str(values[-1]), "solution": format_solution(start, ops)})
+        return records
+
+    def max_completion_chars(self) -> int:
+        """An upper bound on the characters of any reference solution (tokens, for a byte-level tokenizer)."""
+        digits = len(str(self.max_value))
+        line = 1 + 1 + len(str(self.max_operand)) + 1 + digits + 1  # "a+5=52\n"
+        return len(format_solution(0, [])) - 2 + 2 * digits + self.num_steps[1] * line
+
+    def write_jsonl(self, path: str | Path, n: int, split: str = "train") -> Path:
+        """Write ``problems(n, split)`` to ``path``, one JSON object per line; return the path."""
+        out = Path(path)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text("".join(json.dumps(r) + "\n" for r in self.problems(n, split)))
+        return out
+
+
+def format_prompt(start: int, ops: list[tuple[str, int]]) -> str:
+    """``Start at 47. Apply a+5 b-3.`` followed by a newline."""
+    steps = " ".join(f"{STEP_LABELS[i]}{sign}{operand}" for i, (sign, operand) in enumerate(ops))
+    return f"Start at {start}. Apply {steps}.\n"
+
+
+def format_solution(start: int, ops: list[tuple[str, int]]) -> str:
+    """The reference completion: the start value, one ``a+5=52`` line per step, the boxed final value."""
+    values = run_chain(start, ops)
+    lines = [str(start)] + [f"{STEP_LABELS[i]}{sign}{operand}={values[i + 1]}" for i, (sign, operand) in enumerate(ops)]
+    body = "".join(line + "\n" for line in lines)
+    return f"<think>\n{body}{END_THINK}\nAnswer: \\boxed{{{values[-1]}}}"
+
+
+def check_chain_bounds(max_operand: int, min_value: int, max_value: int) -> None:
+    """The operand and value ranges ``draw_chain`` needs: a ValueError naming the bad setting otherwise."""
+    if max_operand < 1:
+        raise ValueError(f"max_operand must be >= 1, got {max_operand}")
+    if min_value < 0 or max_value - min_value < max_operand:
+        raise ValueError(f"need 0 <= min_value and max_value - min_value >= max_operand ({max_operand}), "
+                         f"got min_value={min_value}, max_value={max_value}")
+
+
+def draw_chain(rng: random.Random, num_steps: tuple[int, int], max_operand: int, min_value: int,
+               max_value: int) -> tuple[int, list[tuple[str, int]]]:
+    """A start value and ``[(sign, operand)]`` of ``num_steps`` (fewest, most) steps keeping every value in
+    ``min_value..max_value``: each operand is drawn from 1..max_operand, then a sign that keeps it in range."""
+    value = rng.randint(min_value, max_value)
+    start, ops = value, []
+    for _ in range(rng.randint(*num_steps)):
+        operand = rng.randint(1, max_operand)
+        signs = [s for s, v in (("+", value + operand), ("-", value - operand)) if min_value <= v <= max_value]
+        sign = rng.choice(signs)
+        value = value + operand if sign == "+" else value - operand
+        ops.append((sign, operand))
+    return start, ops
+
+
+def run_chain(start: int, ops: list[tuple[str, int]]) -> list[int]:
+    """``[start, value after step 1, ..., final value]``."""
+    values = [start]
+    for sign, operand in ops:
+        values.append(values[-1] + operand if sign == "+" else values[-1] - operand)
+    return values
+
+
+def split_rng(task: str, seed: int, split: str, n: int) -> random.Random:
+    """The random stream of ``task``'s ``split`` (a pure function of the arguments), after checking the
+    request for ``n`` problems of it."""
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; valid: {', '.join(SPLITS)}")
+    if n < 0:
+        raise ValueError(f"number of problems must be >= 0, got {n}")
+    return random.Random(f"{task}:{seed}:{split}")
+
+
+def is_eval_prompt(prompt: str) -> bool:
+    """True when ``prompt`` belongs to the eval split (a stable hash, the same in every process)."""
+    digest = hashlib.sha256(prompt.encode()).digest()
+    return int.from_bytes(digest[:4], "big") % EVAL_EVERY == 0
