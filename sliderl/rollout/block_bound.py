@@ -13,10 +13,8 @@ pages (``rollout.heavy_hitters``); before that the prefill holds the prompt's pa
 step (its eviction waits for the prefill's mass) holds them plus the page it writes; one more position
 of slack covers a decode step queued ahead.
 
-Under pasta (``rollout.pasta.runtime``) a request is several threads that never free a block: the main
-thread holds its prompt and tokens, starting a fresh block at each promise that forks and at each
-``<sync/>`` that joins (at most ``2·max_forks`` part-filled blocks), and each fork holds its own block
-of at most ``max_tokens`` sampled tokens plus ``<async>`` and ``</async>``; the shared prefix counts once.
+A decoding mode whose request runs as several sequences bounds its request itself (Pasta:
+``rollout.pasta.runtime.pasta_block_bound``).
 
 Which chunks: the prompt is prefilled in chunks of at most ``max_num_batched_tokens`` that may start
 anywhere (a first chunk takes what the step's budget leaves); after it every step writes one
@@ -32,14 +30,10 @@ from sliderl.core.kv_policy import KVPolicy
 
 
 def block_bound(policy: KVPolicy, prompt_len: int, max_tokens: int, max_model_len: int, block_size: int,
-                max_chunk: int, max_forks: int = 0) -> int:
+                max_chunk: int) -> int:
     """The most blocks a sequence holds at any step, for a prompt of ``prompt_len`` tokens and up to
-    ``max_tokens`` generated ones: exact over its decode steps, the worst chunking over its prefill.
-    Under pasta, the most its request holds with up to ``max_forks`` forks (all of them as long as allowed)."""
+    ``max_tokens`` generated ones: exact over its decode steps, the worst chunking over its prefill."""
     end = kv_positions(prompt_len, max_tokens, max_model_len)
-    if policy.kind == "pasta":
-        fork = -(-min(max_tokens + 2, max_model_len) // block_size)
-        return -(-end // block_size) + max_forks * (2 + fork)
     if policy.kind == "h2o":
         budget_pages, _ = policy.budget_pages(block_size)
         unscored = -(-min(prompt_len + 2, end) // block_size)

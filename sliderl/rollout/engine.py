@@ -13,20 +13,19 @@ from dataclasses import dataclass
 
 import torch
 
+from sliderl.core.loader import DTYPES, load_model, load_tokenizer
+from sliderl.core.vocab import bind_policy_vocab
 from sliderl.kernels.metadata import PagedKVCache
-from sliderl.rollout.block_bound import block_bound
 from sliderl.rollout.block_manager import BlockManager
 from sliderl.rollout.engine_args import EngineArgs
-from sliderl.core.loader import DTYPES, load_model, load_tokenizer
+from sliderl.rollout.mode import EngineContext
 from sliderl.rollout.model_runner import ModelRunner
-from sliderl.core.pasta import PastaTokenIds
-from sliderl.rollout.pasta.runtime import PastaRuntime
+from sliderl.rollout.modes import make_mode
 from sliderl.rollout.postprocess import Postprocessor
 from sliderl.rollout.run_ahead import RunAhead
 from sliderl.rollout.sampling import SamplingParams
 from sliderl.rollout.scheduler import ScheduledBatch, Scheduler
 from sliderl.rollout.sequence import RequestOutput, Sequence, Status
-from sliderl.core.vocab import bind_policy_vocab
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +56,9 @@ class LLM:
     Under a bounded policy each request reserves its block bound on admission (``Sequence.block_bound``),
     so ``max_concurrency(prompt_len, max_tokens)`` requests of that shape run at once and none is ever
     preempted; a request whose bound alone exceeds the pool is refused by ``add_request``.
-    Under ``kv="pasta"`` every request runs the Pasta-Lang runtime (``rollout.pasta.runtime``): its outputs are
-    flattened responses with their forks (``RequestOutput.pasta``).
+    The policy's decoding mode (``rollout.modes``) turns requests into sequences and sampled tokens into their
+    state: under ``kv="pasta"`` every request runs the Pasta-Lang runtime (``rollout.pasta``), whose outputs are
+    flattened responses with their forks (``PastaRequestOutput.pasta``).
     ``close()`` (or leaving ``with LLM(...) as llm:``) frees the KV pool, the weights and the CUDA graphs;
     ``sleep()`` frees the pool and the graphs only, until ``wake()`` (a learner colocated on the GPU uses
     the memory meanwhile).
@@ -87,14 +87,10 @@ class LLM:
             overlap = self.device.type == "cuda"
         self.run_ahead = RunAhead(self.runner, self.scheduler, overlap)
         self.eos_ids = self._eos_ids(model)
-        self.pasta = None
-        if self.policy.kind == "pasta":
-            self.pasta = PastaRuntime(PastaTokenIds.from_tokenizer(self.tokenizer), args.pasta_max_forks,
-                                      self.scheduler, self.policy, self.tokenizer.decode, self.eos_ids,
-                                      block_size=self.block_size, max_model_len=self.max_model_len,
-                                      max_chunk=args.max_num_batched_tokens)
+        self.mode = make_mode(EngineContext(self.scheduler, self.policy, self.tokenizer, frozenset(self.eos_ids),
+                                            self.block_size, self.max_model_len, args.max_num_batched_tokens), args)
         self.postprocess = Postprocessor(self.tokenizer, self.eos_ids, self.max_model_len, self.scheduler,
-                                         self.runner.set_death, self.pasta)
+                                         self.runner.set_death, self.mode)
         self.stats = EngineStats()
         self._next_id = 0
         self.closed = False
@@ -150,11 +146,7 @@ class LLM:
         self._check_prompt(ids)
         rid = self._next_id
         seed = params.seed if params.seed is not None else (self.args.seed * 1_000_003 + rid) % (2**31)
-        if self.pasta is not None:
-            seq = self.pasta.new_request(rid, ids, params, seed, time.perf_counter())
-        else:
-            seq = Sequence(rid, ids, params, seed, self.policy.tracker(len(ids)), self.block_size, time.perf_counter(),
-                           max_model_len=self.max_model_len, max_chunk=self.args.max_num_batched_tokens)
+        seq = self.mode.new_request(rid, ids, params, seed, time.perf_counter())
         self._check_pool(seq)
         self._next_id += 1
         self._note_concurrency(seq)
@@ -166,12 +158,11 @@ class LLM:
         place of the tokens it samples, then samples on. Thread 0 is the request (its main thread under pasta);
         thread k >= 1 its k-th Pasta fork, whose tokens start after the ``<async>`` the runtime inserts.
 
-        Raises ValueError for a thread other than 0 outside ``kv="pasta"``, or a token outside the vocabulary.
+        Raises ValueError for a thread the mode does not have (only 0 outside ``kv="pasta"``), or a token outside
+        the vocabulary.
         """
         self._check_open()
-        if isinstance(thread, bool) or not isinstance(thread, int) or thread < 0 or (thread and self.pasta is None):
-            valid = "0 or a fork's index k >= 1" if self.pasta is not None else "0 (forks exist under kv=pasta only)"
-            raise ValueError(f"thread must be {valid}, got {thread!r}")
+        self.mode.check_thread(thread)
         vocab = self.model.config.vocab_size
         bad = [t for t in tokens if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
@@ -183,9 +174,7 @@ class LLM:
         at once: the pool over one's block bound, at most ``max_num_seqs``. Exact under a bounded
         policy; under full and registers, the count that fits if every request reaches its bound
         (more start while they are short, and preemption sorts it out)."""
-        return self._concurrency(block_bound(self.policy, prompt_len, max_tokens, self.max_model_len,
-                                             self.block_size, self.args.max_num_batched_tokens,
-                                             self.args.pasta_max_forks))
+        return self._concurrency(self.mode.block_bound(prompt_len, max_tokens))
 
     def load_weights(self, weights) -> None:
         """Replace the model's weights in place (a state dict or ``(name, tensor)`` pairs).
@@ -235,7 +224,7 @@ class LLM:
             return
         self.closed = True
         self.runner.close()
-        self.model = self.runner = self.run_ahead = self.postprocess = self.pasta = None
+        self.model = self.runner = self.run_ahead = self.postprocess = self.mode = None
         self.scheduler.waiting.clear()
         self.scheduler.running.clear()
         if self.device.type == "cuda":
@@ -255,10 +244,7 @@ class LLM:
     def _check_pool(self, seq: Sequence) -> None:
         pool = self.scheduler.blocks.num_blocks
         if seq.block_bound > pool:
-            smaller = ("max_tokens, the window or the prompt" if self.policy.bounded else
-                       "the budget, max_tokens or the prompt" if self.policy.kind == "h2o" else
-                       f"max_tokens, the prompt or pasta_max_forks={self.args.pasta_max_forks}"
-                       if self.policy.kind == "pasta" else "max_tokens or the prompt")
+            smaller = self.mode.smaller_request()
             raise ValueError(
                 f"a request of {seq.prompt_len} prompt tokens and max_tokens={seq.params.max_tokens} may hold "
                 f"{seq.block_bound} KV blocks of {self.block_size} tokens under {self.policy.spec} "

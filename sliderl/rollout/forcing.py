@@ -15,16 +15,6 @@ from __future__ import annotations
 from sliderl.rollout.sequence import Sequence
 
 
-def thread_index(seq: Sequence) -> int:
-    """0 for a request's own sequence (a Pasta main thread), k for a Pasta request's k-th fork."""
-    return getattr(seq, "index", 0)
-
-
-def tokens_taken(seq: Sequence) -> int:
-    """Tokens ``seq`` has taken in place of samples so far: its output, less a fork's inserted ``<async>``."""
-    return seq.num_output - (thread_index(seq) > 0)
-
-
 class ForcedTokens:
     """The scripts of the requests being forced: request id -> thread index -> tokens."""
 
@@ -44,8 +34,8 @@ class ForcedTokens:
         if not self.scripts:
             return rows, tokens
         for row, seq in enumerate(seqs):
-            script = self.scripts.get(seq.request_id, {}).get(thread_index(seq))
-            k = tokens_taken(seq) if script is not None else 0
+            script = self.scripts.get(seq.request_id, {}).get(seq.thread_index)
+            k = seq.tokens_taken if script is not None else 0
             if script is not None and k < len(script):
                 rows.append(row)
                 tokens.append(script[k])

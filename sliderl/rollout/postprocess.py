@@ -1,7 +1,7 @@
 """What happens to a sequence once its token is sampled: append it (or the token budget forcing puts
 in its place), apply register kills, stop on eos / stop ids / stop strings / length, finish, free
-the blocks no future query sees; and the ``RequestOutput`` of a finished request. Under ``kv="pasta"``
-the Pasta runtime (``rollout.pasta.runtime``) then reads the main thread's tags and takes the forks' tokens."""
+the blocks no future query sees. The engine's decoding mode (``rollout.mode``) decides what a sampled
+token does to its request and builds the record of a finished one; the plain mode uses the steps here."""
 
 from __future__ import annotations
 
@@ -9,9 +9,8 @@ import time
 
 import torch
 
-from sliderl.rollout.pasta.runtime import PastaRuntime
-from sliderl.rollout.pasta.thread import PastaThread
 from sliderl.core.logprob import logprobs_at
+from sliderl.rollout.mode import DecodingMode
 from sliderl.rollout.scheduler import ScheduledBatch, Scheduler
 from sliderl.rollout.sequence import RequestOutput, Sequence, Status
 
@@ -19,45 +18,40 @@ from sliderl.rollout.sequence import RequestOutput, Sequence, Status
 class Postprocessor:
     """Turns one step's sampled tokens into sequence state.
 
-    ``set_death(slots, death)`` writes the death of cached keys (``ModelRunner.set_death``); ``pasta`` is the
-    engine's Pasta runtime under ``kv="pasta"`` (every sequence is then a ``PastaThread``), else None.
+    ``set_death(slots, death)`` writes the death of cached keys (``ModelRunner.set_death``); ``mode`` is the
+    engine's decoding mode, which takes each sampled token.
     """
 
     def __init__(self, tokenizer, eos_ids: set[int], max_model_len: int, scheduler: Scheduler, set_death,
-                 pasta: PastaRuntime | None = None):
+                 mode: DecodingMode):
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
         self.max_model_len = max_model_len
         self.scheduler = scheduler
         self.set_death = set_death
-        self.pasta = pasta
+        self.mode = mode
         self._encoded: dict[str, tuple[int, ...]] = {}
+        self._killers: set[int] = set()
 
     def __call__(self, batch: ScheduledBatch, rows: list[int], tokens: list[int], logprobs: list[float],
                  logits: torch.Tensor) -> tuple[list[Sequence], set[int]]:
         """Append the tokens sampled for ``batch``'s ``rows`` (``logits`` their rows); the sequences that
         finished, and the request ids whose token killed a register step."""
         batch.mark_computed()
-        finished, killers = [], set()
+        finished, self._killers = [], set()
         for row, i in enumerate(rows):
             seq = batch.seqs[i]
-            if self.pasta is not None:
-                self._pasta_token(seq, tokens[row], logprobs[row], logits[row])
-                continue
-            if self._append(seq, tokens[row], logprobs[row], logits[row]):
-                killers.add(seq.request_id)
-            if self._check_finish(seq):
-                self._finish(seq)
+            if self.mode.take(self, seq, tokens[row], logprobs[row], logits[row]):
                 finished.append(seq)
-        if self.pasta is not None:
-            finished = self.pasta.end_step(batch)
+        finished = self.mode.end_step(batch, finished)
         for seq in batch.seqs:
             if seq.status is Status.RUNNING:
                 self.scheduler.free_dead_blocks(seq)
-        return finished, killers
+        return finished, self._killers
 
-    def _append(self, seq: Sequence, token: int, logprob: float, logits: torch.Tensor) -> bool:
-        """Record the token (or the one budget forcing puts in its place); whether it killed a register step."""
+    def append(self, seq: Sequence, token: int, logprob: float, logits: torch.Tensor) -> None:
+        """Record the token (or the one budget forcing puts in its place); a register kill it causes is applied
+        and its request noted for the run-ahead stepper."""
         p = seq.params
         if p.max_thinking_tokens is not None and not seq.thinking_done and not seq.pending_forced \
                 and seq.num_output >= p.max_thinking_tokens:
@@ -73,16 +67,7 @@ class Postprocessor:
             seq.thinking_done = seq.output_token_ids[-len(end):] == end
         if killed:
             self._kill(seq, killed)
-        return bool(killed)
-
-    def _pasta_token(self, thread: PastaThread, token: int, logprob: float, logits: torch.Tensor) -> None:
-        """The main thread takes its token as any sequence does, then the runtime reads it; a fork's token goes
-        to the runtime."""
-        if thread.index == 0:
-            self._append(thread, token, logprob, logits)
-            self.pasta.main_token(thread, self._check_finish(thread))
-        else:
-            self.pasta.fork_token(thread, token, logprob)
+            self._killers.add(seq.request_id)
 
     def _token_ids(self, text: str) -> tuple[int, ...]:
         """Token ids of ``text`` (cached: budget forcing asks for them every step)."""
@@ -105,7 +90,8 @@ class Postprocessor:
             if (j + 1) * bs <= seq.num_computed:
                 seq.push_free_candidate(j)
 
-    def _check_finish(self, seq: Sequence) -> bool:
+    def stops(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s last token ends it (eos, a stop token or string, its length); sets its finish reason."""
         p, token = seq.params, seq.token_ids[-1]
         if not seq.forced[-1] and ((token in self.eos_ids and not p.ignore_eos) or token in (p.stop_token_ids or ())):
             seq.finish_reason = "stop"
@@ -123,31 +109,18 @@ class Postprocessor:
         hits = [text.find(s) for s in seq.params.stop if s in text]
         return min(hits) if hits else None
 
-    def _finish(self, seq: Sequence) -> None:
+    def finish(self, seq: Sequence) -> None:
+        """``seq``'s request is done: it leaves the scheduler and its KV use is summed up."""
         self.scheduler.finish(seq)
         n = max(seq.num_output, 1)
         seq.kv.mean_visible_tokens = seq.visible_sum / n
         seq.finished_at = time.perf_counter()
 
     def output(self, seq: Sequence) -> RequestOutput:
-        """The output record of a finished request: text decoded without a final eos, cut at a stop string.
+        """The output record of a finished request (the mode's)."""
+        return self.mode.output(self, seq)
 
-        Under pasta, the flattened response; its text is cut where the main thread's is (the response ends
-        with the main thread's last tokens).
-        """
-        text = self._text(seq, seq.output_token_ids)
-        if self.pasta is None:
-            return RequestOutput(seq.request_id, seq.prompt_token_ids, seq.output_token_ids, seq.logprobs, text,
-                                 seq.finish_reason, seq.kv, seq.forced, seq.num_preemptions,
-                                 seq.finished_at - seq.arrival, list(seq.kv_deaths))
-        ids, logprobs, forced, pasta = self.pasta.flatten(seq)
-        cut = len(self._text(seq, seq.output_token_ids, cut=False)) - len(text)
-        flat = self._text(seq, ids, cut=False)
-        return RequestOutput(seq.request_id, seq.prompt_token_ids, ids, logprobs, flat[:len(flat) - cut],
-                             seq.finish_reason, seq.kv, forced, seq.num_preemptions, seq.finished_at - seq.arrival,
-                             pasta=pasta)
-
-    def _text(self, seq: Sequence, out: list[int], cut: bool = True) -> str:
+    def text(self, seq: Sequence, out: list[int], cut: bool = True) -> str:
         """``out`` decoded without a final eos (when ``seq`` stopped on it), cut at a stop string unless not ``cut``."""
         shown = out[:-1] if out and out[-1] in self.eos_ids and seq.finish_reason == "stop" else out
         text = self.tokenizer.decode(shown)

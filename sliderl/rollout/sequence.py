@@ -5,18 +5,12 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 from enum import Enum, auto
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from sliderl.rollout.block_bound import block_bound
 from sliderl.rollout.heavy_hitters import HeavyHitters
 from sliderl.core.kv_policy import DeathTracker
 from sliderl.rollout.sampling import SamplingParams
-
-if TYPE_CHECKING:
-    from sliderl.rollout.pasta.runtime import PastaOutput
-    from sliderl.rollout.scheduler import ScheduledBatch
 
 
 class Status(Enum):
@@ -38,9 +32,7 @@ class KVUsage:
 class RequestOutput:
     """A finished request. ``logprobs[i]`` is the sampler's log-probability of ``token_ids[i]``.
 
-    Under ``kv="pasta"`` ``token_ids`` is the flattened response (``core.pasta``) and ``pasta`` its
-    threads and speed (``rollout.pasta.runtime.PastaOutput``); the tags the runtime inserted are forced, with
-    logprob 0.0.
+    A decoding mode may return a subclass with its own record (``rollout.mode``; Pasta's carries its threads).
     """
 
     request_id: int
@@ -54,7 +46,6 @@ class RequestOutput:
     num_preemptions: int = 0
     seconds: float = 0.0
     kv_deaths: list[tuple[int, int, int]] = field(default_factory=list)  # h2o: evicted (start, end, death) ranges
-    pasta: PastaOutput | None = None  # kv="pasta": forks, steps and speedup
 
 
 class Sequence:
@@ -143,7 +134,7 @@ class Sequence:
         for j in range(before // self.block_size, self.num_computed // self.block_size):
             self.block_completed(j)
 
-    # ---- where tokens go: what the scheduler and the model runner ask (Pasta threads override) ----
+    # ---- where tokens go: what the scheduler and the model runner ask (a mode's sequences override) ----
     def table_positions(self, start: int, n: int) -> range:
         """Slots of tokens ``start .. start + n - 1`` in the block table's order (logical block · block_size +
         offset): the positions attention masks with. A sequence writes its tokens in order."""
@@ -158,8 +149,9 @@ class Sequence:
         """RoPE position of the last token (``max_model_len`` caps it)."""
         return len(self.token_ids) - 1
 
-    def ready_tokens(self, batch: ScheduledBatch) -> int:
-        """How many of the uncomputed tokens may be computed in ``batch`` (all of them here)."""
+    def ready_tokens(self, batch) -> int:
+        """How many of the uncomputed tokens may be computed in ``batch``, the ``ScheduledBatch`` being built
+        (all of them here)."""
         return self.num_uncomputed
 
     @property
@@ -199,6 +191,16 @@ class Sequence:
     def held_blocks(self) -> int:
         """Blocks this request holds (its peak is ``kv.peak_blocks``)."""
         return len(self.blocks)
+
+    @property
+    def thread_index(self) -> int:
+        """Which thread of its request this sequence is (``LLM.force``): 0, the request itself."""
+        return 0
+
+    @property
+    def tokens_taken(self) -> int:
+        """Tokens it has taken in place of samples so far (a forcing script's cursor): its output."""
+        return self.num_output
 
     @property
     def main(self) -> Sequence:

@@ -144,4 +144,4 @@ def sample_params(cfg):
                                max_tokens=compare.max_tokens or cfg.eval.max_tokens or cfg.sampling.max_tokens)
 
 
-__all__ = ["CompareConfig", "CompareEntry", "EntryResult", "PlannedEntry", "expand", "fill_budget", "run_comparison"]
+__all__ = ["EntryResult", "PlannedEntry", "expand", "run_comparison"]

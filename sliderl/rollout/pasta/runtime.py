@@ -52,193 +52,76 @@ steps ahead until a step schedules it, and the queued row of a joining ``<sync/>
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
-from sliderl.rollout.block_bound import block_bound
-from sliderl.rollout.block_manager import BlockManager
-from sliderl.core.kv_policy import KVPolicy
+import torch
+
 from sliderl.core.pasta import DEFAULT_PROMISE_UNITS, UNIT, PastaTokenIds, promise_units
-from sliderl.rollout.pasta.thread import PastaThread
+from sliderl.rollout.mode import DecodingMode, EngineContext, TokenSteps
+from sliderl.rollout.pasta.records import ForkSpan, PastaOutput, PastaRequestOutput
+from sliderl.rollout.pasta.request import Join, PastaPool, PastaRequest, PastaThread
 from sliderl.rollout.sampling import SamplingParams
-from sliderl.rollout.scheduler import ScheduledBatch, Scheduler
+from sliderl.rollout.scheduler import ScheduledBatch
 
 
-@dataclass(frozen=True)
-class ForkSpan:
-    """One fork of a finished request, in flattened indices counting the prompt first (as ``core.pasta``)."""
+class PastaRuntime(DecodingMode):
+    """The decoding mode of ``kv="pasta"``: acts on the tags of every request of one engine (module docstring).
 
-    promise: tuple[int, int]  # [start, end) of ``<promise … />``; end - 1 is its ``/>``, the fork point
-    block: tuple[int, int]  # [start, end) of ``<async> … </async>``
-    join: int | None  # index of the ``<sync/>`` that joined it; None when the main thread never synced it
-    units: int  # predicted length UNIT · units (DEFAULT_PROMISE_UNITS without a valid tokens="N")
-    closed_by: str  # "model" (sampled </async>), "stop" (eos / a stop token), "length" (max_tokens / max_model_len)
-
-
-@dataclass
-class PastaCounts:
-    """What the runtime read as plain text or repaired in one request."""
-
-    unclosed_promises: int = 0  # ``<promise`` interrupted by another tag, or open when the main thread stopped
-    promises_without_units: int = 0  # forked with DEFAULT_PROMISE_UNITS
-    promises_over_limit: int = 0  # past max_forks: plain text
-    promises_unforked: int = 0  # ``/>`` on which the main thread stopped, or without room under max_model_len
-    promises_in_forks: int = 0  # ``<promise`` inside a fork: plain text
-    stray_tags: int = 0  # main thread: ``/>``, ``<async>``, ``</async>`` outside a tag; a fork: ``/>``, ``<async>``
-    forks_closed_by_runtime: int = 0  # ``</async>`` appended after eos / a stop token / the fork's limit
-
-
-@dataclass
-class PastaOutput:
-    """A finished Pasta request's threads and speed (``RequestOutput.pasta``).
-
-    ``steps`` is the realised critical path: the engine steps in which the request had a row in the
-    batch (prefill chunks, decodes, a fork's last ``</async>`` written, recomputation after a
-    preemption; with overlap, not a queued step whose only row was dropped). ``speedup`` = flattened
-    response tokens (``RequestOutput.token_ids``, inserted tags included) / ``steps``: 1.0 for a response without forks decoded one token per step, more when
-    forks decode beside the main thread.
+    ``args.pasta_max_forks`` caps the forks per request; a promise's attributes are decoded with the
+    engine's tokenizer, and the engine's eos ids close a fork.
     """
 
-    forks: list[ForkSpan]
-    steps: int
-    speedup: float
-    counts: PastaCounts
+    name = "pasta"
 
-
-@dataclass
-class Join:
-    """A ``<sync/>`` of the main thread and the forks it joins."""
-
-    index: int  # the ``<sync/>``'s token index on the main thread
-    forks: list[PastaThread]
-    first_column: int | None = None  # the main table's column of the first joined block, once joined
-    done: bool = False  # joined in the current blocks (a preemption undoes it)
-
-
-class PastaRequest:
-    """The threads of one request, its forks' joins and its counters; the scheduler's questions about them."""
-
-    def __init__(self, runtime: PastaRuntime, request_id: int, prompt: list[int], params: SamplingParams, seed: int,
-                 arrival: float):
-        self.runtime = runtime
-        self.request_id = request_id
-        self.block_bound = block_bound(runtime.policy, len(prompt), params.max_tokens, runtime.max_model_len,
-                                       runtime.block_size, runtime.max_chunk, runtime.max_forks)
-        self.forks: list[PastaThread] = []
-        self.joins: list[Join] = []
-        self.unjoined: list[PastaThread] = []
-        self.tag_start: int | None = None  # main-thread index of a ``<promise`` whose ``/>`` has not come
-        self.counts = PastaCounts()
-        self.steps = 0
-        self.changes = self.changes_scheduled = 0  # changes to its threads (fork, fork end, join, stop); scheduled
-        self.held_blocks = 0  # distinct blocks its threads hold
-        self.visible_sum = self.num_queries = 0
-        self.main = PastaThread(self, 0, prompt, params, seed, [(0, 0, 0)], arrival)
-
-    def note_query(self, keys_visible: int) -> None:
-        self.visible_sum += keys_visible
-        self.num_queries += 1
-
-    def schedule_order(self) -> list[PastaThread]:
-        """The main thread first (a fork attaches behind it), last while it waits at a join (the forks'
-        last ``</async>`` is written in the same step). A step schedules the request: its changes so far are in it."""
-        self.changes_scheduled = self.changes
-        join = self._pending_join()
-        if join is not None and self.main.num_computed == join.index:
-            return [*self.forks, self.main]
-        return [self.main, *self.forks]
-
-    def _pending_join(self) -> Join | None:
-        return next((j for j in self.joins if not j.done), None)
-
-    def ready_tokens(self, thread: PastaThread, batch: ScheduledBatch) -> int:
-        """How many tokens ``thread`` may compute in ``batch``: a fork once its main thread's ``/>`` is
-        written (or being written in ``batch``), the main thread up to its next join, which waits for the
-        joined forks to be written whole (in ``batch`` or before)."""
-        if thread is self.main:
-            return self._main_ready(batch)
-        if not thread.attached:
-            if thread.kv_end == 0 or self.main.num_computed + batch.tokens_of(self.main) <= thread.fork_point:
-                return 0
-            self._attach(thread)
-        return max(0, thread.kv_end - thread.num_computed)
-
-    def _main_ready(self, batch: ScheduledBatch) -> int:
-        main = self.main
-        join = self._pending_join()
-        while join is not None and main.num_computed == join.index:
-            if not all(f.stopped and f.num_computed + batch.tokens_of(f) >= len(f.token_ids) for f in join.forks):
-                return 0
-            self._join(join)
-            join = self._pending_join()
-        end = main.kv_end if join is None else min(main.kv_end, join.index)
-        return end - main.num_computed
-
-    def _attach(self, fork: PastaThread) -> None:
-        """The fork's table starts as the main thread's up to the block of its ``/>``, with the holes in it."""
-        for j in range(fork.fork_column + 1):
-            fork.share_block(j, self.main.blocks[j])
-        fork.inherit_holes(self.main, {j: j for j in range(fork.fork_column + 1)})
-        fork.num_computed = fork.fork_point + 1
-        fork.attached = True
-
-    def _join(self, join: Join) -> None:
-        """The joined forks' own blocks go after the main thread's, its ``<sync/>`` into a fresh block."""
-        main, bs = self.main, self.runtime.block_size
-        if join.first_column is None:
-            last = main.table_positions(join.index - 1, 1)[0]
-            for j in [j for j in main.blocks if j > last // bs]:  # allocated ahead for the <sync/>'s old slot
-                self.runtime.blocks.free(main.remove_block(j))
-                self.held_blocks -= 1
-            main.leave_block(last)
-            join.first_column = last // bs + 1
-            width = sum(len(f.own_columns()) for f in join.forks)
-            main.add_segment(join.index, (join.first_column + width) * bs, main.rope_positions(join.index, 1)[0])
-            main.keys_visible += sum(f.num_output for f in join.forks)
-        column = join.first_column
-        for fork in join.forks:
-            columns = {j: column + k for k, j in enumerate(fork.own_columns())}
-            for j, c in columns.items():
-                main.share_block(c, fork.blocks[j])
-            main.inherit_holes(fork, columns)
-            column += len(columns)
-        join.done = True
-
-    def reset(self) -> None:
-        """Preempted: nothing is held, nothing joined."""
-        self.held_blocks = 0
-        for join in self.joins:
-            join.done = False
-
-    @property
-    def done(self) -> bool:
-        """Every thread stopped and written as far as needed."""
-        return all(t.stopped and t.num_computed >= t.kv_target for t in (self.main, *self.forks))
-
-
-class PastaRuntime:
-    """Acts on the tags of every request of one engine under ``kv="pasta"`` (module docstring).
-
-    ``decode``: token ids -> text (a promise's attributes); ``eos_ids``: tokens that close a fork.
-    """
-
-    def __init__(self, tags: PastaTokenIds, max_forks: int, scheduler: Scheduler, policy: KVPolicy, decode,
-                 eos_ids: set[int], *, block_size: int, max_model_len: int, max_chunk: int):
-        self.tags = tags
+    def __init__(self, context: EngineContext, args):
+        super().__init__(context, args)
+        self.tags = tags = PastaTokenIds.from_tokenizer(context.tokenizer)
         self.tag_ids = {tags.promise_open, tags.tag_close, tags.async_open, tags.async_close, tags.sync}
-        self.max_forks = max_forks
-        self.scheduler = scheduler
-        self.blocks: BlockManager = scheduler.blocks
-        self.policy = policy
-        self.decode = decode
-        self.eos_ids = eos_ids
-        self.block_size = block_size
-        self.max_model_len = max_model_len
-        self.max_chunk = max_chunk
+        self.max_forks = args.pasta_max_forks
+        self.scheduler = context.scheduler
+        self.decode = context.tokenizer.decode
+        self.eos_ids = context.eos_ids
+        self.block_size = context.block_size
+        self.max_model_len = context.max_model_len
+        self.pool = PastaPool(context.policy, context.scheduler.blocks, context.block_size, context.max_model_len,
+                              context.max_chunk, self.max_forks)
 
+    # ---- the seam ---------------------------------------------------------------------------------
     def new_request(self, request_id: int, prompt: list[int], params: SamplingParams, seed: int,
                     arrival: float) -> PastaThread:
         """A request's main thread (the ``Sequence`` that stands for it)."""
-        return PastaRequest(self, request_id, prompt, params, seed, arrival).main
+        return PastaRequest(self.pool, request_id, prompt, params, seed, arrival).main
+
+    def block_bound(self, prompt_len: int, max_tokens: int) -> int:
+        return self.pool.block_bound(prompt_len, max_tokens)
+
+    def smaller_request(self) -> str:
+        return f"max_tokens, the prompt or pasta_max_forks={self.max_forks}"
+
+    def check_thread(self, thread: int) -> None:
+        if isinstance(thread, bool) or not isinstance(thread, int) or thread < 0:
+            raise ValueError(f"thread must be 0 or a fork's index k >= 1, got {thread!r}")
+
+    def take(self, post: TokenSteps, seq: PastaThread, token: int, logprob: float, logits: torch.Tensor) -> bool:
+        """The main thread takes its token as any sequence does, then the runtime reads it; a fork's token goes
+        to the runtime. A request finishes in ``end_step``, once every thread is done."""
+        if seq.index == 0:
+            post.append(seq, token, logprob, logits)
+            self.main_token(seq, post.stops(seq))
+        else:
+            self.fork_token(seq, token, logprob)
+        return False
+
+    def output(self, post: TokenSteps, seq: PastaThread) -> PastaRequestOutput:
+        """The flattened response; its text is cut where the main thread's is (it ends with the main thread's
+        last tokens)."""
+        text = post.text(seq, seq.output_token_ids)
+        ids, logprobs, forced, pasta = self.flatten(seq)
+        cut = len(post.text(seq, seq.output_token_ids, cut=False)) - len(text)
+        flat = post.text(seq, ids, cut=False)
+        return PastaRequestOutput(seq.request_id, seq.prompt_token_ids, ids, logprobs, flat[:len(flat) - cut],
+                                  seq.finish_reason, seq.kv, forced, seq.num_preemptions,
+                                  seq.finished_at - seq.arrival, pasta=pasta)
 
     # ---- tokens -----------------------------------------------------------------------------------
     def main_token(self, main: PastaThread, stopped: bool) -> None:
@@ -331,7 +214,7 @@ class PastaRuntime:
         fork.request.changes += 1
         fork.leave_block(fork.table_positions(len(fork.token_ids) - 1, 1)[0])
         # a join will read the whole block; after the main thread stopped, nothing will
-        _settle(fork, fork.num_computed if fork.request.main.stopped else len(fork.token_ids))
+        fork.settle(fork.num_computed if fork.request.main.stopped else len(fork.token_ids))
 
     def _stop_main(self, request: PastaRequest) -> None:
         main = request.main
@@ -339,10 +222,10 @@ class PastaRuntime:
         request.changes += 1
         for fork in request.unjoined:  # no join will read them
             if fork.stopped:
-                _settle(fork, min(fork.kv_target, fork.num_computed))
+                fork.settle(min(fork.kv_target, fork.num_computed))
 
     # ---- steps and outputs ------------------------------------------------------------------------
-    def end_step(self, batch: ScheduledBatch) -> list[PastaThread]:
+    def end_step(self, batch: ScheduledBatch, finished: list[PastaThread]) -> list[PastaThread]:
         """Count the step for every request in ``batch``; finish those done; their main threads."""
         finished = []
         for request in {id(s.request): s.request for s in batch.seqs}.values():
@@ -381,9 +264,3 @@ class PastaRuntime:
                           f.closed_by) for f in request.forks]
         steps = max(request.steps, 1)
         return ids, logprobs, forced, PastaOutput(forks, request.steps, len(ids) / steps, request.counts)
-
-
-def _settle(fork: PastaThread, kv_target: int) -> None:
-    """A stopped fork needs the KV of its first ``kv_target`` tokens; 0 when none of its own (its prefix is
-    the main thread's)."""
-    fork.kv_target = kv_target if kv_target > fork.fork_point + 1 else 0

@@ -1,5 +1,9 @@
-"""One thread of a Pasta request inside the engine: a ``Sequence`` whose tokens are placed in its block table
-by segments, so that attention's ``k <= q`` holds in *table order* while RoPE sees the Pasta position ids.
+"""A Pasta request inside the engine: its threads, its forks' joins, and how each thread places its tokens.
+
+``PastaRequest`` answers the scheduler's questions about the request (which threads run, how many tokens each
+may compute, when a fork attaches and a join happens). Each thread is a ``PastaThread``: a ``Sequence`` whose
+tokens are placed in its block table by segments, so that attention's ``k <= q`` holds in *table order* while
+RoPE sees the Pasta position ids.
 
 A thread's ``token_ids`` read as a sequence: the main thread's are the prompt and its own tokens; a fork's
 are its main thread's up to the promise's ``/>`` (its prompt: that KV is the main thread's, shared by
@@ -10,21 +14,151 @@ starts at a fresh block whenever the thread's table changes: at a promise (both 
 (after the joined forks' blocks). The rest of the block a thread leaves is a *hole* (``holes``): its
 slots' deaths are written 0 (``take_dead_slots``, before the next forward) so no query sees them.
 
-``rollout.pasta.runtime`` creates threads and moves them between segments; this module only places tokens.
+``rollout.pasta.runtime`` reads the tags, creates forks and moves threads between segments.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_right
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
-from sliderl.core.kv_policy import NEVER
+from sliderl.core.kv_policy import NEVER, KVPolicy
+from sliderl.rollout.block_bound import kv_positions
+from sliderl.rollout.block_manager import BlockManager
+from sliderl.rollout.pasta.records import PastaCounts
 from sliderl.rollout.sampling import SamplingParams
+from sliderl.rollout.scheduler import ScheduledBatch
 from sliderl.rollout.sequence import Sequence, Status
 
-if TYPE_CHECKING:
-    from sliderl.rollout.pasta.runtime import PastaRequest
-    from sliderl.rollout.scheduler import ScheduledBatch
+
+@dataclass(frozen=True)
+class PastaPool:
+    """The engine's pool and sizes that a Pasta request works in."""
+
+    policy: KVPolicy
+    blocks: BlockManager
+    block_size: int
+    max_model_len: int
+    max_chunk: int  # the longest prefill chunk
+    max_forks: int
+
+    def block_bound(self, prompt_len: int, max_tokens: int) -> int:
+        """The most blocks a request holds: its threads never free a block; the main thread holds its prompt and
+        tokens, starting a fresh block at each promise that forks and at each ``<sync/>`` that joins (at most
+        ``2 * max_forks`` part-filled blocks), and each fork its own blocks of at most ``max_tokens`` sampled
+        tokens plus ``<async>`` and ``</async>``; the shared prefix counts once."""
+        end = kv_positions(prompt_len, max_tokens, self.max_model_len)
+        fork = -(-min(max_tokens + 2, self.max_model_len) // self.block_size)
+        return -(-end // self.block_size) + self.max_forks * (2 + fork)
+
+
+@dataclass
+class Join:
+    """A ``<sync/>`` of the main thread and the forks it joins."""
+
+    index: int  # the ``<sync/>``'s token index on the main thread
+    forks: list[PastaThread]
+    first_column: int | None = None  # the main table's column of the first joined block, once joined
+    done: bool = False  # joined in the current blocks (a preemption undoes it)
+
+class PastaRequest:
+    """The threads of one request, its forks' joins and its counters; the scheduler's questions about them."""
+
+    def __init__(self, pool: PastaPool, request_id: int, prompt: list[int], params: SamplingParams, seed: int,
+                 arrival: float):
+        self.pool = pool
+        self.request_id = request_id
+        self.block_bound = pool.block_bound(len(prompt), params.max_tokens)
+        self.forks: list[PastaThread] = []
+        self.joins: list[Join] = []
+        self.unjoined: list[PastaThread] = []
+        self.tag_start: int | None = None  # main-thread index of a ``<promise`` whose ``/>`` has not come
+        self.counts = PastaCounts()
+        self.steps = 0
+        self.changes = self.changes_scheduled = 0  # changes to its threads (fork, fork end, join, stop); scheduled
+        self.held_blocks = 0  # distinct blocks its threads hold
+        self.visible_sum = self.num_queries = 0
+        self.main = PastaThread(self, 0, prompt, params, seed, [(0, 0, 0)], arrival)
+
+    def note_query(self, keys_visible: int) -> None:
+        self.visible_sum += keys_visible
+        self.num_queries += 1
+
+    def schedule_order(self) -> list[PastaThread]:
+        """The main thread first (a fork attaches behind it), last while it waits at a join (the forks'
+        last ``</async>`` is written in the same step). A step schedules the request: its changes so far are in it."""
+        self.changes_scheduled = self.changes
+        join = self._pending_join()
+        if join is not None and self.main.num_computed == join.index:
+            return [*self.forks, self.main]
+        return [self.main, *self.forks]
+
+    def _pending_join(self) -> Join | None:
+        return next((j for j in self.joins if not j.done), None)
+
+    def ready_tokens(self, thread: PastaThread, batch: ScheduledBatch) -> int:
+        """How many tokens ``thread`` may compute in ``batch``: a fork once its main thread's ``/>`` is
+        written (or being written in ``batch``), the main thread up to its next join, which waits for the
+        joined forks to be written whole (in ``batch`` or before)."""
+        if thread is self.main:
+            return self._main_ready(batch)
+        if not thread.attached:
+            if thread.kv_end == 0 or self.main.num_computed + batch.tokens_of(self.main) <= thread.fork_point:
+                return 0
+            self._attach(thread)
+        return max(0, thread.kv_end - thread.num_computed)
+
+    def _main_ready(self, batch: ScheduledBatch) -> int:
+        main = self.main
+        join = self._pending_join()
+        while join is not None and main.num_computed == join.index:
+            if not all(f.stopped and f.num_computed + batch.tokens_of(f) >= len(f.token_ids) for f in join.forks):
+                return 0
+            self._join(join)
+            join = self._pending_join()
+        end = main.kv_end if join is None else min(main.kv_end, join.index)
+        return end - main.num_computed
+
+    def _attach(self, fork: PastaThread) -> None:
+        """The fork's table starts as the main thread's up to the block of its ``/>``, with the holes in it."""
+        for j in range(fork.fork_column + 1):
+            fork.share_block(j, self.main.blocks[j])
+        fork.inherit_holes(self.main, {j: j for j in range(fork.fork_column + 1)})
+        fork.num_computed = fork.fork_point + 1
+        fork.attached = True
+
+    def _join(self, join: Join) -> None:
+        """The joined forks' own blocks go after the main thread's, its ``<sync/>`` into a fresh block."""
+        main, bs = self.main, self.pool.block_size
+        if join.first_column is None:
+            last = main.table_positions(join.index - 1, 1)[0]
+            for j in [j for j in main.blocks if j > last // bs]:  # allocated ahead for the <sync/>'s old slot
+                self.pool.blocks.free(main.remove_block(j))
+                self.held_blocks -= 1
+            main.leave_block(last)
+            join.first_column = last // bs + 1
+            width = sum(len(f.own_columns()) for f in join.forks)
+            main.add_segment(join.index, (join.first_column + width) * bs, main.rope_positions(join.index, 1)[0])
+            main.keys_visible += sum(f.num_output for f in join.forks)
+        column = join.first_column
+        for fork in join.forks:
+            columns = {j: column + k for k, j in enumerate(fork.own_columns())}
+            for j, c in columns.items():
+                main.share_block(c, fork.blocks[j])
+            main.inherit_holes(fork, columns)
+            column += len(columns)
+        join.done = True
+
+    def reset(self) -> None:
+        """Preempted: nothing is held, nothing joined."""
+        self.held_blocks = 0
+        for join in self.joins:
+            join.done = False
+
+    @property
+    def done(self) -> bool:
+        """Every thread stopped and written as far as needed."""
+        return all(t.stopped and t.num_computed >= t.kv_target for t in (self.main, *self.forks))
 
 
 class PastaThread(Sequence):
@@ -39,8 +173,8 @@ class PastaThread(Sequence):
     def __init__(self, request: PastaRequest, index: int, prompt_token_ids: list[int], params: SamplingParams,
                  seed: int, segments: list[tuple[int, int, int]], arrival: float):
         super().__init__(request.request_id, prompt_token_ids, params, seed,
-                         request.runtime.policy.tracker(len(prompt_token_ids)), request.runtime.block_size, arrival,
-                         max_model_len=request.runtime.max_model_len, max_chunk=request.runtime.max_chunk)
+                         request.pool.policy.tracker(len(prompt_token_ids)), request.pool.block_size, arrival,
+                         max_model_len=request.pool.max_model_len, max_chunk=request.pool.max_chunk)
         self.request = request
         self.index = index
         self.block_bound = request.block_bound
@@ -164,6 +298,14 @@ class PastaThread(Sequence):
         return self.request.held_blocks
 
     @property
+    def thread_index(self) -> int:
+        return self.index
+
+    @property
+    def tokens_taken(self) -> int:
+        return self.num_output - (self.index > 0)  # a fork's <async> was inserted, not taken
+
+    @property
     def main(self) -> PastaThread:
         return self.request.main
 
@@ -179,7 +321,7 @@ class PastaThread(Sequence):
     def share_block(self, j: int, block: int) -> None:
         """Another thread's block at column ``j`` of this thread's table (one more reference)."""
         super().add_block(j, block)
-        self.request.runtime.blocks.share(block)
+        self.request.pool.blocks.share(block)
 
     def block_completed(self, j: int) -> None:
         pass  # full visibility: no block dies while its request runs
@@ -201,6 +343,11 @@ class PastaThread(Sequence):
         self.logprobs.append(logprob)
         self.forced.append(forced)
         self.keys_visible += 1
+
+    def settle(self, kv_target: int) -> None:
+        """Stopped: it needs the KV of its first ``kv_target`` tokens; 0 when none of its own (a fork's prefix is
+        the main thread's)."""
+        self.kv_target = kv_target if kv_target > self.fork_point + 1 else 0
 
     def reset_for_recompute(self) -> list[int]:
         """Preemption (of the whole request): drop every block; tokens, segments and holes stay, so
