@@ -100,7 +100,7 @@ def overrides(args, mode: str, kv: str, run_dir: Path) -> list[str]:
         f"rollout.group_size={args.group_size}", f"rollout.max_inflight_groups={inflight}",
         f"rollout.queue_size={queued}", f"engine.kv={kv}", f"engine.max_num_seqs={max(inflight * args.group_size, 8)}",
         f"sampling.max_tokens={args.max_tokens}", f"sampling.max_thinking_tokens={max(1, args.max_tokens - 128)}",
-        f"reward={{correctness: 1.0, kv_penalty: {{budget: {args.kv_budget}, coef: 1.0}}}}",
+        f"reward={{correctness: 1.0, kv_penalty: {{budget: {args.kv_budget}, weight: 1.0}}}}",
         "monitor.wandb.mode=disabled", "monitor.plots=false", "monitor.include_dashboard=false",
     ]
     if mode in ("keep", "release"):

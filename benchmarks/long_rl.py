@@ -144,7 +144,7 @@ SMOKE = Scale(
            "engine.max_num_seqs=8", "learner.micro_batch_tokens=256", "checkpoint.every=0",
            # a tiny model is never correct: a small KV penalty (traces differ in length, so in mean visible KV)
            # gives every group a reward spread, so the learner steps and reports its tokens
-           "reward.kv_penalty.budget=8", "reward.kv_penalty.coef=0.01",
+           "reward.kv_penalty.budget=8", "reward.kv_penalty.weight=0.01",
            # three steps at most: the deadline is a guard here, not the stop (see arm_seconds)
            "train.steps=3"),
     # arm_seconds: four Ray clusters start at once on 2 cores, and the first step ends 54-75 s after the start here

@@ -93,7 +93,7 @@ def run_mode(args, model_dir: Path, scratch: Path, mode: str) -> dict:
         "eval.before=false", "eval.after=false", f"sampling.max_tokens={args.max_tokens}",
         f"sampling.stop_token_ids={json.dumps(STOP_IDS)}", "engine.kv=prefix_sliding:128",
         f"engine.num_blocks={4096 if not args.cpu_smoke else 1024}", "engine.max_num_seqs=256",
-        "reward={correctness: 1.0, kv_penalty: {budget: 1, coef: 0.01}}", "weight_sync.backend=broadcast",
+        "reward={correctness: 1.0, kv_penalty: {budget: 1, weight: 0.01}}", "weight_sync.backend=broadcast",
         f"train.mode={mode}", f"train.steps={args.steps}", f"train.groups_per_step={args.groups}",
         f"rollout.group_size={args.group_size}", f"rollout.max_inflight_groups={args.groups}",
         f"rollout.queue_size={2 * args.groups}", "learner.lr=1e-6", "learner.micro_batch_tokens=16384",

@@ -26,7 +26,7 @@ def tiny_overrides(model_dir: Path, run_dir: Path) -> list[str]:
         "task.num_steps=[2,3]", "task.train_size=64", "task.eval_size=4", "eval.num_problems=4",
         "sampling.max_tokens=16", f"sampling.stop_token_ids={json.dumps(STOP_IDS)}",
         "engine.kv=prefix_sliding:8", "engine.num_blocks=256", "engine.max_num_batched_tokens=512",
-        "reward={correctness: 1.0, kv_penalty: {budget: 1, coef: 0.01}}",
+        "reward={correctness: 1.0, kv_penalty: {budget: 1, weight: 0.01}}",
         "train.steps=3", "train.groups_per_step=2", "rollout.num_workers=1", "rollout.group_size=4", "learner.lr=0.01",
         "monitor.wandb.mode=disabled", "monitor.include_dashboard=false", "monitor.plots=false",
         "eval.before=false", "eval.after=false", "checkpoint.every=0", "train.health_check_s=0.5",

@@ -201,7 +201,7 @@ def test_async_bonbon_run(ray_session, model_dir, tmp_path):
     from sliderl.cluster.run.driver import train
 
     cfg = tiny_job(model_dir, tmp_path / "run", "train.mode=async", "train.steps=2",
-                   "reward={correctness: 1.0, kv_penalty: {budget: 1, coef: 0.01}}",
+                   "reward={correctness: 1.0, kv_penalty: {budget: 1, weight: 0.01}}",
                    "learner.algo={type: bonbon, quality_key: kv_penalty, speedup_key: null}", "train.max_staleness=1")
     result = train(cfg)
     rows = metric_rows(result.run_dir)

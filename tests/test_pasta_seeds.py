@@ -49,7 +49,7 @@ def test_smoke_run_of_one_seed(tmp_path):
     # speedup 1 + λ·0 and BoNBoN finds no pair, so the run would rightly fail as "nothing trained". BoNBoN's
     # quality is a thinking penalty here (the random text's whitespace words before its first </think>), which
     # spreads each group's scores.
-    spread = ["reward.thinking_penalty.budget=1", "reward.thinking_penalty.coef=0.01",
+    spread = ["reward.thinking_penalty.budget=1", "reward.thinking_penalty.weight=0.01",
               "learner.algo.quality_key=thinking_penalty"]
     tiny = ["model.hidden_size=32", "model.num_layers=1", "model.num_heads=2", "model.num_kv_heads=1",
             "model.intermediate_size=64"]

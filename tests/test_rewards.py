@@ -93,10 +93,10 @@ def test_math_reward_off_the_main_thread_and_after_a_timeout():
 
 
 def test_kv_penalty_is_the_relative_overshoot_of_the_budget():
-    penalty = KVPenalty(budget=1000, coef=0.5)
+    penalty = KVPenalty(budget=1000)
     assert penalty(800.0).total == 0.0
-    assert penalty(1500.0).total == pytest.approx(-0.25)  # -0.5 * (1500 - 1000) / 1000
-    assert penalty.score(RewardInput("x", mean_visible_kv=3000.0)).total == pytest.approx(-1.0)  # -0.5 * 2000 / 1000
+    assert penalty(1500.0).total == pytest.approx(-0.5)  # -(1500 - 1000) / 1000
+    assert penalty.score(RewardInput("x", mean_visible_kv=3000.0)).total == pytest.approx(-2.0)  # -2000 / 1000
     with pytest.raises(ValueError, match="mean_visible_kv"):
         penalty.score(RewardInput("x"))
     with pytest.raises(ValueError, match="budget"):
@@ -104,7 +104,7 @@ def test_kv_penalty_is_the_relative_overshoot_of_the_budget():
 
 
 def test_thinking_penalty_counts_tokens_before_think_end():
-    penalty = ThinkingPenalty(budget=4, coef=1.0)
+    penalty = ThinkingPenalty(budget=4)
     assert penalty("a b c d e f </think> the answer").total == pytest.approx(-0.5)  # 6 words: -(6 - 4) / 4
     assert penalty("a b c </think> x y z w v").total == 0.0  # 3 <= 4
     assert penalty(num_thinking_tokens=10).total == pytest.approx(-1.5)  # -(10 - 4) / 4
@@ -119,17 +119,17 @@ def test_thinking_penalty_counts_tokens_before_think_end():
 
 def test_reward_spec_weights_terms_and_keeps_components():
     # Catches: a term's weight applied twice or not at all, or a component stored after weighting.
-    spec = RewardSpec(kv_penalty=KVPenaltyTerm(budget=1000, coef=0.5, weight=2.0),
-                      thinking_penalty=ThinkingPenaltyTerm(budget=1, coef=1.0, weight=0.1))
+    spec = RewardSpec(kv_penalty=KVPenaltyTerm(budget=1000, weight=2.0),
+                      thinking_penalty=ThinkingPenaltyTerm(budget=1, weight=0.1))
     reward = spec.build("math")
     record = reward(RewardInput("<think>a b c</think> so \\boxed{42}", answer="42", mean_visible_kv=1500.0))
-    # 1.0 * 1 + 2.0 * (-0.5 * 500 / 1000) + 0.1 * (-(3 - 1) / 1) (three words of thinking) = 1 - 0.5 - 0.2 = 0.3
-    assert record.total == pytest.approx(0.3)
-    assert record.components == pytest.approx({"correctness": 1.0, "kv_penalty": -0.25, "thinking_penalty": -2.0})
+    # 1.0 * 1 + 2.0 * (-500 / 1000) + 0.1 * (-(3 - 1) / 1) (three words of thinking) = 1 - 1.0 - 0.2 = -0.2
+    assert record.total == pytest.approx(-0.2)
+    assert record.components == pytest.approx({"correctness": 1.0, "kv_penalty": -0.5, "thinking_penalty": -2.0})
     assert record.parsed == "42"
     metrics = record.as_metrics("train/reward")
-    assert metrics["train/reward/total"] == pytest.approx(0.3)
-    assert metrics["train/reward/kv_penalty"] == pytest.approx(-0.25)
+    assert metrics["train/reward/total"] == pytest.approx(-0.2)
+    assert metrics["train/reward/kv_penalty"] == pytest.approx(-0.5)
     assert metrics["train/reward/kv_penalty/mean_visible_kv"] == 1500.0
     assert all(isinstance(v, float) for v in metrics.values())
 

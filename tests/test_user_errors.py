@@ -20,7 +20,9 @@ USER_ERRORS = [
     # an unknown reward term: once surfaced as "rollout worker 0 did not start: The actor died"
     (["reward.acc=1.0"], ["reward: unknown key 'acc'", "valid keys: correctness, kv_penalty, thinking_penalty, speedup"]),
     # a misspelt option of a reward term
-    (["reward.kv_penalty.budgt=64"], ["reward.kv_penalty: unknown key 'budgt'", "did you mean 'budget'", "coef"]),
+    (["reward.kv_penalty.budgt=64"], ["reward.kv_penalty: unknown key 'budgt'", "did you mean 'budget'", "weight"]),
+    # an old config's second multiplier: refused with the new spelling (coef was folded into weight)
+    (["reward.kv_penalty.coef=0.5"], ["reward.kv_penalty: key 'coef' is no longer valid", "weight x coef"]),
     # an ill-formed option of a reward term
     (["reward.kv_penalty.budget=-1"], ["reward.kv_penalty", "budget must be > 0, got -1"]),
     # an unknown GRPO option: once "the learner died ... and no checkpoint exists"

@@ -20,6 +20,8 @@ from sliderl.rewards.record import Reward
 from sliderl.rewards.terms import KVPenalty, SpeedupReward, ThinkingPenalty
 
 _CONFIG = {"extra": "forbid", "use_attribute_docstrings": True}
+RENAMED_COEF = ("weight: a term has one multiplier now; coef was folded into weight, so write weight = your "
+                "weight x coef (e.g. {budget: 64, coef: 0.5} becomes {budget: 64, weight: 0.5})")
 
 
 def _check_weight(weight: float, term: str) -> None:
@@ -55,23 +57,22 @@ class CorrectnessTerm:
 
 @dataclass(frozen=True)
 class KVPenaltyTerm:
-    """TIP's KV-cache penalty: ``-coef * max(0, kv - budget) / budget`` on the mean visible KV tokens."""
+    """TIP's KV-cache penalty: ``-weight * max(0, kv - budget) / budget`` on the mean visible KV tokens."""
 
     __pydantic_config__: ClassVar[dict] = _CONFIG
+    RENAMED: ClassVar[dict[str, str]] = {"coef": RENAMED_COEF}
 
     budget: float = 1024.0
     """Mean visible KV tokens per decode step allowed without penalty (> 0)."""
-    coef: float = 1.0
-    """Penalty at twice the budget (>= 0)."""
     weight: float = 1.0
-    """Weight of the term in the total reward."""
+    """Weight of the term in the total reward: the penalty at twice the budget is -weight."""
 
     def __post_init__(self) -> None:
         _check_weight(self.weight, "kv_penalty")
-        KVPenalty(self.budget, self.coef)  # its own checks name the bad value
+        KVPenalty(self.budget)  # its own checks name the bad value
 
     def build(self, task: str, tokenizer=None) -> Reward:
-        return KVPenalty(self.budget, self.coef)
+        return KVPenalty(self.budget)
 
 
 @dataclass(frozen=True)
@@ -80,21 +81,21 @@ class ThinkingPenaltyTerm:
 
     __pydantic_config__: ClassVar[dict] = _CONFIG
 
+    RENAMED: ClassVar[dict[str, str]] = {"coef": RENAMED_COEF}
+
     budget: float = 1024.0
     """Thinking tokens allowed without penalty (> 0)."""
-    coef: float = 1.0
-    """Penalty at twice the budget (>= 0)."""
     end_think: str = END_THINK
     """Marker that ends the thinking."""
     weight: float = 1.0
-    """Weight of the term in the total reward."""
+    """Weight of the term in the total reward: the penalty at twice the budget is -weight."""
 
     def __post_init__(self) -> None:
         _check_weight(self.weight, "thinking_penalty")
-        ThinkingPenalty(self.budget, self.coef, self.end_think)
+        ThinkingPenalty(self.budget, self.end_think)
 
     def build(self, task: str, tokenizer=None) -> Reward:
-        return ThinkingPenalty(self.budget, self.coef, self.end_think)
+        return ThinkingPenalty(self.budget, self.end_think)
 
 
 @dataclass(frozen=True)

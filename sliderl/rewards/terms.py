@@ -1,7 +1,8 @@
 """Cost-side reward terms: TIP's KV-cache penalty, a thinking-length penalty and Pasta's theoretical speedup.
 
 The two penalties share one form, a relative overshoot of a budget:
-``-coef * max(0, x - budget) / budget`` (0 within budget, -coef at twice the budget). The TIP
+``-max(0, x - budget) / budget`` (0 within budget, -1 at twice the budget); the term's ``weight`` in the
+job's reward (``rewards.spec``) is its one multiplier. The TIP
 chapter names a "KV-cache penalty for retaining too many tokens" without giving its formula; this
 is our choice for it, with x the trace's mean number of visible KV tokens per decode step (the
 thesis' "live KV cache" metric).
@@ -20,16 +21,14 @@ def whitespace_tokens(text: str) -> int:
     return len(text.split())
 
 
-def budget_overshoot_penalty(value: float, budget: float, coef: float) -> float:
-    """``-coef * max(0, value - budget) / budget``."""
-    return -coef * max(0.0, value - budget) / budget
+def budget_overshoot_penalty(value: float, budget: float) -> float:
+    """``-max(0, value - budget) / budget``."""
+    return -max(0.0, value - budget) / budget
 
 
-def _check_budget(budget: float, coef: float, what: str) -> None:
+def _check_budget(budget: float, what: str) -> None:
     if not budget > 0:
         raise ValueError(f"{what} budget must be > 0, got {budget}")
-    if not coef >= 0:
-        raise ValueError(f"{what} coef must be >= 0, got {coef}")
 
 
 class KVPenalty:
@@ -37,13 +36,12 @@ class KVPenalty:
 
     name = "kv_penalty"
 
-    def __init__(self, budget: float, coef: float = 1.0):
-        _check_budget(budget, coef, "KVPenalty")
+    def __init__(self, budget: float):
+        _check_budget(budget, "KVPenalty")
         self.budget = float(budget)
-        self.coef = float(coef)
 
     def __call__(self, mean_visible_kv: float) -> RewardRecord:
-        total = budget_overshoot_penalty(mean_visible_kv, self.budget, self.coef)
+        total = budget_overshoot_penalty(mean_visible_kv, self.budget)
         return RewardRecord(total, {self.name: total}, info={"mean_visible_kv": float(mean_visible_kv)})
 
     def score(self, sample: RewardInput) -> RewardRecord:
@@ -64,13 +62,11 @@ class ThinkingPenalty:
     def __init__(
         self,
         budget: float,
-        coef: float = 1.0,
         end_think: str = END_THINK,
         count_tokens: Callable[[str], int] = whitespace_tokens,
     ):
-        _check_budget(budget, coef, "ThinkingPenalty")
+        _check_budget(budget, "ThinkingPenalty")
         self.budget = float(budget)
-        self.coef = float(coef)
         self.end_think = end_think
         self.count_tokens = count_tokens
 
@@ -79,7 +75,7 @@ class ThinkingPenalty:
             if completion_text is None:
                 raise ValueError("ThinkingPenalty needs completion_text or num_thinking_tokens")
             num_thinking_tokens = self.count_tokens(completion_text.partition(self.end_think)[0])
-        total = budget_overshoot_penalty(num_thinking_tokens, self.budget, self.coef)
+        total = budget_overshoot_penalty(num_thinking_tokens, self.budget)
         return RewardRecord(total, {self.name: total}, info={"thinking_tokens": float(num_thinking_tokens)})
 
     def score(self, sample: RewardInput) -> RewardRecord:

@@ -301,7 +301,10 @@ def check_keys(annotation: Any, data: Any, path: tuple, chosen: dict[tuple, set]
         chosen[path] = {section.__name__, _tag_value(section, "type")}
     where = ".".join(path) or "top level"
     field_types = _field_types(section)
+    renamed = getattr(section, "RENAMED", {})  # old key -> its new spelling and why
     for key, value in data.items():
+        if key in renamed:
+            raise ValueError(f"{where}: key {key!r} is no longer valid; write {renamed[key]}")
         if key not in field_types:
             raise ValueError(f"{where}: {unknown_key_message(key, list(field_types))}")
         check_keys(field_types[key], value, (*path, key), chosen)
