@@ -38,8 +38,8 @@ import yaml  # noqa: E402
 
 from sliderl.cluster.config.base import load_config  # noqa: E402
 from sliderl.cluster.config.train import TrainConfig  # noqa: E402
-from sliderl.rollout.block_bound import block_bound  # noqa: E402
 from sliderl.core.kv_policy import KVPolicy  # noqa: E402
+from sliderl.rollout.block_bound import block_bound  # noqa: E402
 
 PROMPT_SLACK = 16  # tokens a prompt template may add around a problem's text (byte-level: one token per character)
 

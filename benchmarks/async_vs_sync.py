@@ -49,8 +49,8 @@ def job_overrides(args, model_dir: Path, run_dir: Path, mode: str) -> list[str]:
 
 def run_mode(args, model_dir: Path, scratch: Path, mode: str) -> dict:
     from sliderl.cluster.config.base import load_config
-    from sliderl.cluster.run.driver import train
     from sliderl.cluster.config.train import TrainConfig
+    from sliderl.cluster.run.driver import train
 
     run_dir = scratch / f"run-{mode}"
     cfg = load_config(TrainConfig, None, job_overrides(args, model_dir, run_dir, mode))
@@ -79,12 +79,12 @@ def time_sync(args, model_dir: Path, backend: str, group: str, device: str) -> d
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    from sliderl.cluster.config.base import load_config
+    from sliderl.cluster.actors.learner import make_learner
     from sliderl.cluster.actors.placement import make_queue
     from sliderl.cluster.actors.rollout_worker import make_worker
-    from sliderl.cluster.actors.learner import make_learner
-    from sliderl.cluster.config.train import TrainConfig
     from sliderl.cluster.actors.weight_sync import WeightSync
+    from sliderl.cluster.config.base import load_config
+    from sliderl.cluster.config.train import TrainConfig
 
     if device == "cpu":
         gpus = 0.0

@@ -123,8 +123,8 @@ def overrides(args, mode: str, kv: str, run_dir: Path) -> list[str]:
 def run_child(spec_path: Path) -> None:
     """``--run SPEC``: one ``sliderl train`` in this process; writes the actors' pids and the result to SPEC's ``out``."""
     from sliderl.cluster.config.base import load_config
-    from sliderl.cluster.run.driver import train
     from sliderl.cluster.config.train import TrainConfig
+    from sliderl.cluster.run.driver import train
 
     spec = json.loads(spec_path.read_text())
     cfg = load_config(TrainConfig, spec["config"], spec["overrides"])

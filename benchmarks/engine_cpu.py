@@ -20,8 +20,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from sliderl.rollout import LLM, SamplingParams  # noqa: E402
 from sliderl.core.tiny import make_tiny_model  # noqa: E402
+from sliderl.rollout import LLM, SamplingParams  # noqa: E402
 
 
 def run(path: Path, spec: str, length: int, batch: int) -> dict:

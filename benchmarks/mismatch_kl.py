@@ -55,12 +55,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from sliderl.tasks.arith import ArithTask  # noqa: E402
-from sliderl.rollout import LLM, EngineArgs, KVPolicy, RequestOutput, SamplingParams  # noqa: E402
-from sliderl.rollout.block_bound import block_bound  # noqa: E402
 from sliderl.core.loader import DTYPES, load_model, load_tokenizer  # noqa: E402
 from sliderl.core.tiny import TinyModelSpec, make_qwen3_1p7b, make_tiny_model  # noqa: E402
 from sliderl.core.vocab import bind_policy_vocab  # noqa: E402
+from sliderl.rollout import LLM, EngineArgs, KVPolicy, RequestOutput, SamplingParams  # noqa: E402
+from sliderl.rollout.block_bound import block_bound  # noqa: E402
+from sliderl.tasks.arith import ArithTask  # noqa: E402
 from sliderl.trainer.algorithms import SFTOptions  # noqa: E402
 from sliderl.trainer.learner_args import LearnerArgs  # noqa: E402
 from sliderl.trainer.logprobs import logprob_mismatch, pack_windows, packed_logprobs, window_input  # noqa: E402

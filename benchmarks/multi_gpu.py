@@ -55,12 +55,12 @@ def time_sync(args, model_dir: Path, backend: str) -> dict:
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    from sliderl.cluster.config.base import load_config
+    from sliderl.cluster.actors.learner import make_learner
     from sliderl.cluster.actors.placement import make_queue
     from sliderl.cluster.actors.rollout_worker import make_worker
-    from sliderl.cluster.actors.learner import make_learner
-    from sliderl.cluster.config.train import TrainConfig
     from sliderl.cluster.actors.weight_sync import WeightSync
+    from sliderl.cluster.config.base import load_config
+    from sliderl.cluster.config.train import TrainConfig
 
     cfg = load_config(TrainConfig, None, placement(args) + [
         f"model.path={model_dir}", f"weight_sync.backend={backend}", "engine.num_blocks=256"])
@@ -84,8 +84,8 @@ def time_sync(args, model_dir: Path, backend: str) -> dict:
 
 def run_mode(args, model_dir: Path, scratch: Path, mode: str) -> dict:
     from sliderl.cluster.config.base import load_config
-    from sliderl.cluster.run.driver import train
     from sliderl.cluster.config.train import TrainConfig
+    from sliderl.cluster.run.driver import train
 
     run_dir = scratch / f"run-{mode}"
     cfg = load_config(TrainConfig, None, placement(args) + [

@@ -49,8 +49,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from sliderl.rollout import LLM, SamplingParams  # noqa: E402
 from sliderl.core.pasta import PASTA_TOKENS, PastaLayout, PastaTokenIds  # noqa: E402
+from sliderl.rollout import LLM, SamplingParams  # noqa: E402
 from sliderl.rollout.sequence import Status  # noqa: E402
 
 TINY = dict(hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=512)  # CPU model

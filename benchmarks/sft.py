@@ -35,14 +35,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from sliderl.cluster.config.base import load_config  # noqa: E402
-from sliderl.cluster.run.sft_job import stage_examples  # noqa: E402
-from sliderl.cluster.config.train import TrainConfig  # noqa: E402
 from sliderl.cluster.actors.warm_start import cached_warm_start  # noqa: E402
-from sliderl.rewards.arith import ArithVerifier  # noqa: E402
-from sliderl.rollout import LLM, SamplingParams  # noqa: E402
+from sliderl.cluster.config.base import load_config  # noqa: E402
+from sliderl.cluster.config.train import TrainConfig  # noqa: E402
+from sliderl.cluster.run.sft_job import stage_examples  # noqa: E402
 from sliderl.core.kv_policy import KVPolicy  # noqa: E402
 from sliderl.core.tiny import make_tiny_model  # noqa: E402
+from sliderl.rewards.arith import ArithVerifier  # noqa: E402
+from sliderl.rollout import LLM, SamplingParams  # noqa: E402
 from sliderl.trainer.learner import Learner  # noqa: E402
 from sliderl.trainer.sft import MARKER, SFTExample, sft_trace  # noqa: E402
 

@@ -38,8 +38,8 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from sliderl.cluster.eval.comparison import EntryResult  # noqa: E402
-from sliderl.cluster.eval.report import write_report  # noqa: E402
 from sliderl.cluster.eval.evaluation import SampledEval  # noqa: E402
+from sliderl.cluster.eval.report import write_report  # noqa: E402
 from sliderl.cluster.run.checkpoints import MARKER  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from sliderl.cluster.config.base import load_config
 from sliderl.cluster.actors.placement import start_local_ray
+from sliderl.cluster.config.base import load_config
 from sliderl.cluster.config.train import TrainConfig
 
 STOP_IDS = list(range(0, 256, 8))

@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 import yaml
 
+from sliderl.core.kv_policy import KVPolicy
+from sliderl.core.tiny import build_tokenizer
 from sliderl.rewards import RewardInput
 from sliderl.rewards.arith import ArithVerifier
 from sliderl.tasks.arith import ArithTask
-from sliderl.core.kv_policy import KVPolicy
-from sliderl.core.tiny import build_tokenizer
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny-arith.yaml"
 PROMPT = re.compile(r"Start at (\d+)\. Apply ((?:[a-z][+-]\d+ ?)+)\.\n")

@@ -10,10 +10,10 @@ import pytest
 
 from sliderl.cluster.cli import main
 from sliderl.cluster.config.base import load_config
-from sliderl.cluster.errors import ConfigError
-from sliderl.cluster.storage.data import load_problems
-from sliderl.cluster.run.plan import prepare
 from sliderl.cluster.config.train import TrainConfig
+from sliderl.cluster.errors import ConfigError
+from sliderl.cluster.run.plan import prepare
+from sliderl.cluster.storage.data import load_problems
 
 
 def write_rows(path, rows) -> str:
@@ -105,8 +105,8 @@ def test_a_reward_that_raises_skips_its_group_and_the_worker_goes_on(tiny_model_
     # try/except, the group never arrives and the worker reports the error.
     import queue as std_queue
 
-    from sliderl.cluster.records import Problem, PromptGroup
     from sliderl.cluster.actors.rollout_worker import RolloutWorker
+    from sliderl.cluster.records import Problem, PromptGroup
     from sliderl.rewards import RewardSpec
     from sliderl.rollout import EngineArgs, SamplingParams
     from sliderl.trainer.algorithms import GRPO, GRPOOptions
@@ -151,12 +151,12 @@ def test_an_engine_thread_failure_is_reported_not_swallowed(tiny_model_factory):
     # show in status() (which the driver's health check turns into a RunError naming the worker) and
     # in every blocked call. Planted by catching and dropping the exception in RolloutWorker._guard,
     # status().error stays None and evaluate() blocks (the test times out).
-    from sliderl.cluster.records import Problem, PromptGroup
+    import queue as std_queue
+
     from sliderl.cluster.actors.rollout_worker import RolloutWorker
+    from sliderl.cluster.records import Problem, PromptGroup
     from sliderl.rewards import RewardSpec
     from sliderl.rollout import EngineArgs, SamplingParams
-
-    import queue as std_queue
 
     worker = RolloutWorker(0, str(tiny_model_factory("qwen3")), 0, EngineArgs(num_blocks=64, max_model_len=16),
                            SamplingParams(max_tokens=4), RewardSpec(), "arith", std_queue.Queue())

@@ -8,8 +8,17 @@ import sys
 import pytest
 import torch
 
-from benchmarks.learner_gpu import (PEAK_FLOPS, Shape, learner_counts, layer_params, make_traces, model_flops,
-                                    rates, row_specs, visible_pairs)
+from benchmarks.learner_gpu import (
+    PEAK_FLOPS,
+    Shape,
+    layer_params,
+    learner_counts,
+    make_traces,
+    model_flops,
+    rates,
+    row_specs,
+    visible_pairs,
+)
 from sliderl.core.kv_policy import KVPolicy
 from sliderl.trainer.attention import PackedVisibility
 
@@ -163,7 +172,7 @@ def test_long_rl_merges_runs_of_different_arms_each_charged_its_own_share(tmp_pa
     # every arm 1/4 of the GPU, or 1/len(all arms), instead of the share it had: ps-trunc and ps-whole ran together
     # (1/2 each), full alone (1/1). By hand: ps-trunc 100 s x 1/2 = 50 GPU-s, ps-whole 90 x 1/2 = 45, full 80 x 1 =
     # 80. Planting `share = 1 / len(arms)` in write_report gives 33, 30 and 27. Also: an arm in two runs is refused.
-    from benchmarks.long_rl import GPU, ARMS, end_entries, start_entries
+    from benchmarks.long_rl import ARMS, GPU, end_entries, start_entries
 
     _arm_run(tmp_path / "pair", {"ps-trunc": 100.0, "ps-whole": 90.0}, 110.0)
     _arm_run(tmp_path / "alone", {"full": 80.0}, 95.0)

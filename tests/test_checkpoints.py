@@ -11,12 +11,12 @@ import shutil
 
 import pytest
 import torch
+from cluster_jobs import model_dir, tiny_overrides  # noqa: F401 (fixture)
 from safetensors.torch import load_file, save, save_file
 from transformers import AutoModelForCausalLM
 
 from sliderl.cluster.cli import main
 from sliderl.cluster.run.checkpoints import Checkpoints, DamagedCheckpoint, DriverState
-from cluster_jobs import model_dir, tiny_overrides  # noqa: F401 (fixture)
 from sliderl.core.trace import Trace
 from sliderl.trainer.algorithms import SFTOptions
 from sliderl.trainer.checkpoint import write_safetensors

@@ -15,19 +15,27 @@ from pathlib import Path
 
 import pytest
 import torch
+from cluster_jobs import (  # noqa: F401 (fixtures)
+    expected_actor_name,
+    initial_weight,
+    logged_traces,
+    metric_rows,
+    model_dir,
+    ray_session,
+    tiny_job,
+    tiny_overrides,
+)
 
+from sliderl.cluster.actors.placement import ResourceError
+from sliderl.cluster.actors.weight_sync import FlatLayout, flatten, unflatten
 from sliderl.cluster.cli import main
 from sliderl.cluster.config.base import load_config
-from sliderl.cluster.errors import ConfigError
-from sliderl.cluster.records import Problem, PromptGroup
-from sliderl.cluster.run.ledger import GroupLedger, LedgerState
-from sliderl.cluster.actors.placement import ResourceError
-from sliderl.cluster.records import RolloutGroup
-from sliderl.cluster.run.checkpoints import Checkpoints, DriverState
 from sliderl.cluster.config.train import TrainConfig
-from sliderl.cluster.actors.weight_sync import FlatLayout, flatten, unflatten
+from sliderl.cluster.errors import ConfigError
+from sliderl.cluster.records import Problem, PromptGroup, RolloutGroup
+from sliderl.cluster.run.checkpoints import Checkpoints, DriverState
+from sliderl.cluster.run.ledger import GroupLedger, LedgerState
 from sliderl.trainer.manifest import Manifest
-from cluster_jobs import expected_actor_name, initial_weight, logged_traces, metric_rows, model_dir, ray_session, tiny_job, tiny_overrides  # noqa: F401 (fixtures)
 
 ROOT = Path(__file__).resolve().parents[1]
 WEIGHT = "model.layers.0.mlp.down_proj.weight"
@@ -267,8 +275,9 @@ def all_cpus_free(ray, timeout_s: float = 30.0) -> bool:
 
 
 def test_impossible_resources_fail_before_any_actor(ray_session, model_dir, tmp_path):
-    from sliderl.cluster.run.driver import train
     from ray.util import placement_group_table
+
+    from sliderl.cluster.run.driver import train
 
     assert all_cpus_free(ray_session)  # an earlier test's released placement group is returned asynchronously
     before = len(placement_group_table())
@@ -280,8 +289,9 @@ def test_impossible_resources_fail_before_any_actor(ray_session, model_dir, tmp_
 
 
 def test_dataset_without_the_configured_fields(ray_session, model_dir, tmp_path):
-    from sliderl.cluster.run.driver import train
     from ray.util import placement_group_table
+
+    from sliderl.cluster.run.driver import train
 
     data = tmp_path / "problems.jsonl"
     data.write_text("".join(json.dumps({"question": f"{i} + 1", "solution": str(i + 1)}) + "\n" for i in range(4)))

@@ -9,8 +9,8 @@ import weakref
 import pytest
 
 from sliderl.cluster.config.base import load_config
-from sliderl.cluster.errors import ConfigError
 from sliderl.cluster.config.train import TrainConfig
+from sliderl.cluster.errors import ConfigError
 from sliderl.rollout import LLM, EngineArgs, SamplingParams
 
 PROMPTS = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7]]

@@ -32,14 +32,14 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-from sliderl.cluster.cli import main
-from sliderl.cluster.config.base import load_config
-from sliderl.cluster.observe.dashboard import job_metadata, run_label, run_name, warn_if_submitted_without_metadata
-from sliderl.cluster.actors.placement import connect
-from sliderl.cluster.config.train import TrainConfig
 from headless_browser import Browser, chromium_path
 from multinode_cluster import free_port, listening
+
+from sliderl.cluster.actors.placement import connect
+from sliderl.cluster.cli import main
+from sliderl.cluster.config.base import load_config
+from sliderl.cluster.config.train import TrainConfig
+from sliderl.cluster.observe.dashboard import job_metadata, run_label, run_name, warn_if_submitted_without_metadata
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from sliderl.cluster.cli import main
-from sliderl.cluster.eval.comparison import EntryResult, expand
 from sliderl.cluster.config.compare import CompareConfig, fill_budget
+from sliderl.cluster.eval.comparison import EntryResult, expand
+from sliderl.cluster.eval.evaluation import SampledEval, pass_at_k, score_samples
 from sliderl.cluster.eval.report import pareto_front
 from sliderl.cluster.records import Problem
-from sliderl.cluster.eval.evaluation import SampledEval, pass_at_k, score_samples
 from sliderl.rewards.spec import CorrectnessTerm
 from sliderl.rollout.sequence import KVUsage
 

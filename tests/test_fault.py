@@ -9,10 +9,7 @@ import signal
 from collections import Counter
 
 import pytest
-
-from cluster_jobs import model_dir, ray_session  # noqa: F401 (fixtures)
-from cluster_jobs import expected_actor_name, logged_traces, metric_rows, tiny_job
-
+from cluster_jobs import expected_actor_name, logged_traces, metric_rows, model_dir, ray_session, tiny_job  # noqa: F401 (fixtures)
 
 
 @pytest.fixture(scope="module")

@@ -12,9 +12,9 @@ import os
 import signal
 
 import pytest
+from cluster_jobs import logged_traces, metric_rows, model_dir, ray_session, tiny_job  # noqa: F401 (fixtures)
 
 from sliderl.cluster.errors import RunError
-from cluster_jobs import logged_traces, metric_rows, model_dir, ray_session, tiny_job  # noqa: F401 (fixtures)
 
 WEIGHT = "model.layers.0.mlp.down_proj.weight"
 
@@ -49,8 +49,8 @@ def test_learner_restarts_used_up_end_the_run_with_the_checkpoints_intact(ray_se
     # allowed: the first death resumes from step_000001, the second ends the run. Planted with
     # `restarts > max_learner_restarts`, the run restarts twice and finishes; with `>=` replaced
     # by `>= max - 1`... the first death already ends it (the kills list then has one entry).
-    from sliderl.cluster.run.driver import train
     from sliderl.cluster.run.checkpoints import Checkpoints
+    from sliderl.cluster.run.driver import train
 
     kills: list = []
     cfg = tiny_job(model_dir, tmp_path / "run", "train.mode=sync", "train.steps=4", "checkpoint.every=1",
@@ -150,9 +150,9 @@ def test_a_failed_broadcast_is_published_again(ray_session, model_dir, tmp_path)
     # and worker 1 stays fenced.
     import time
 
+    from sliderl.cluster.actors.learner import make_learner
     from sliderl.cluster.actors.placement import make_queue, release, reserve
     from sliderl.cluster.actors.rollout_worker import make_worker
-    from sliderl.cluster.actors.learner import make_learner
     from sliderl.cluster.actors.weight_sync import WeightSync
 
     cfg = tiny_job(model_dir, tmp_path / "run", "rollout.num_workers=2", "rollout.num_cpus=0.25",

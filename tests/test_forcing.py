@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_pasta_runtime import RESPONSE_A, assert_matches_reference, lay_out, pasta_llm, pasta_model  # noqa: F401
 from transformers import AutoModelForCausalLM
 
-from sliderl.rollout import LLM, SamplingParams
 from sliderl.core.pasta import PastaTokenIds
-from test_pasta_runtime import RESPONSE_A, assert_matches_reference, lay_out, pasta_llm, pasta_model  # noqa: F401
+from sliderl.rollout import LLM, SamplingParams
 
 
 def hf_logprobs(path, prompt: list[int], tokens: list[int], temperature: float) -> list[float]:

@@ -17,10 +17,10 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module imports triton
 
 import sliderl.kernels.gemv as gemv_module
-from sliderl.kernels.decode import split_counters
-from sliderl.kernels.gemv import GemvConfig, gemv, gemv_config
 from sliderl.core.loader import load_model
 from sliderl.core.model import DenseAttention, causal_mask
+from sliderl.kernels.decode import split_counters
+from sliderl.kernels.gemv import GemvConfig, gemv, gemv_config
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")

@@ -113,8 +113,8 @@ def test_the_checkpoint_is_qwen3_shaped_and_both_engines_stop_on_its_extra_end_i
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from sliderl.rollout import LLM, SamplingParams
     from sliderl.core.tiny import QWEN3_1P7B
+    from sliderl.rollout import LLM, SamplingParams
 
     common = dict(num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936)
     assert SIZES["0.6b"] | common == SIZES["0.6b"] and (SIZES["0.6b"]["hidden_size"], SIZES["0.6b"]["intermediate_size"]) == (1024, 3072)

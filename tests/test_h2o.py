@@ -14,11 +14,11 @@ import math
 import pytest
 import torch
 
-from sliderl.rollout import LLM, SamplingParams
-from sliderl.rollout.block_bound import block_bound
 from sliderl.core.kv_policy import NEVER, KVPolicy
 from sliderl.core.loader import load_model
 from sliderl.core.trace import Trace, traces_from_table, traces_to_table
+from sliderl.rollout import LLM, SamplingParams
+from sliderl.rollout.block_bound import block_bound
 from sliderl.trainer.learner import Learner
 from sliderl.trainer.logprobs import trace_logprobs
 

@@ -8,8 +8,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from cluster_jobs import tiny_overrides
+
 from sliderl.cluster.run.checkpoints import MARKER
 
 ROOT = Path(__file__).resolve().parents[1]

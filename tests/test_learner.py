@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from sliderl.rollout import LLM, SamplingParams
 from sliderl.core.loader import load_model
 from sliderl.core.trace import Trace
+from sliderl.rollout import LLM, SamplingParams
 from sliderl.trainer.algorithms import BoNBoNOptions, GRPOOptions, SFTOptions
 from sliderl.trainer.learner import Learner
 from sliderl.trainer.logprobs import trace_logprobs

@@ -14,14 +14,14 @@ import matplotlib.image
 import pytest
 from pydantic import ValidationError
 
-from sliderl.cluster.records import EvalResult
-from sliderl.cluster.observe.monitor import Monitor
-from sliderl.cluster.config.monitor import MonitorConfig, WandbConfig
-from sliderl.cluster.observe.ray_metrics import LearnerMetrics, RolloutMetrics
 from sliderl.cluster.actors.placement import start_local_ray
-from sliderl.cluster.records import KEYS, StepReport
+from sliderl.cluster.config.monitor import MonitorConfig, WandbConfig
+from sliderl.cluster.observe.monitor import Monitor
+from sliderl.cluster.observe.ray_metrics import LearnerMetrics, RolloutMetrics
+from sliderl.cluster.records import KEYS, EvalResult, StepReport
 from sliderl.cluster.storage.trace_log import TraceLog
 from sliderl.core.trace import Trace
+from sliderl.trainer.metrics import StepMetrics
 
 STEPS = [  # what a driver logs at optimizer steps 1..4
     {"reward": 0.1, "accuracy": 0.25, "visible_kv": 60.0, "rollout_tokens_per_s": 1000.0,
@@ -236,14 +236,21 @@ def test_step_report_flattens_to_the_metrics_jsonl_names():
     # catches: a renamed or unprefixed metric (metrics.jsonl keys are read by tests, benchmarks and
     # dashboards), a None written as a value, an evaluation logged without its eval_before/ prefix
     assert set(step_report().as_dict()) == JSONL_KEYS  # no sync, no learner metrics, no eval
-    report = step_report(weight_sync_seconds=0.5, learner={"loss": 0.25, "stepped": 1.0, "kl_mismatch": None},
-                         eval_before=EvalResult(4, 0.75, 10.0, 8.5, 9, "full"))
+    # the learner's StepMetrics: no mismatch measured (None, left out), its version is the report's own
+    learner = StepMetrics(loss=0.25, grad_norm=1.5, kl_mismatch=None, kl_mismatch_k1=None, logprob_diff_max=None,
+                          num_tokens=100, num_loss_tokens=40, num_traces=8, num_windows=8, num_micro_batches=1,
+                          skipped_traces_no_loss=0, step_seconds=1.25, version=7, stepped=True, lr=1e-4,
+                          algorithm={"zero_variance_groups": 1.0})
+    report = step_report(weight_sync_seconds=0.5, learner=learner, eval_before=EvalResult(4, 0.75, 10.0, 8.5, 9, "full"))
     flat = report.as_dict()
-    assert set(flat) == JSONL_KEYS | {"weight_sync_seconds", "learner/loss", "learner/stepped",
-                                      "eval_before/num_problems", "eval_before/accuracy", "eval_before/mean_tokens",
-                                      "eval_before/mean_visible_kv", "eval_before/peak_visible_kv"}
-    assert (flat["version"], flat["learner/loss"], flat["eval_before/accuracy"], flat["eval_before/peak_visible_kv"]) \
-        == (7, 0.25, 0.75, 9.0)
+    learner_keys = {f"learner/{k}" for k in ("loss", "grad_norm", "num_tokens", "num_loss_tokens", "num_traces",
+                                             "num_windows", "num_micro_batches", "skipped_traces_no_loss",
+                                             "step_seconds", "stepped", "lr", "zero_variance_groups")}
+    assert set(flat) == JSONL_KEYS | learner_keys | {
+        "weight_sync_seconds", "eval_before/num_problems", "eval_before/accuracy", "eval_before/mean_tokens",
+        "eval_before/mean_visible_kv", "eval_before/peak_visible_kv"}
+    assert (flat["version"], flat["learner/loss"], flat["learner/stepped"], flat["eval_before/accuracy"],
+            flat["eval_before/peak_visible_kv"]) == (7, 0.25, 1.0, 0.75, 9.0)
 
 
 def test_summary_reads_the_step_reports_metrics(tmp_path):
@@ -348,8 +355,8 @@ def dashboard_series() -> set[str]:
 def test_metrics_jsonl_is_strict_json_when_a_value_is_not_finite(tmp_path):
     # Catches: a NaN reward written as the bare token NaN (json.dumps' default), which strict JSON
     # readers reject, and a resumed Monitor choking on the null that replaces it.
-    from sliderl.cluster.observe.monitor import Monitor
     from sliderl.cluster.config.monitor import MonitorConfig, WandbConfig
+    from sliderl.cluster.observe.monitor import Monitor
 
     cfg = MonitorConfig(wandb=WandbConfig(mode="disabled"), plots=True)
     first = Monitor(tmp_path, cfg, total_steps=3)

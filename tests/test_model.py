@@ -10,7 +10,8 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 
 from sliderl.core.loader import load_model, load_tokenizer
 from sliderl.core.model import DecoderLM, DenseAttention, ModelConfig, causal_mask
-from sliderl.core.tiny import build_tokenizer, main as tiny_main
+from sliderl.core.tiny import build_tokenizer
+from sliderl.core.tiny import main as tiny_main
 
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 256}

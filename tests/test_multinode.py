@@ -21,17 +21,17 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 import torch
+from cluster_jobs import ray_session, tiny_overrides  # noqa: F401 (fixture)
+from test_trace_log import make_trace
 
-from sliderl.cluster.cli import main
-from sliderl.cluster.config.base import load_config
 from sliderl.cluster.actors.learner import LearnerActor
 from sliderl.cluster.actors.placement import ResourceError, bundles, check_resources
+from sliderl.cluster.cli import main
+from sliderl.cluster.config.base import load_config
+from sliderl.cluster.config.train import TrainConfig
 from sliderl.cluster.run.checkpoints import Checkpoints, DriverState
 from sliderl.cluster.storage.trace_log import TraceLog
-from sliderl.cluster.config.train import TrainConfig
-from cluster_jobs import ray_session, tiny_overrides  # noqa: F401 (fixture)
 from sliderl.core.trace import Trace
-from test_trace_log import make_trace
 from sliderl.trainer.algorithms import SFTOptions
 from sliderl.trainer.learner_args import LearnerArgs
 from sliderl.trainer.sft import SFTArgs, SFTExample

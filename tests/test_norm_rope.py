@@ -14,9 +14,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before kernels.norm_rope imports triton
 
-from sliderl.kernels.norm_rope import qk_norm_rope, rms_norm
 from sliderl.core.loader import load_model
 from sliderl.core.model import DenseAttention, RMSNorm, apply_rope, causal_mask
+from sliderl.kernels.norm_rope import qk_norm_rope, rms_norm
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EPS = 1e-6

@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 
 from sliderl.cluster.actors.baseline import FILE, BaselineLengths, read_lengths, settle_lengths
-from sliderl.cluster.records import Problem
 from sliderl.cluster.eval.evaluation import SampledEval
+from sliderl.cluster.records import Problem
 from sliderl.cluster.storage.root import Storage
-from sliderl.rewards import CorrectnessTerm, RewardInput, RewardSpec, SpeedupTerm
 from sliderl.core.pasta import PASTA_TOKENS, PastaTokenIds
 from sliderl.core.tiny import build_tokenizer
 from sliderl.core.trace import Trace
+from sliderl.rewards import CorrectnessTerm, RewardInput, RewardSpec, SpeedupTerm
 from sliderl.trainer.algorithms import BoNBoN, BoNBoNOptions
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -209,17 +209,16 @@ def test_bad_pasta_bonbon_settings_exit_2_before_ray(overrides, fragment, tmp_pa
 # settle_lengths never reading it -> the resumed run rewrites it), a speedup missing from the step metrics.
 @pytest.mark.slow
 def test_the_stage_runs_on_ray_and_reuses_the_baseline_lengths_on_resume(tiny_model_factory, tmp_path, capfd):
+    import ray
     import torch
     from transformers import AutoModelForCausalLM
 
-    from sliderl.cluster.config.base import load_config
-    from sliderl.cluster.run.driver import train
     from sliderl.cluster.actors.placement import start_local_ray
+    from sliderl.cluster.config.base import load_config
     from sliderl.cluster.config.train import TrainConfig
+    from sliderl.cluster.run.driver import train
     from sliderl.cluster.storage.trace_log import TraceLog
     from sliderl.core.pasta import PastaLayout
-
-    import ray
 
     pasta, base = tiny_model_factory("qwen3", extra_special_tokens=PASTA_TOKENS), tiny_model_factory("qwen3")
     run_dir = tmp_path / "run"

@@ -5,12 +5,12 @@ flattened token ids alone — with the logprobs the sampler gave each sampled to
 from __future__ import annotations
 
 import torch
+from test_pasta_runtime import GREEDY, RESPONSE_A, RESPONSE_B, lay_out, pasta_llm, pasta_model, run_scripted  # noqa: F401 (fixture)
 
-from sliderl.rollout import SamplingParams
 from sliderl.core.kv_policy import KVPolicy
 from sliderl.core.loader import load_model
 from sliderl.core.pasta import PastaLayout, PastaTokenIds
-from test_pasta_runtime import GREEDY, RESPONSE_A, RESPONSE_B, lay_out, pasta_llm, pasta_model, run_scripted  # noqa: F401 (fixture)
+from sliderl.rollout import SamplingParams
 from sliderl.trainer.logprobs import recompute_logprobs
 
 

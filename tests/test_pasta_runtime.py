@@ -15,12 +15,12 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from sliderl.rollout import LLM, SamplingParams
 from sliderl.core.kv_policy import NEVER
 from sliderl.core.loader import load_tokenizer
+from sliderl.core.logprob import logprobs_at
 from sliderl.core.model import DenseAttention
 from sliderl.core.pasta import DEFAULT_PROMISE_UNITS, PASTA_TOKENS, UNIT, PastaTokenIds
-from sliderl.core.logprob import logprobs_at
+from sliderl.rollout import LLM, SamplingParams
 
 EOS = 256  # the tiny tokenizer's <|endoftext|>
 GREEDY = dict(temperature=0.0, ignore_eos=True)

@@ -3,9 +3,9 @@ base model without the Pasta-Lang tags, and the loss falls."""
 
 from __future__ import annotations
 
-from sliderl.tasks.pasta import PastaTask
 from sliderl.core.loader import load_tokenizer
 from sliderl.core.pasta import PASTA_TOKENS
+from sliderl.tasks.pasta import PastaTask
 from sliderl.trainer.algorithms import SFTOptions
 from sliderl.trainer.learner_args import LearnerArgs
 from sliderl.trainer.sft import SFTArgs, SFTExample, run_sft

@@ -14,11 +14,11 @@ import re
 
 import pytest
 
-from sliderl.rewards.arith import ArithVerifier
-from sliderl.tasks.pasta import PASTA_TAGS, UNIT, PastaTask, byte_level_tokens, format_annotated
 from sliderl.core import pasta
 from sliderl.core.pasta import PastaLayout, PastaTokenIds
 from sliderl.core.tiny import build_tokenizer
+from sliderl.rewards.arith import ArithVerifier
+from sliderl.tasks.pasta import PASTA_TAGS, UNIT, PastaTask, byte_level_tokens, format_annotated
 
 TOKENIZER = build_tokenizer(extra_special_tokens=pasta.PASTA_TOKENS)
 TAGS = PastaTokenIds.from_tokenizer(TOKENIZER)

@@ -11,9 +11,9 @@ import pytest
 from transformers import AutoTokenizer
 
 from sliderl.cluster.config.base import load_config
+from sliderl.cluster.config.train import TrainConfig
 from sliderl.cluster.errors import ConfigError
 from sliderl.cluster.run.plan import prepare
-from sliderl.cluster.config.train import TrainConfig
 
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."  # written out, not imported
 # A Qwen3-like template: it writes the tokenizer's BOS text first and reads enable_thinking after the
@@ -96,9 +96,9 @@ def test_a_template_that_writes_its_bos_reaches_engine_and_trainer_with_one_bos(
     # re-encoding a chat prompt's text instead of using its ids (a warm start would train two BOS) or putting
     # a BOS before the completion. The reference ids are transformers' apply_chat_template; the engine's are
     # read back from the worker's trace.
-    from sliderl.cluster.records import PromptGroup
-    from sliderl.cluster.config.prompts import prompt_format
     from sliderl.cluster.actors.rollout_worker import RolloutWorker
+    from sliderl.cluster.config.prompts import prompt_format
+    from sliderl.cluster.records import PromptGroup
     from sliderl.cluster.run.sft_job import written
     from sliderl.rewards import RewardSpec
     from sliderl.rollout import EngineArgs, SamplingParams

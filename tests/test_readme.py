@@ -18,7 +18,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from cluster_jobs import metric_rows
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from sliderl.rewards.arith import ArithVerifier
-from sliderl.tasks.regmachine import RegisterMachineTask, register_schedule
 from sliderl.core.kv_policy import KVPolicy, register_tokens
 from sliderl.core.tiny import build_tokenizer
+from sliderl.rewards.arith import ArithVerifier
+from sliderl.tasks.regmachine import RegisterMachineTask, register_schedule
 
 LINE = re.compile(r"^(?:<reg_(\d+)>)?(?:(\d+) )?([a-z])=(\d+)([+-])(\d)=(\d+)$")
 

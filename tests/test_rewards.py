@@ -7,8 +7,17 @@ from pathlib import Path
 
 import pytest
 
-from sliderl.rewards import (CorrectnessTerm, KVPenalty, KVPenaltyTerm, MathReward, RewardInput, RewardRecord, RewardSpec,
-                     ThinkingPenalty, ThinkingPenaltyTerm)
+from sliderl.rewards import (
+    CorrectnessTerm,
+    KVPenalty,
+    KVPenaltyTerm,
+    MathReward,
+    RewardInput,
+    RewardRecord,
+    RewardSpec,
+    ThinkingPenalty,
+    ThinkingPenaltyTerm,
+)
 from sliderl.rewards.math import last_boxed
 
 MATH500 = Path(__file__).resolve().parents[2] / "shared" / "data" / "math500-dev.jsonl"  # ../shared beside the repo

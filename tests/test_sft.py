@@ -7,11 +7,11 @@ import json
 import pytest
 import torch
 
-from sliderl.tasks.arith import ArithTask
-from sliderl.rollout import LLM, SamplingParams
 from sliderl.core.loader import load_model
 from sliderl.core.model import DenseAttention, causal_mask
 from sliderl.core.tiny import build_tokenizer
+from sliderl.rollout import LLM, SamplingParams
+from sliderl.tasks.arith import ArithTask
 from sliderl.trainer.algorithms import GRPOOptions, SFTOptions
 from sliderl.trainer.learner_args import LearnerArgs
 from sliderl.trainer.sft import MARKER, SFTArgs, SFTExample, cached_sft, run_sft, sft_trace
@@ -126,7 +126,8 @@ def test_cache_returns_the_finished_checkpoint_without_training_and_a_changed_se
 
 
 def test_training_stops_at_the_first_check_that_reaches_the_target(tmp_path, base_model, monkeypatch):
-    from sliderl.trainer.learner import Evaluation, Learner
+    from sliderl.trainer.learner import Learner
+    from sliderl.trainer.metrics import Evaluation
 
     scores = iter([0.0, 0.5, 0.9])
     monkeypatch.setattr(Learner, "evaluate", lambda self, groups: Evaluation(1.0, 0.5, next(scores), 4))

@@ -13,10 +13,10 @@ import math
 import pytest
 import torch
 
-from sliderl.rollout import LLM, SamplingParams
 from sliderl.core.loader import load_model, load_tokenizer
 from sliderl.core.vocab import bind_policy_vocab
-from sliderl.trainer.logprobs import logprob_mismatch, recompute_logprobs, window_input, pack_windows, packed_logprobs
+from sliderl.rollout import LLM, SamplingParams
+from sliderl.trainer.logprobs import logprob_mismatch, pack_windows, packed_logprobs, recompute_logprobs, window_input
 from sliderl.trainer.windows import chunked_windows, truncated_window
 
 PROMPTS = [[11, 12, 13, 14, 15, 16], list(range(100, 113))]

@@ -11,11 +11,11 @@ from types import SimpleNamespace
 
 import torch
 
-from sliderl.cluster.records import Problem
 from sliderl.cluster.eval.evaluation import score
-from sliderl.rewards.arith import ArithVerifier
+from sliderl.cluster.records import Problem
 from sliderl.core.loader import load_model
 from sliderl.core.trace import Trace
+from sliderl.rewards.arith import ArithVerifier
 from sliderl.trainer.algorithms import BoNBoNOptions, GRPOOptions
 from sliderl.trainer.learner import Learner
 from sliderl.trainer.learner_args import LearnerArgs

@@ -14,10 +14,10 @@ from transformers import AutoTokenizer
 
 from sliderl.cluster.cli import main
 from sliderl.cluster.config.base import load_config
-from sliderl.cluster.errors import ConfigError
-from sliderl.cluster.storage.data import load_split
-from sliderl.cluster.records import Problem
 from sliderl.cluster.config.train import TrainConfig
+from sliderl.cluster.errors import ConfigError
+from sliderl.cluster.records import Problem
+from sliderl.cluster.storage.data import load_split
 
 ROWS = [{"uid": f"u{i}", "question": f"What is {i} + {i}?", "final": str(2 * i), "level": i % 3} for i in range(6)]
 COLUMNS = ["data.prompt_field=question", "data.answer_field=final", "data.id_field=uid"]

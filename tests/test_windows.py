@@ -15,8 +15,15 @@ import pytest
 import torch
 
 from sliderl.core.kv_policy import NEVER, KVPolicy
-from sliderl.trainer.attention import (SHORT_DOCUMENT, FlexPolicyAttention, MaskedSDPA, PackedVisibility, auto_backend,
-                               flex_bucket, training_attention)
+from sliderl.trainer.attention import (
+    SHORT_DOCUMENT,
+    FlexPolicyAttention,
+    MaskedSDPA,
+    PackedVisibility,
+    auto_backend,
+    flex_bucket,
+    training_attention,
+)
 from sliderl.trainer.windows import chunked_windows, full_window, training_windows, truncated_window
 
 P, T, W = 5, 100, 8  # prompt tokens, generated tokens, window: T is much longer than k·W for k = 1, 2, 4

@@ -19,10 +19,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sliderl.cluster.config.base import GenerateConfig, check_device, check_outlives_job, config_reference, load_config, save_config, to_yaml
-from sliderl.cluster.errors import ConfigError
+from sliderl.cluster.config.base import (
+    GenerateConfig,
+    check_device,
+    check_outlives_job,
+    config_reference,
+    load_config,
+    save_config,
+    to_yaml,
+)
 from sliderl.cluster.config.sft import SFTJobConfig
 from sliderl.cluster.config.train import TrainConfig
+from sliderl.cluster.errors import ConfigError
 
 RUN_FAILED = 1
 USER_ERROR = 2
@@ -265,8 +273,8 @@ def run_job_metadata(config_path: str | None, overrides: list[str]) -> int:
 
 def run_train(config_path: str | None, overrides: list[str]) -> int:
     """``sliderl train``: load the config, run the job, print the summary."""
-    from sliderl.cluster.run.driver import train
     from sliderl.cluster.errors import RunError
+    from sliderl.cluster.run.driver import train
 
     cfg = load_config(TrainConfig, config_path, overrides)
     print(to_yaml(cfg), end="", flush=True)
@@ -349,10 +357,10 @@ def eval_problems(cfg: TrainConfig) -> list:
 def run_checkpoint_eval(checkpoint: str | None, overrides: list[str]) -> int:
     """``sliderl eval CHECKPOINT``: accuracy and KV numbers of a checkpoint on the eval split, its prompts
     written by the run's ``data`` settings with the checkpoint's tokenizer."""
-    from sliderl.cluster.eval.evaluation import score
     from sliderl.cluster.config.prompts import prompt_format
-    from sliderl.rollout import LLM
+    from sliderl.cluster.eval.evaluation import score
     from sliderl.core.loader import load_tokenizer
+    from sliderl.rollout import LLM
 
     if checkpoint is None:
         raise ConfigError("sliderl eval needs a CHECKPOINT directory (e.g. runs/x/checkpoints/step_000120) "

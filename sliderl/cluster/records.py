@@ -10,9 +10,10 @@ a misspelt name is an AttributeError), so no second list of names exists.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 
 from sliderl.core.trace import Trace
+from sliderl.trainer.metrics import StepMetrics
 
 
 @dataclass(frozen=True)
@@ -140,8 +141,8 @@ class StepReport:
     """mean prompt tokens of the trained traces (the reference line of visible_kv.png)"""
     speedup: float | None = None
     """geometric mean of the trained traces' theoretical speedup (reward.speedup); None without that term"""
-    learner: dict[str, float] = field(default_factory=dict)
-    """the learner's own metrics (loss, grad_norm, ...), logged as learner/<name>"""
+    learner: StepMetrics | None = None
+    """the learner's own metrics (loss, grad_norm, ...), logged as learner/<name> (its version is ``version``)"""
     eval_before: EvalResult | None = None
     """the evaluation before training, on the first step only"""
     eval_after: EvalResult | None = None
@@ -154,8 +155,8 @@ class StepReport:
         flat: dict[str, float] = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, dict):
-                flat.update({f"{f.name}/{k}": v for k, v in value.items() if v is not None})
+            if isinstance(value, StepMetrics):
+                flat.update({f"{f.name}/{k}": v for k, v in value.as_dict().items() if k != "version"})
             elif hasattr(value, "as_metrics"):
                 flat.update(value.as_metrics(f.name))
             elif value is not None:

@@ -10,8 +10,7 @@ typed ``RewardSpec``). Plain Python: no Ray; math_verify is imported on first ve
 from sliderl.rewards.composite import CompositeReward
 from sliderl.rewards.math import MathReward
 from sliderl.rewards.record import Reward, RewardInput, RewardRecord
-from sliderl.rewards.spec import (CorrectnessTerm, KVPenaltyTerm, RewardSpec, SpeedupTerm,
-                          ThinkingPenaltyTerm)
+from sliderl.rewards.spec import CorrectnessTerm, KVPenaltyTerm, RewardSpec, SpeedupTerm, ThinkingPenaltyTerm
 from sliderl.rewards.terms import KVPenalty, SpeedupReward, ThinkingPenalty
 
 __all__ = [

@@ -14,9 +14,9 @@ import multiprocessing
 import threading
 import weakref
 
+from sliderl.core.vocab import END_THINK
 from sliderl.rewards.record import RewardInput, RewardRecord
 
-from sliderl.core.vocab import END_THINK
 BOX_COMMANDS = ("\\boxed", "\\fbox")
 
 logger = logging.getLogger(__name__)

@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import ClassVar
 
+from sliderl.core.vocab import END_THINK
 from sliderl.rewards.arith import ArithVerifier
 from sliderl.rewards.composite import CompositeReward
-from sliderl.core.vocab import END_THINK
 from sliderl.rewards.math import MathReward
 from sliderl.rewards.record import Reward
 from sliderl.rewards.terms import KVPenalty, SpeedupReward, ThinkingPenalty

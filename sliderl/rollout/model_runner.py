@@ -15,11 +15,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from sliderl.core.logprob import logprobs_at
 from sliderl.kernels.metadata import AttentionMetadata, PagedKVCache
 from sliderl.rollout.decode_graphs import DecodeGraphs
 from sliderl.rollout.forcing import ForcedTokens
 from sliderl.rollout.paged_attention import PagedAttention, attention_impl
-from sliderl.core.logprob import logprobs_at
 from sliderl.rollout.sampling import sample
 from sliderl.rollout.scheduler import ScheduledBatch
 from sliderl.rollout.sequence import Sequence

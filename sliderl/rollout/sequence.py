@@ -5,11 +5,12 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 from enum import Enum, auto
+
 import numpy as np
 
+from sliderl.core.kv_policy import DeathTracker
 from sliderl.rollout.block_bound import block_bound
 from sliderl.rollout.heavy_hitters import HeavyHitters
-from sliderl.core.kv_policy import DeathTracker
 from sliderl.rollout.sampling import SamplingParams
 
 

@@ -39,7 +39,6 @@ from typing import ClassVar
 
 from sliderl.core.vocab import END_THINK
 
-
 SPLITS = ("train", "eval")
 STEP_LABELS = string.ascii_lowercase  # one byte-level token per step label
 EVAL_EVERY = 8  # a prompt whose hash is 0 modulo this belongs to the eval split

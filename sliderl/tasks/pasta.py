@@ -53,9 +53,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from sliderl.tasks.arith import (STEP_LABELS, check_chain_bounds, draw_chain, is_eval_prompt, run_chain,
-                           split_rng)
 from sliderl.core.vocab import END_THINK
+from sliderl.tasks.arith import STEP_LABELS, check_chain_bounds, draw_chain, is_eval_prompt, run_chain, split_rng
 
 ASYNC_OPEN, ASYNC_CLOSE, SYNC = "<async>", "</async>", "<sync/>"
 PASTA_TAGS = ("<promise", "/>", ASYNC_OPEN, ASYNC_CLOSE, SYNC)  # = core.pasta.PASTA_TOKENS (rewards has no torch)

@@ -65,8 +65,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from sliderl.tasks.arith import is_eval_prompt, split_rng
 from sliderl.core.vocab import END_THINK
+from sliderl.tasks.arith import is_eval_prompt, split_rng
 
 VARIABLES = string.ascii_lowercase
 SCHEDULES = ("dense", "lazy", "optimal")

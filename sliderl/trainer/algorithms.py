@@ -21,8 +21,17 @@ import torch
 from torch import Tensor
 
 from sliderl.core.trace import Trace
-from sliderl.trainer.losses import (AGGREGATIONS, LossOutput, bonbon_beta, bonbon_loss, group_advantages, grpo_loss,
-                            latency_aware_score, preference_pairs, sft_loss)
+from sliderl.trainer.losses import (
+    AGGREGATIONS,
+    LossOutput,
+    bonbon_beta,
+    bonbon_loss,
+    group_advantages,
+    grpo_loss,
+    latency_aware_score,
+    preference_pairs,
+    sft_loss,
+)
 
 OLD_LOGPROBS = ("sampler", "recomputed")
 RECORD_CONFIG: dict[str, Any] = {"extra": "forbid", "use_attribute_docstrings": True}

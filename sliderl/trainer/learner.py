@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -23,59 +23,30 @@ from sliderl.core.pasta import PastaLayout, PastaTokenIds
 from sliderl.core.trace import Trace
 from sliderl.core.vocab import bind_policy_vocab
 from sliderl.trainer.algorithms import Algorithm, Row, Selection, Totals, make_algorithm
-from sliderl.trainer.checkpoint import (TRAINER_STATE, load_trainer_state, read_hf_source, rng_state, save_hf_model,
-                                save_trainer_state, set_rng_state)
+from sliderl.trainer.checkpoint import (
+    TRAINER_STATE,
+    load_trainer_state,
+    read_hf_source,
+    rng_state,
+    save_hf_model,
+    save_trainer_state,
+    set_rng_state,
+)
 from sliderl.trainer.learner_args import LearnerArgs
-from sliderl.trainer.logprobs import PackedWindows, WindowInput, logprob_mismatch, pack_windows, packed_logits, packed_logprobs
+from sliderl.trainer.logprobs import (
+    PackedWindows,
+    WindowInput,
+    logprob_mismatch,
+    pack_windows,
+    packed_logits,
+    packed_logprobs,
+)
 from sliderl.trainer.manifest import Manifest, check_intact
+from sliderl.trainer.metrics import Evaluation, StepMetrics
 from sliderl.trainer.optimizer import make_optimizer
 from sliderl.trainer.windows import training_windows
 
 WINDOWED_KINDS = ("prefix_sliding", "sliding_window", "streaming")
-
-
-@dataclass(frozen=True)
-class StepMetrics:
-    """What one ``Learner.step`` did; the field names are the metric names.
-
-    The mismatch fields compare recomputed and sampler logprobs on the loss tokens
-    (``trainer.logprobs.Mismatch``); they are None when no trained trace carried sampler logprobs
-    (SFT data) or nothing was stepped.
-    """
-
-    loss: float  # the step's loss (0 when not stepped)
-    grad_norm: float  # before clipping
-    kl_mismatch: float | None  # mean k3 of recomputed vs sampler logprobs
-    kl_mismatch_k1: float | None  # mean (sampler - recomputed)
-    logprob_diff_max: float | None  # largest |sampler - recomputed|
-    num_tokens: int  # model inputs over all micro-batches
-    num_loss_tokens: int
-    num_traces: int  # traces with at least one loss token
-    num_windows: int
-    num_micro_batches: int
-    skipped_traces_no_loss: int  # selected traces without a loss token (all forced)
-    step_seconds: float
-    version: int  # the learner's version after the step
-    stepped: bool  # False when no group carried a training signal (version kept)
-    lr: float  # the learning rate of this step
-    algorithm: dict[str, float] = field(default_factory=dict)  # selection counts, token-weighted loss metrics
-    peak_memory_gib: float | None = None  # CUDA: max_memory_allocated during the step (weights, optimizer state
-                                          # and activations); None on CPU
-
-    def as_dict(self) -> dict[str, float]:
-        """Flat floats, the algorithm's entries merged in, bools as 0/1, absent (None) fields left out."""
-        out = {k: float(v) for k, v in asdict(self).items() if k != "algorithm" and v is not None}
-        return {**out, **self.algorithm}
-
-
-@dataclass(frozen=True)
-class Evaluation:
-    """Teacher-forced scores over the loss tokens of some traces (``Learner.evaluate``)."""
-
-    loss: float  # mean NLL per loss token (nats, temperature 1)
-    token_accuracy: float  # fraction of loss tokens that are the model's argmax
-    exact_match: float  # fraction of traces whose every loss token is the argmax (= greedy decoding reproduces it)
-    num_traces: int  # traces with at least one loss token
 
 
 @dataclass

@@ -17,6 +17,7 @@ from sliderl.core.loader import DTYPES
 from sliderl.trainer.algorithms import RECORD_CONFIG, AlgorithmOptions, GRPOOptions, options_from_dict, require_field
 from sliderl.trainer.attention import ATTENTION_BACKENDS
 from sliderl.trainer.windows import WINDOW_MODES
+
 LR_SCHEDULES = ("constant", "cosine")
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 

@@ -26,9 +26,9 @@ import torch
 from torch import Tensor
 
 from sliderl.core.kv_policy import KVPolicy
+from sliderl.core.logprob import logprobs_at
 from sliderl.core.model import DecoderLM
 from sliderl.core.pasta import PastaLayout
-from sliderl.core.logprob import logprobs_at
 from sliderl.core.trace import Trace
 from sliderl.trainer.attention import PackedVisibility, training_attention
 from sliderl.trainer.windows import TrainingWindow, full_window

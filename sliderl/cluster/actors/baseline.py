@@ -19,13 +19,13 @@ import dataclasses
 import json
 from pathlib import Path
 
+from sliderl.cluster.actors.placement import actor_options, bundles, torch_threads
+from sliderl.cluster.config.train import TrainConfig
 from sliderl.cluster.errors import ConfigError
+from sliderl.cluster.observe.dashboard import BASELINE
 from sliderl.cluster.records import Problem
 from sliderl.cluster.storage.model_files import ModelFiles, local_folder
 from sliderl.cluster.storage.root import Storage
-from sliderl.cluster.config.train import TrainConfig
-from sliderl.cluster.actors.placement import actor_options, bundles, torch_threads
-from sliderl.cluster.observe.dashboard import BASELINE
 
 FILE = "baseline_lengths.json"
 

@@ -11,20 +11,20 @@ from __future__ import annotations
 
 import os
 import tempfile
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from sliderl.cluster.actors.placement import actor_options, bundles, torch_threads
+from sliderl.cluster.actors.weight_sync import FlatLayout, WeightPayload, WeightSender
+from sliderl.cluster.config.train import TrainConfig
+from sliderl.cluster.observe.dashboard import LEARNER
 from sliderl.cluster.storage.model_files import ModelFiles, local_folder
 from sliderl.cluster.storage.root import Storage, is_uri
-from sliderl.cluster.actors.weight_sync import FlatLayout, WeightSender
 from sliderl.core.trace import Trace
 from sliderl.trainer.learner_args import LearnerArgs
-from sliderl.cluster.actors.placement import actor_options, bundles, torch_threads
-from sliderl.cluster.observe.dashboard import LEARNER
-from sliderl.cluster.config.train import TrainConfig
 
 if TYPE_CHECKING:
-    from sliderl.trainer.learner import StepMetrics
     from sliderl.trainer.manifest import Manifest
+    from sliderl.trainer.metrics import StepMetrics
 
 
 class LearnerActor:
@@ -81,7 +81,7 @@ class LearnerActor:
     def version(self) -> int:
         return int(self.learner.version)
 
-    def publish_weights(self, version: int) -> Any:
+    def publish_weights(self, version: int) -> WeightPayload:
         """The weight-sync payload of the current weights, which must be ``version``."""
         if version != self.learner.version:
             raise ValueError(f"publish of version {version} asked, but the learner is at version {self.learner.version}")

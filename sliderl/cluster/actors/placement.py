@@ -18,9 +18,9 @@ import socket
 from typing import Any
 from urllib.parse import urlparse
 
+from sliderl.cluster.config.train import TrainConfig
 from sliderl.cluster.errors import ConfigError
 from sliderl.cluster.observe.dashboard import QUEUE, actor_name, job_config
-from sliderl.cluster.config.train import TrainConfig
 
 MIN_BUNDLE_CPU = 0.01  # Ray bundles must not be empty
 

@@ -28,17 +28,17 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from sliderl.cluster.records import Problem, PromptGroup
+from sliderl.cluster.actors.placement import actor_options, bundles, torch_threads
+from sliderl.cluster.actors.weight_sync import WeightPayload, WeightReceiver
+from sliderl.cluster.config.train import TrainConfig
+from sliderl.cluster.observe.dashboard import rollout_role
+from sliderl.cluster.records import Problem, PromptGroup, RolloutGroup, WorkerStatus
 from sliderl.cluster.storage.model_files import ModelFiles, local_folder
-from sliderl.cluster.actors.weight_sync import WeightReceiver
+from sliderl.core.trace import Trace
 from sliderl.rewards import RewardInput, RewardRecord, RewardSpec
 from sliderl.rollout.engine_args import EngineArgs
 from sliderl.rollout.sampling import SamplingParams
-from sliderl.core.trace import Trace
-from sliderl.cluster.records import RolloutGroup, WorkerStatus
-from sliderl.cluster.actors.placement import actor_options, bundles, torch_threads
-from sliderl.cluster.observe.dashboard import rollout_role
-from sliderl.cluster.config.train import TrainConfig
+from sliderl.rollout.sequence import RequestOutput
 
 PUT_TIMEOUT_S = 1.0  # queue.put retries at this period so a stopping worker never blocks forever
 IDLE_WAIT_S = 1.0
@@ -121,10 +121,10 @@ class RolloutWorker:
             self._lock.notify_all()
             return len(self._inbox) + len(self._inflight)
 
-    def update_weights(self, version: int, payload: Any = None, force: bool = False) -> float:
+    def update_weights(self, version: int, payload: WeightPayload, force: bool = False) -> float:
         """Receive weights ``version`` and wait until the engine applied them between two steps.
 
-        payload is what the learner's ``WeightSender.publish`` returned (a state dict, an
+        payload is what the learner's ``WeightSender.publish`` returned (a ``StateDictPayload``, an
         ``IpcPayload``, or a ``BroadcastNotice`` whose tensors arrive through the process group).
         Versions only grow unless ``force``. Returns the seconds from the call to the applied update.
         """
@@ -164,7 +164,7 @@ class RolloutWorker:
             held = [g.group_id for g in self._inbox] + list(self._inflight)
         return WorkerStatus(self.worker_id, self.incarnation, self.pid, self.version, held, self._fenced, self._error)
 
-    def evaluate(self, prompts: list[str | list[int]], params: SamplingParams) -> list:
+    def evaluate(self, prompts: list[str | list[int]], params: SamplingParams) -> list[RequestOutput]:
         """Generate one completion per prompt (text or token ids, through the same engine loop); RequestOutputs
         in order."""
         job = _EvalJob(list(prompts), params, Future())

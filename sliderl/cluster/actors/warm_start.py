@@ -22,13 +22,23 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from sliderl.cluster.actors.placement import actor_options, torch_threads, warm_start_request
+from sliderl.cluster.config.train import TrainConfig
+from sliderl.cluster.observe.dashboard import WARM_START
 from sliderl.cluster.storage.model_files import ModelFiles, folder_digest, local_folder, read_folder
 from sliderl.cluster.storage.root import Storage, is_uri
-from sliderl.cluster.config.train import TrainConfig
 from sliderl.trainer.learner_args import LearnerArgs
-from sliderl.trainer.sft import MARKER, SFTArgs, SFTExample, SFTResult, cached_sft, fingerprint, publish, read_result, run_sft
-from sliderl.cluster.actors.placement import actor_options, torch_threads, warm_start_request
-from sliderl.cluster.observe.dashboard import WARM_START
+from sliderl.trainer.sft import (
+    MARKER,
+    SFTArgs,
+    SFTExample,
+    SFTResult,
+    cached_sft,
+    fingerprint,
+    publish,
+    read_result,
+    run_sft,
+)
 
 COPIES = "sliderl-warmstart"
 

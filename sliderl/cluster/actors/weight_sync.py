@@ -80,6 +80,13 @@ def unflatten(buffers: dict[str, torch.Tensor], layout: FlatLayout) -> dict[str,
 
 
 @dataclass(frozen=True)
+class StateDictPayload:
+    """The weights themselves, as CPU tensors by HF name (``object_store``: Ray holds them once for every worker)."""
+
+    tensors: dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
 class IpcPayload:
     """CUDA IPC handles of the flat buffers, and the GPU (by UUID) that holds them."""
 
@@ -94,6 +101,10 @@ class BroadcastNotice:
 
     version: int
     layout: FlatLayout
+
+
+WeightPayload = StateDictPayload | IpcPayload | BroadcastNotice
+"""What the learner's ``publish`` hands the workers' ``update_weights``, one kind per backend."""
 
 
 # ----------------------------------------------------------------------------- the two ends
@@ -149,11 +160,11 @@ class WeightSender:
         self._store = None
         self.layout: FlatLayout | None = None
 
-    def publish(self, version: int, state_dict: dict[str, torch.Tensor]) -> Any:
-        """object_store: ``{name: CPU tensor}``; cuda_ipc: an ``IpcPayload``; broadcast: broadcasts
+    def publish(self, version: int, state_dict: dict[str, torch.Tensor]) -> WeightPayload:
+        """object_store: a ``StateDictPayload`` of CPU tensors; cuda_ipc: an ``IpcPayload``; broadcast: broadcasts
         the buffers to the group (blocking until every rank took them) and returns the notice."""
         if self.backend == "object_store":
-            return {name: t.detach().to("cpu", copy=True) for name, t in state_dict.items()}
+            return StateDictPayload({name: t.detach().to("cpu", copy=True) for name, t in state_dict.items()})
         self.layout = self.layout or FlatLayout.of(state_dict)
         if self.backend == "cuda_ipc":
             return self._ipc(state_dict)
@@ -193,14 +204,14 @@ class WeightReceiver:
         self.device = torch.device(device)
         self._group: _BroadcastGroup | None = None
 
-    def receive(self, payload: Any) -> dict[str, torch.Tensor]:
-        if isinstance(payload, dict):
-            return payload
+    def receive(self, payload: WeightPayload) -> dict[str, torch.Tensor]:
+        if isinstance(payload, StateDictPayload):
+            return payload.tensors
         if isinstance(payload, IpcPayload):
             return self._from_ipc(payload)
         if isinstance(payload, BroadcastNotice):
             return self._from_broadcast(payload)
-        raise TypeError(f"unknown weight payload {type(payload).__name__}; expected a state dict, "
+        raise TypeError(f"unknown weight payload {type(payload).__name__}; expected a StateDictPayload, "
                         "IpcPayload or BroadcastNotice")
 
     def _from_ipc(self, payload: IpcPayload) -> dict[str, torch.Tensor]:

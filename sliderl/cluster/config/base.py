@@ -33,10 +33,10 @@ from typing import Annotated, Any, ClassVar, Literal, TypeVar
 import yaml
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, model_validator
 
+from sliderl.cluster.errors import ConfigError
+from sliderl.core.tiny import TinyModelSpec
 from sliderl.rollout.engine_args import EngineArgs
 from sliderl.rollout.sampling import SamplingParams
-from sliderl.core.tiny import TinyModelSpec
-from sliderl.cluster.errors import ConfigError
 
 DEFAULT_MODEL_CACHE = "~/.cache/sliderl/models"
 RECIPES = Path(__file__).resolve().parents[3] / "configs"

@@ -15,7 +15,6 @@ from pydantic import Field, model_validator
 from sliderl.cluster.config.base import Section, run_folder
 from sliderl.core.kv_policy import KVPolicy
 
-
 BUDGET = re.compile(r"\{budget(?:-(\d+))?\}")
 
 PROBE_BUDGET = 1 << 20  # a budget large enough that any {budget-N} stays positive when checking a template's syntax

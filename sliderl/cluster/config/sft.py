@@ -13,10 +13,10 @@ from typing import Any, ClassVar
 from pydantic import Field, NonNegativeFloat, field_validator, model_validator
 
 from sliderl.cluster.config.base import ModelSource, Section, TinyModel, run_folder
-from sliderl.cluster.storage.data import check_source
 from sliderl.cluster.config.prompts import PromptSettings
-from sliderl.cluster.storage.root import check_location
 from sliderl.cluster.config.task import GENERATED_TASKS, ArithTaskConfig, TaskSource
+from sliderl.cluster.storage.data import check_source
+from sliderl.cluster.storage.root import check_location
 from sliderl.trainer.algorithms import SFTOptions
 from sliderl.trainer.learner_args import LearnerArgs
 from sliderl.trainer.sft import SFTArgs, policy_record, policy_specs

@@ -13,12 +13,11 @@ from typing import Annotated, Any, Literal
 from pydantic import Discriminator, Tag, field_validator
 
 from sliderl.cluster.config.base import Section, base_record
-from sliderl.cluster.storage.data import check_source
 from sliderl.cluster.config.prompts import PromptSettings
+from sliderl.cluster.storage.data import check_source
 from sliderl.tasks.arith import ArithTask
 from sliderl.tasks.pasta import PastaTask
 from sliderl.tasks.regmachine import RegisterMachineTask
-
 
 # ------------------------------------------------------------------------------------- the task
 

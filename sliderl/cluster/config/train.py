@@ -15,12 +15,12 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, NonNegativeFloat, field_validator, model_validator
 
-from sliderl.cluster.config.compare import CompareConfig
 from sliderl.cluster.config.base import ModelSource, Section, TinyModel, base_record, run_folder
+from sliderl.cluster.config.compare import CompareConfig
 from sliderl.cluster.config.monitor import MonitorConfig
 from sliderl.cluster.config.sft import WarmStartConfig
-from sliderl.cluster.storage.root import check_location
 from sliderl.cluster.config.task import GENERATED_TASKS, ArithTaskConfig, DataConfig, TaskSource
+from sliderl.cluster.storage.root import check_location
 from sliderl.rewards.spec import CorrectnessTerm, RewardSpec
 from sliderl.rollout.engine_args import EngineArgs
 from sliderl.rollout.sampling import SamplingParams

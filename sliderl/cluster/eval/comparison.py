@@ -27,10 +27,9 @@ import dataclasses
 import statistics
 import time
 
-
+from sliderl.cluster.config.compare import CompareEntry, budget_label, fill_budget
 from sliderl.cluster.eval.evaluation import SampledEval, pasta_critical_path, response_length, score_samples
 from sliderl.core.kv_policy import KVPolicy
-from sliderl.cluster.config.compare import CompareEntry, budget_label, fill_budget
 
 WARMUP_TOKENS = 4  # an untimed request per engine first, so decode time leaves out lazy set-up (CUDA graphs)
 SEED_STRIDE = 1 << 32  # sample seeds of eval seed s: s * SEED_STRIDE + i * k + j

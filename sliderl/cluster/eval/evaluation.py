@@ -15,9 +15,8 @@ import statistics
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 
-from sliderl.cluster.records import Problem
+from sliderl.cluster.records import EvalResult, Problem
 from sliderl.rewards import RewardInput
-from sliderl.cluster.records import EvalResult
 
 
 def score(outputs: list, problems: list[Problem], verifier, kv_policy: str) -> EvalResult:

@@ -20,10 +20,9 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-
+from sliderl.cluster.config.monitor import MonitorConfig, WandbConfig
 from sliderl.cluster.observe.dashboard import run_name
 from sliderl.cluster.records import KEYS
-from sliderl.cluster.config.monitor import MonitorConfig, WandbConfig
 
 RESERVED = ("step", "elapsed_s")  # written by the Monitor on every JSONL line
 

@@ -31,29 +31,23 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePath
-from typing import TYPE_CHECKING
 
 from sliderl.cluster.actors.baseline import baseline_lengths
-from sliderl.cluster.observe.dashboard import job_metadata, warn_if_submitted_without_metadata
-from sliderl.cluster.storage.data import PromptStream
-from sliderl.cluster.records import PromptGroup
-from sliderl.cluster.eval.evaluation import score
-from sliderl.cluster.records import EvalResult
-from sliderl.cluster.run.ledger import GroupLedger
-from sliderl.cluster.storage.model_files import ModelFiles
-from sliderl.cluster.actors.placement import check_resources, cluster_capacity, connect, make_queue, release, reserve
 from sliderl.cluster.actors.learner import make_learner
-from sliderl.cluster.run.checkpoints import Checkpoints, DriverState
-from sliderl.cluster.run.plan import RunPlan, prepare
-from sliderl.cluster.records import StepReport
-from sliderl.cluster.config.train import TrainConfig
+from sliderl.cluster.actors.placement import check_resources, cluster_capacity, connect, make_queue, release, reserve
 from sliderl.cluster.actors.weight_sync import WeightSync
-from sliderl.cluster.run.worker_pool import Health, WorkerPool
+from sliderl.cluster.config.train import TrainConfig
 from sliderl.cluster.errors import RunError
-
-if TYPE_CHECKING:
-    from sliderl.trainer.learner import StepMetrics
-
+from sliderl.cluster.eval.evaluation import score
+from sliderl.cluster.observe.dashboard import job_metadata, warn_if_submitted_without_metadata
+from sliderl.cluster.records import EvalResult, PromptGroup, RolloutGroup, StepReport
+from sliderl.cluster.run.checkpoints import Checkpoints, DriverState
+from sliderl.cluster.run.ledger import GroupLedger
+from sliderl.cluster.run.plan import RunPlan, prepare
+from sliderl.cluster.run.worker_pool import Health, WorkerPool
+from sliderl.cluster.storage.data import PromptStream
+from sliderl.cluster.storage.model_files import ModelFiles
+from sliderl.trainer.metrics import StepMetrics
 
 SKIP_REASONS = ("zero_variance_groups", "no_pair_groups", "skipped_groups_nonfinite_reward")  # algorithm counts
 
@@ -230,9 +224,10 @@ class Session:
         trained_at = self.state.version
         release = self.cfg.rollout.release_between_steps
         release_seconds = self.pool.release_memory() if release else None
-        self.state.version, step_seconds, learner_metrics = _learner_part(self._train(batch))
+        metrics = self._train(batch)
+        self.state.version = metrics.version
         for key in SKIP_REASONS:
-            self._skipped[key] = self._skipped.get(key, 0.0) + learner_metrics.get(key, 0.0)
+            self._skipped[key] = self._skipped.get(key, 0.0) + metrics.algorithm.get(key, 0.0)
         self.ledger.mark_trained(batch)
         self.state.step += 1
         sync_seconds = None
@@ -247,7 +242,7 @@ class Session:
             self._checkpoint()
         if last and self.cfg.eval.after:
             self.eval_after = self._evaluate("after")
-        report = self._report(batch, trained_at, step_seconds, sync_seconds, learner_metrics, release_seconds)
+        report = self._report(batch, trained_at, sync_seconds, metrics, release_seconds)
         self.monitor.log(self.state.step, report.as_dict())
         if report.preempted_traces > 0 and not self._warned_preemption:  # once a run: metrics.jsonl has every step's
             self._warned_preemption = True
@@ -415,8 +410,8 @@ class Session:
         print(f"sliderl: eval {label} (version {self.state.version}, worker {wid}): {result.line()}", flush=True)
         return result
 
-    def _report(self, batch: list, trained_at: int, step_seconds: float, sync_seconds: float | None,
-                learner_metrics: dict[str, float], release_seconds: float | None = None) -> StepReport:
+    def _report(self, batch: list[RolloutGroup], trained_at: int, sync_seconds: float | None,
+                learner: StepMetrics, release_seconds: float | None = None) -> StepReport:
         traces = [t for g in batch for t in g.traces]
         ages = [trained_at - g.policy_version for g in batch]
         counters, self._step_counters = self._step_counters, _Counters()
@@ -439,10 +434,10 @@ class Session:
             worker_restarts=self.state.worker_restarts,
             duplicate_groups=len(self.ledger.duplicates),
             reissued_groups=len(self.ledger.reissued),
-            learner_step_seconds=step_seconds,
+            learner_step_seconds=learner.step_seconds,
             weight_sync_seconds=sync_seconds,
             memory_release_seconds=release_seconds,
-            learner=learner_metrics,
+            learner=learner,
             eval_before=eval_before,
             eval_after=self.eval_after if self.state.step == self.cfg.train.steps else None,
         )
@@ -458,12 +453,6 @@ class _Counters:
 
     def __post_init__(self) -> None:
         self.since = time.monotonic()
-
-
-def _learner_part(metrics: StepMetrics) -> tuple[int, float, dict[str, float]]:
-    """``LearnerActor.step``'s record as (policy version, step wall seconds, the learner's metrics for the log)."""
-    logged = {k: v for k, v in metrics.as_dict().items() if k != "version"}
-    return metrics.version, metrics.step_seconds, logged
 
 
 def _mean(values) -> float:

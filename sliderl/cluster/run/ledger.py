@@ -14,15 +14,15 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from sliderl.cluster.records import PromptGroup
+from sliderl.cluster.records import PromptGroup, RolloutGroup
 
 
 @dataclass
 class Take:
     """Groups handed to one learner step and those dropped on the way (too stale or from a later version)."""
 
-    groups: list = field(default_factory=list)  # RolloutGroup, in arrival order
-    stale: list = field(default_factory=list)
+    groups: list[RolloutGroup] = field(default_factory=list)  # in arrival order
+    stale: list[RolloutGroup] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ class GroupLedger:
         state = state or LedgerState()
         self.outstanding: dict[str, PromptGroup] = {}
         self.held: dict[int, set[str]] = {}
-        self.ready: deque = deque()  # RolloutGroup, received and not yet resolved
+        self.ready: deque[RolloutGroup] = deque()  # received and not yet resolved
         self.trained: list[str] = list(state.trained)
         self.stale: list[str] = list(state.stale)
         self.duplicates: list[str] = list(state.duplicates)

@@ -20,15 +20,15 @@ from pathlib import Path, PurePath
 
 from sliderl.cluster.actors.baseline import baseline_model_path
 from sliderl.cluster.config.base import check_device, check_outlives_job, to_yaml
-from sliderl.cluster.errors import ConfigError
-from sliderl.cluster.storage.data import data_sources, keep_fitting, load_split
-from sliderl.cluster.records import Problem
-from sliderl.cluster.observe.monitor import DRIVER_FILES, WANDB_DIR
 from sliderl.cluster.config.prompts import PromptFormat, prompt_format
+from sliderl.cluster.config.train import TrainConfig
+from sliderl.cluster.errors import ConfigError
+from sliderl.cluster.observe.monitor import DRIVER_FILES, WANDB_DIR
+from sliderl.cluster.records import Problem
 from sliderl.cluster.run.checkpoints import Checkpoints, DamagedCheckpoint, DriverState
 from sliderl.cluster.run.sft_job import stage_examples
+from sliderl.cluster.storage.data import data_sources, keep_fitting, load_split
 from sliderl.cluster.storage.root import Storage
-from sliderl.cluster.config.train import TrainConfig
 from sliderl.trainer.sft import SFTExample
 
 CONFIG_FILE = "config.yaml"

@@ -13,13 +13,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from sliderl.cluster.errors import ConfigError
-from sliderl.cluster.storage.data import open_dataset
 from sliderl.cluster.config.prompts import PromptFormat
 from sliderl.cluster.config.sft import SFTJobConfig, SFTStage
 from sliderl.cluster.config.task import GENERATED_TASKS
+from sliderl.cluster.errors import ConfigError
+from sliderl.cluster.storage.data import open_dataset
 from sliderl.trainer.sft import SFTExample, run_sft
-
 
 Prompt = str | list[dict]  # a problem's text, or the chat messages before the completion
 

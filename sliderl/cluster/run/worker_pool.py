@@ -13,11 +13,11 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from sliderl.cluster.records import PromptGroup
-from sliderl.cluster.storage.model_files import ModelFiles
 from sliderl.cluster.actors.rollout_worker import make_worker
 from sliderl.cluster.config.train import TrainConfig
 from sliderl.cluster.errors import RunError
+from sliderl.cluster.records import PromptGroup
+from sliderl.cluster.storage.model_files import ModelFiles
 
 
 @dataclass
