@@ -55,6 +55,40 @@ def test_gpu_bf16_runs_and_samples_like_cpu_seeded(tiny_model_factory):
     assert all(torch.isfinite(torch.tensor(o.logprobs)).all() for o in outs)
 
 
+def test_every_captured_decode_graph_records_the_fused_kernels(tiny_model_factory, monkeypatch):
+    # catches: a decode graph captured with grad enabled (``ModelRunner.allocate`` captures the small buckets outside
+    # any inference_mode), which records DecoderLM's unfused PyTorch RMSNorm/RoPE path; replaying such a graph gives
+    # the same tokens, only ~2 ms per step slower at batch 1 (450 -> 203 tok/s on the H200), so no token test sees it.
+    # Independent reference: the fused Triton entry points themselves, counted while each graph is captured.
+    import sliderl.kernels.norm_rope as norm_rope
+    from sliderl.rollout.decode_graphs import SMALL, DecodeGraphs
+
+    calls = {"rms_norm": 0, "qk_norm_rope": 0}
+    for name in calls:
+        real = getattr(norm_rope, name)
+        monkeypatch.setattr(norm_rope, name, lambda *a, _real=real, _name=name, **k: (
+            calls.__setitem__(_name, calls[_name] + 1), _real(*a, **k))[1])
+    per_graph: dict[tuple[int, int], dict[str, int]] = {}
+    capture = DecodeGraphs._capture
+
+    def counted(self, bucket, splits):
+        before = dict(calls)
+        out = capture(self, bucket, splits)
+        per_graph[(bucket, splits)] = {k: calls[k] - before[k] for k in calls}
+        return out
+
+    monkeypatch.setattr(DecodeGraphs, "_capture", counted)
+    path = tiny_model_factory(arch="qwen3", hidden_size=128, num_heads=8, num_kv_heads=2, intermediate_size=256)
+    llm = LLM(path, kv="prefix_sliding:64", block_size=16, num_blocks=256, device="cuda", dtype="bfloat16",
+              max_num_seqs=16)
+    llm.generate([list(range(10, 30))] * 12, SamplingParams(max_tokens=40, **GREEDY))  # a lazily captured bucket too
+    small = [key for key in per_graph if key[0] <= SMALL]
+    assert small and any(key[0] > SMALL for key in per_graph)
+    layers = llm.model.config.num_layers
+    for key, count in per_graph.items():  # per layer: two norms (+ the final one) and one q/k-norm + RoPE
+        assert count["rms_norm"] >= 2 * layers and count["qk_norm_rope"] >= layers, (key, count)
+
+
 @pytest.fixture(scope="module")
 def qwen3_1p7b(tmp_path_factory):
     """The Qwen3-1.7B config with random bf16 weights (built on the GPU), saved with the tiny byte tokenizer."""

@@ -1,4 +1,6 @@
-"""The rollout side: the paged-KV generation engine, its KV policies, models and sampling."""
+"""The generation engine: paged KV pool, scheduler, model runner, sampling, and the decoding modes behind one
+seam (``mode``; Pasta-Lang threads in ``pasta/``). It stands on ``sliderl.core`` (policies, model, traces) and
+``sliderl.kernels``; no Ray, no pydantic."""
 
 from sliderl.core.kv_policy import KVPolicy
 from sliderl.rollout.engine import LLM

@@ -95,7 +95,11 @@ class DecodeGraphs:
         st["num_live_blocks"][:s].copy_(meta.num_live_blocks, non_blocking=nb)
         st["num_live_blocks"][s:bucket].zero_()
 
+    @torch.inference_mode()
     def _capture(self, bucket: int, splits: int):
+        """Warm up and capture one bucket's forward, under inference mode whoever calls it (``ModelRunner.allocate``
+        does, outside any step): with grad enabled ``DecoderLM`` takes its unfused PyTorch norm/RoPE path, and a
+        graph keeps whatever path it recorded."""
         from sliderl.kernels.decode import decode_config
 
         r, st = self.runner, self.static
