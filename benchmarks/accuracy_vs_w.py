@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 import yaml  # noqa: E402
 
+from benchmarks.long_rl_scales import SMOKE  # noqa: E402
 from sliderl.cluster.config.base import load_config  # noqa: E402
 from sliderl.cluster.config.train import TrainConfig  # noqa: E402
 from sliderl.core.kv_policy import KVPolicy  # noqa: E402
@@ -169,8 +170,6 @@ def main() -> None:
                         "any model with the byte-level tokenizer); windows 8 and 32, sliding 16, 4 problems")
     args = parser.parse_args()
     if args.smoke:
-        from benchmarks.long_rl import SMOKE
-
         args.overrides = [*SMOKE.train, *args.overrides]
         args.windows, args.sliding, args.problems = [8, 32], [16], 4
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

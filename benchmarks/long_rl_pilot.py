@@ -41,7 +41,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.accuracy_vs_w import EvalEntry, run_evals  # noqa: E402
-from benchmarks.long_rl import RL_RECIPE, SFT_RECIPE, TENTH, run_logged, write_data  # noqa: E402
+from benchmarks.long_rl import RL_RECIPE, SFT_RECIPE, run_logged, write_data  # noqa: E402
+from benchmarks.long_rl_scales import TENTH  # noqa: E402
 from sliderl.cluster.config.base import load_config  # noqa: E402
 from sliderl.cluster.config.sft import SFTJobConfig  # noqa: E402
 

@@ -24,52 +24,30 @@ all chains); ``--sft/--train/--eval KEY=VALUE ...`` add settings to those comman
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import signal
 import statistics
-import subprocess
 import sys
-import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import yaml
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.seed_chains import (  # noqa: E402
+    ROOT,
+    add_chain_args,
+    eval_command,
+    read_results,
+    run,
+    run_seeds,
+    sft_command,
+    side_by_side,
+    train_command,
+    write_summary,
+)
 from sliderl.cluster.eval.comparison import EntryResult  # noqa: E402
 from sliderl.cluster.eval.evaluation import SampledEval  # noqa: E402
 from sliderl.cluster.eval.report import write_report  # noqa: E402
 from sliderl.cluster.run.checkpoints import MARKER  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ("tip", "tip-gpu")  # configs/RECIPE-{sft,grpo,eval}.yaml: the CPU default, the GPU-scale variant
 METRICS = ("avg_at_k", "pass_at_k", "mean_live_kv", "peak_live_kv", "tokens_per_second", "decode_seconds")
-
-
-def run(cmd: list[str], log: Path, seconds: float | None = None) -> float:
-    """Run one sliderl command (its output to ``log``); its wall seconds. A failure stops the chain. With
-    ``seconds``, a command still running then is interrupted (SIGINT: the job shuts Ray down; its
-    checkpoints stay) and counts as finished."""
-    start = time.perf_counter()
-    with open(log, "w") as out:
-        out.write(" ".join(cmd) + "\n")
-        out.flush()
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
-        try:
-            code = proc.wait(timeout=seconds)
-        except subprocess.TimeoutExpired:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-            out.write(f"\n[tip_seeds: stopped after {seconds:.0f} s, as --grpo-seconds asks]\n")
-            return time.perf_counter() - start
-    if code != 0:
-        raise RuntimeError(f"exit {code}: {' '.join(cmd)} (log: {log})")
-    return time.perf_counter() - start
 
 
 def latest_checkpoint(run_dir: Path) -> Path:
@@ -80,67 +58,39 @@ def latest_checkpoint(run_dir: Path) -> Path:
     return done[-1]
 
 
-def device_args(device: str, train: bool) -> list[str]:
-    if device == "cpu":
-        return ["learner.device=cpu"] + (["engine.device=cpu"] if train else [])
-    args = ["learner.device=cuda"]
-    if train:  # every chain's Ray instance sees the one GPU; each actor takes a slice of it
-        args += ["engine.device=cuda", "learner.num_gpus=0.2", "rollout.num_gpus=0.2"]
-    return args
-
-
 def recipe(name: str, stage: str) -> Path:
     return ROOT / "configs" / f"{name}-{stage}.yaml"
 
 
-def eval_config(seed_dir: Path, seed: int, args: argparse.Namespace) -> Path:
-    """The recipe's eval config with this seed's checkpoints (stage 2's last), output directory and sampling
-    seed; the recipe's own checkpoint paths (runs/RECIPE-dense/model, ...) say which is which."""
-    cfg = yaml.safe_load(recipe(args.recipe, "eval").read_text())
+def compare_command(seed_dir: Path, seed: int, args: argparse.Namespace) -> list[str]:
+    """The recipe's eval with this seed's checkpoints (stage 2's last); the recipe's own checkpoint paths
+    (runs/RECIPE-dense/model, ...) say which is which."""
     runs = f"runs/{args.recipe}"
     where = {f"{runs}-dense/": seed_dir / "dense" / "model", f"{runs}-sft/": seed_dir / "sft" / "model",
              f"{runs}-grpo/": latest_checkpoint(seed_dir / "grpo")}  # stage 2: whichever step it reached
-    for entry in cfg["eval"]["compare"]["entries"]:
-        entry["checkpoint"] = str(next(path for prefix, path in where.items() if entry["checkpoint"].startswith(prefix)))
-    cfg["eval"]["compare"].update(seeds=[seed], output_dir=str(seed_dir / "eval"))
-    cfg.setdefault("engine", {})["device"] = args.device
-    path = seed_dir / "eval.yaml"
-    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    return path
+    return eval_command(recipe(args.recipe, "eval"), seed_dir, seed, args, lambda entry: next(
+        path for prefix, path in where.items() if entry["checkpoint"].startswith(prefix)))
 
 
 def chain(seed: int, args: argparse.Namespace) -> dict:
     """Stage 1 and the Dense baseline side by side, then stage 2, then the comparison; seconds per stage."""
     d = args.out / f"s{seed}"
     d.mkdir(parents=True, exist_ok=True)
-    sliderl = [sys.executable, "-m", "sliderl.cluster.cli"]
-    common = [f"model.seed={seed}", f"learner.seed={seed}", *device_args(args.device, False), *args.sft_overrides]
-    sft_config = str(recipe(args.recipe, "sft"))
-    sft = sliderl + ["sft", sft_config, f"output_dir={d / 'sft'}", *common]
-    dense = sliderl + ["sft", sft_config, "kv=full", "data.task_solution=solution_dense", f"output_dir={d / 'dense'}", *common]
-    with ThreadPoolExecutor(2) as pool:
-        stage1, baseline = pool.submit(run, sft, d / "sft.log"), pool.submit(run, dense, d / "dense.log")
-        seconds = {"sft": stage1.result(), "dense": baseline.result()}
-    train = sliderl + ["train", str(recipe(args.recipe, "grpo")), f"run_dir={d / 'grpo'}", "model.type=hf", f"model.path={d / 'sft' / 'model'}",
-                       "warmstart.enabled=false", f"train.seed={seed}", f"learner.seed={seed}",
-                       *([f"train.steps={args.grpo_steps}"] if args.grpo_steps else []), *device_args(args.device, True),
-                       "monitor.include_dashboard=false",  # chains side by side: one fixed dashboard port each would collide
-                       *args.train_overrides]
-    seconds["grpo"] = run(train, d / "grpo.log", args.grpo_seconds)
-    compare = sliderl + ["eval", str(eval_config(d, seed, args)), *args.eval_overrides]
-    seconds["eval"] = run(compare, d / "eval.log")
+    sft_config = recipe(args.recipe, "sft")
+    sft = sft_command(sft_config, d / "sft", seed, args)
+    dense = sft_command(sft_config, d / "dense", seed, args, "kv=full", "data.task_solution=solution_dense")
+    seconds = side_by_side({"sft": (sft, d / "sft.log"), "dense": (dense, d / "dense.log")})
+    steps = [f"train.steps={args.grpo_steps}"] if args.grpo_steps else []
+    train = train_command(recipe(args.recipe, "grpo"), d / "grpo", d / "sft" / "model", seed, args, *steps)
+    seconds["grpo"] = run(train, d / "grpo.log", args.grpo_seconds, why="as --grpo-seconds asks")
+    seconds["eval"] = run(compare_command(d, seed, args), d / "eval.log")
     return seconds
 
 
-def over_seeds(out: Path, seeds: list[int]) -> list[EntryResult]:
+def over_seeds(rows: dict[str, list[dict]], seeds: list[int]) -> list[EntryResult]:
     """Each comparison entry with one run per seed (every seed's own checkpoints), as ``sliderl eval`` holds an
     entry sampled under several seeds: ``write_report`` then draws the table and the three Pareto plots with
     mean ± sd over the seeds."""
-    rows: dict[str, list[dict]] = {}
-    for seed in seeds:
-        for line in (out / f"s{seed}" / "eval" / "results.jsonl").read_text().splitlines():
-            row = json.loads(line)
-            rows.setdefault(row["label"], []).append(row)
     results = []
     for label, per_seed in rows.items():
         runs = tuple(SampledEval(**{k: v for k, v in r["runs"][0].items() if k != "seed"}) for r in per_seed)
@@ -152,15 +102,10 @@ def over_seeds(out: Path, seeds: list[int]) -> list[EntryResult]:
 
 def summarize(out: Path, seeds: list[int], seconds: dict[int, dict]) -> str:
     """Mean ± sd over seeds of every comparison entry, with ratios to Dense; writes summary.md/jsonl."""
-    rows: dict[str, list[dict]] = {}
-    for seed in seeds:
-        for line in (out / f"s{seed}" / "eval" / "results.jsonl").read_text().splitlines():
-            row = json.loads(line)
-            rows.setdefault(row["label"], []).append(row)
+    rows = read_results(out, seeds)
     dense = rows["Dense"]
-    lines = [f"# TIP in miniature over seeds {seeds} — `python benchmarks/tip_seeds.py {' '.join(sys.argv[1:])}`", "",
-             "| entry | avg@k | pass@k | mean live KV | KV / Dense | tok/s | tok/s / Dense | decode s |",
-             "|---|---|---|---|---|---|---|---|"]
+    body = ["| entry | avg@k | pass@k | mean live KV | KV / Dense | tok/s | tok/s / Dense | decode s |",
+            "|---|---|---|---|---|---|---|---|"]
     summary = []
     for label, runs in rows.items():
         stat = {m: (statistics.mean(r[m] for r in runs), statistics.pstdev(r[m] for r in runs)) for m in METRICS}
@@ -170,43 +115,28 @@ def summarize(out: Path, seeds: list[int], seconds: dict[int, dict]) -> str:
                         **{f"{m}_sd": v[1] for m, v in stat.items()}, "kv_over_dense": kv_ratio,
                         "tps_over_dense": tps_ratio, "per_seed": [r["avg_at_k"] for r in runs]})
         f = lambda m, p: f"{stat[m][0]:.{p}f} ± {stat[m][1]:.{p}f}"  # noqa: E731
-        lines.append(f"| {label} | {f('avg_at_k', 3)} | {f('pass_at_k', 3)} | {f('mean_live_kv', 1)} | {kv_ratio:.2f} "
-                     f"| {f('tokens_per_second', 0)} | {tps_ratio:.2f} | {f('decode_seconds', 1)} |")
-    lines += ["", "seconds per stage: " + "; ".join(f"seed {s}: " + ", ".join(f"{k} {v:.0f}" for k, v in seconds[s].items())
-                                                    for s in seeds)]
-    (out / "summary.jsonl").write_text("".join(json.dumps(r) + "\n" for r in summary))
-    write_report(over_seeds(out, seeds), out / "over-seeds")  # results.md/jsonl and pareto_*.png, mean ± sd
-    text = "\n".join(lines) + "\n"
-    (out / "summary.md").write_text(text)
-    return text
+        body.append(f"| {label} | {f('avg_at_k', 3)} | {f('pass_at_k', 3)} | {f('mean_live_kv', 1)} | {kv_ratio:.2f} "
+                    f"| {f('tokens_per_second', 0)} | {tps_ratio:.2f} | {f('decode_seconds', 1)} |")
+    write_report(over_seeds(rows, seeds), out / "over-seeds")  # results.md/jsonl and pareto_*.png, mean ± sd
+    return write_summary(out, "TIP in miniature", "tip_seeds.py", seeds, seconds, body, summary)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    add_chain_args(parser, out="runs/tip-seeds")
     parser.add_argument("--recipe", choices=RECIPES, default="tip",
                         help="configs/RECIPE-{sft,grpo,eval}.yaml: tip (the CPU default) or tip-gpu (GPU scale)")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--out", type=Path, default=Path("runs/tip-seeds"))
     parser.add_argument("--grpo-steps", type=int, default=None,
                         help="stage 2's steps (default: the recipe's train.steps; its last checkpoint is evaluated)")
     parser.add_argument("--grpo-seconds", type=float, default=None,
                         help="stop stage 2 after this many seconds and evaluate its last checkpoint (a time-boxed run)")
-    for stage in ("sft", "train", "eval"):
-        parser.add_argument(f"--{stage}", dest=f"{stage}_overrides", nargs="+", default=[], metavar="KEY=VALUE",
-                            help=f"settings for every {stage} command (e.g. --sft sft.steps=900)")
     parser.add_argument("--report-only", action="store_true", help="redraw the summary and plots from --out")
     args = parser.parse_args()
     args.out = args.out.resolve()
     if args.report_only:
         print(summarize(args.out, args.seeds, {s: {} for s in args.seeds}))
         return
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    start = time.perf_counter()
-    with ThreadPoolExecutor(len(args.seeds)) as pool:
-        seconds = dict(zip(args.seeds, pool.map(lambda s: chain(s, args), args.seeds)))
-    print(summarize(args.out, args.seeds, seconds))
-    print(f"all seeds: {time.perf_counter() - start:.0f} s")
+    run_seeds(args, chain, summarize)
 
 
 if __name__ == "__main__":

@@ -110,7 +110,8 @@ def test_long_rl_arms_put_the_loss_where_they_say(tiny_model_factory):
     # P = 10 prompt and T = 100 generated tokens under the arm's policy (W = 16, k = 4: T > k·W = 64).
     # Whole trace: 2·100 loss tokens and 2·(10 + 100 - 1) = 218 inputs. Truncated: the last k·W = 64 targets
     # with the loss on the last W = 16: 2·16 = 32 loss tokens, 2·(10 + 64) = 148 inputs.
-    from benchmarks.long_rl import ARMS, RL_RECIPE, SMOKE
+    from benchmarks.long_rl import ARMS, RL_RECIPE
+    from benchmarks.long_rl_scales import SMOKE
     from sliderl.cluster.config.base import load_config
     from sliderl.cluster.config.train import TrainConfig
     from sliderl.trainer.learner import Learner
@@ -172,7 +173,8 @@ def test_long_rl_merges_runs_of_different_arms_each_charged_its_own_share(tmp_pa
     # every arm 1/4 of the GPU, or 1/len(all arms), instead of the share it had: ps-trunc and ps-whole ran together
     # (1/2 each), full alone (1/1). By hand: ps-trunc 100 s x 1/2 = 50 GPU-s, ps-whole 90 x 1/2 = 45, full 80 x 1 =
     # 80. Planting `share = 1 / len(arms)` in write_report gives 33, 30 and 27. Also: an arm in two runs is refused.
-    from benchmarks.long_rl import ARMS, GPU, end_entries, start_entries
+    from benchmarks.long_rl import ARMS, end_entries, start_entries
+    from benchmarks.long_rl_scales import GPU
 
     _arm_run(tmp_path / "pair", {"ps-trunc": 100.0, "ps-whole": 90.0}, 110.0)
     _arm_run(tmp_path / "alone", {"full": 80.0}, 95.0)
