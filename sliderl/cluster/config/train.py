@@ -275,7 +275,7 @@ class TrainConfig(Section):
         generation time, i.e. F / G learner steps (G = ``groups_per_step``) pass while one group generates: it
         arrives about F / G versions old, so past ``max(max_staleness, 1) x G`` groups in flight the surplus is
         generated only to be dropped (measured on the CPU under max_staleness 1: G in flight dropped 1 of 17
-        arrived groups, 2 x G 3 of 15, 4 x G 13 of 25; docs/benchmarks.md, issue 15)."""
+        arrived groups, 2 x G 3 of 15, 4 x G 13 of 25; docs/notebook/benchmarks.md, issue 15)."""
         if self.train.mode != "async":
             return None
         in_flight = self.rollout.num_workers * self.rollout.max_inflight_groups
