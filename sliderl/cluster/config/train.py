@@ -232,7 +232,7 @@ class TrainConfig(Section):
     """The run's storage root: config.yaml, traces/, checkpoints/, driver_state.json, metrics.jsonl and
     plots. A local folder (one node, or a folder every node mounts; use an absolute path under ``ray
     job submit``: the job's working directory is a temporary copy) or a URI every node can reach:
-    s3://bucket/prefix, gs://bucket/prefix, abfs://…, hdfs://… (see README: storage root)."""
+    s3://bucket/prefix, gs://bucket/prefix, abfs://…, hdfs://… (see docs/guide.md: storage root)."""
     resume: bool = False
     """Continue from the latest complete checkpoint in run_dir (its step, data cursor, weights)."""
 
