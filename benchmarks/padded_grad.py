@@ -3,7 +3,7 @@
     python benchmarks/padded_grad.py --model DIR [--batch 8] [--max-len 1024] [--device cuda]
 
 The question behind it: TRL's GRPO step on the H200 logged ``grad_norm nan`` with a finite loss (issue 15,
-docs/benchmarks.md), while sliderl's learner trains the same model there with finite gradients. TRL left-pads
+docs/notebook/benchmarks.md), while sliderl's learner trains the same model there with finite gradients. TRL left-pads
 prompts and right-pads completions in one batch; sliderl packs traces without padding. This script takes
 ``--batch`` random token sequences of lengths spread up to ``--max-len``, and for each attention implementation
 (``sdpa``, ``eager``) and each layout (``padded``: left-padded with an attention mask, as TRL's batch;

@@ -1,4 +1,4 @@
-"""Pasta in miniature, end to end, once per seed: the recipes of README "Train a Pasta model", run as a user runs them.
+"""Pasta in miniature, end to end, once per seed: the recipes of docs/guide.md "Train a Pasta model", run as a user runs them.
 
 For every seed S (all seeds at once, one process chain each)::
 

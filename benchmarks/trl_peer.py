@@ -205,12 +205,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kv-budget", type=int, default=256, help="the length/KV penalty's budget (tokens)")
     parser.add_argument("--trl-generation", choices=("generate", "cb"), default="generate")
     # float32 weights under bf16 autocast, as sliderl's learner keeps float32 masters (on the H200 on 2026-12-02 both
-    # dtypes logged grad_norm nan on the first step: docs/benchmarks.md, issue 15)
+    # dtypes logged grad_norm nan on the first step: docs/notebook/benchmarks.md, issue 15)
     parser.add_argument("--trl-dtype", choices=("float32", "bfloat16"), default="float32")
     # the attention TRL's model runs (transformers' attn_implementation). eager by default: on the H200
     # TRL's sdpa run logged grad_norm nan on its first step under both dtypes, the eager run trained with finite
     # gradients (3.03, 2.45); benchmarks/padded_grad.py's left-padded batch backward is finite under either on the
-    # same GPU, so the nan is in TRL's sdpa path, not in padded attention as such (docs/benchmarks.md, issue 15)
+    # same GPU, so the nan is in TRL's sdpa path, not in padded attention as such (docs/notebook/benchmarks.md, issue 15)
     parser.add_argument("--trl-attn", choices=("sdpa", "eager"), default="eager")
     parser.add_argument("--sliderl", type=Path, help="colocate.py's results.jsonl holding the keep run")
     parser.add_argument("--run-timeout-s", type=float, default=280.0)

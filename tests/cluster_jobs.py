@@ -39,7 +39,7 @@ def tiny_job(model_dir: Path, run_dir: Path, *overrides: str) -> TrainConfig:
 
 
 def expected_actor_name(run_dir: Path, role: str) -> str:
-    """A run's actor name as the README states it: ``<last part of run_dir>-<first 6 hex digits of the sha256 of
+    """A run's actor name as docs/guide.md states it: ``<last part of run_dir>-<first 6 hex digits of the sha256 of
     the absolute run_dir>/<role>``, worked out here without sliderl's code."""
     root = str(Path(run_dir).resolve())
     return f"{Path(root).name}-{hashlib.sha256(root.encode()).hexdigest()[:6]}/{role}"

@@ -139,7 +139,7 @@ def test_actors_are_built_from_the_configs_records(sync_run):
 
 def test_actors_are_named_by_run_and_role(sync_run):
     # Catches: unnamed actors (the dashboard's Actors page shows only class and id) or a name that is not
-    # the run's label and role (README: <run>-<hash>/<role>): each name resolves to that very actor.
+    # the run's label and role (docs/guide.md: <run>-<hash>/<role>): each name resolves to that very actor.
     # Planted by dropping "name" from cluster.actors.placement.actor_options, get_actor fails in the run.
     _, seen = sync_run
     assert seen["named"] == {"learner": True, "rollout-0": True, "trace-queue": True}

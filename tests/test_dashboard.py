@@ -48,7 +48,7 @@ TOKEN_DIALOG = "Authentication Token Required"  # the dashboard's dialog when a 
 LIVE_S = 240  # for the job to start its actors and for each page to show up (2 shared cores can be slow)
 HTTP_S = 90  # for one answer of the dashboard or the metrics endpoint (its processes share 2 busy cores)
 METRICS_S = 60  # for every metric to reach the head's endpoint once the run steps (reported every 0.5 s)
-# every metric sliderl exports, as Prometheus names them (README, sliderl/cluster/observe/ray_metrics.py); one prefix
+# every metric sliderl exports, as Prometheus names them (docs/guide.md, sliderl/cluster/observe/ray_metrics.py); one prefix
 SERIES = {"ray_sliderl_rollout_tokens_per_s", "ray_sliderl_visible_kv_tokens", "ray_sliderl_reward",
           "ray_sliderl_learner_step_seconds_count", "ray_sliderl_staleness_versions", "ray_sliderl_queue_depth",
           "ray_sliderl_weight_sync_seconds_count", "ray_sliderl_learner_steps_total"}

@@ -20,7 +20,7 @@ from pathlib import Path
 from cluster_jobs import tiny_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
-# process name fragment -> why Ray gives no way to bind its listener to loopback (also in the README).
+# process name fragment -> why Ray gives no way to bind its listener to loopback (also in docs/guide.md, "Network exposure").
 # Empty: nothing needs it.
 ALLOWLIST: dict[str, str] = {}
 

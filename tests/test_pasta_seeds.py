@@ -41,7 +41,7 @@ def test_summary_by_hand(tmp_path):
     assert (tmp_path / "quality_vs_speedup.png").stat().st_size > 0 and (tmp_path / "summary.md").read_text() == text
 
 
-# catches: a chain whose commands do not fit together as the README runs them (a stage's output not where the
+# catches: a chain whose commands do not fit together as docs/guide.md runs them (a stage's output not where the
 # next one looks, the eval's checkpoints not rewritten per seed, a BoNBoN run without its baseline).
 @pytest.mark.slow
 def test_smoke_run_of_one_seed(tmp_path):

@@ -52,7 +52,7 @@ def test_theoretical_speedup_and_steps_by_hand(pasta_model):
 
 
 # catches: a script that breaks on its own (arguments, the task's traces, the report) and JSON rows without
-# the columns docs/benchmarks.md quotes
+# the columns docs/notebook/benchmarks.md quotes
 def test_scripted_mode_runs_and_writes_its_rows(tmp_path):
     out = tmp_path / "rows.json"
     run = subprocess.run([sys.executable, "benchmarks/pasta_speedup.py", "scripted", "--problems", "2",

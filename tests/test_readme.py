@@ -1,6 +1,8 @@
-"""The README's `ray job submit` recipe, run exactly as written, as a new user would on a fresh machine.
+"""The docs' commands as a new user runs them: the `ray job submit` recipe exactly as written on a fresh
+machine, and every `python -m` module the README and the guide name.
 
-The lines come from the README (the bash block under the ``job-submit`` marker) and run with bash in
+The recipe's lines come from the README or docs/guide.md (the bash block under the ``job-submit`` marker, in
+whichever of them holds it) and run with bash in
 a copy of the working tree, with a fresh HOME (the recipe generates its token into ~/.ray). The
 recipe uses Ray's fixed ports and ends with ``ray stop``, which stops every Ray process it can see,
 so it runs in private network, PID and mount namespaces (``unshare``): it cannot reach or stop a
@@ -10,6 +12,7 @@ are not available it runs directly, but only on a machine with no Ray running.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import shutil
@@ -21,6 +24,7 @@ import pytest
 from cluster_jobs import metric_rows
 
 ROOT = Path(__file__).resolve().parents[1]
+DOCS = (ROOT / "README.md", ROOT / "docs" / "guide.md", ROOT / "docs" / "results.md")  # what a new user reads
 BIN = Path(sys.executable).parent
 MARKER = "<!-- job-submit:"
 # bring up the loopback interface of a new network namespace (SIOCSIFFLAGS: IFF_UP | IFF_LOOPBACK | IFF_RUNNING)
@@ -32,11 +36,13 @@ PRELUDE = f"{sys.executable} -c \"{LOOPBACK_UP}\" && mkdir -p /tmp/ray && mount 
 
 
 def readme_recipe() -> list[str]:
-    """The lines of the README's bash block that follows the job-submit marker, comments kept."""
-    text = (ROOT / "README.md").read_text()
+    """The lines of the bash block that follows the job-submit marker (in the README or the guide), comments kept."""
+    holders = [doc for doc in DOCS if MARKER in doc.read_text()]
+    assert len(holders) == 1, f"the job-submit marker must be in exactly one of {[d.name for d in DOCS]}: {holders}"
+    text = holders[0].read_text()
     start = text.index(MARKER)
     block = re.search(r"```bash\n(.*?)```", text[start:], re.S)
-    assert block, "no bash block after the job-submit marker in README.md"
+    assert block, f"no bash block after the job-submit marker in {holders[0].name}"
     return block.group(1).splitlines()
 
 
@@ -69,11 +75,11 @@ def ray_running() -> bool:
 
 
 def test_readme_job_submit_recipe_runs_as_written(tmp_path):
-    # Catches (issue 11, bug 9): a README recipe that fails as written — no head started, token
+    # Catches (issue 11, bug 9): a docs recipe that fails as written — no head started, token
     # authentication off ("AuthenticationError ... RAY_AUTH_MODE is currently 'disabled'"), outputs
     # written into Ray's temporary copy of the working dir. Planted by dropping the
-    # `ray get-auth-token --generate` line from the README, the job submit fails; with a relative
-    # run_dir in the README, the job exits 2 (check_outlives_job) and nothing is written.
+    # `ray get-auth-token --generate` line from the recipe, the job submit fails; with a relative
+    # run_dir in the recipe, the job exits 2 (check_outlives_job) and nothing is written.
     lines = readme_recipe()
     assert any(line.startswith("ray job submit") for line in lines), lines
     project = copy_of_working_tree(tmp_path / "sliderl")
@@ -99,7 +105,7 @@ def test_readme_job_submit_recipe_runs_as_written(tmp_path):
     assert "Started a local Ray instance" not in output  # the job joined the cluster the recipe started
     # Catches (issue 15): a recipe that submits the job without sliderl's metadata (the dashboard's Jobs page
     # then shows nothing of the run; the job says so in its log). Planted by dropping --metadata-json from
-    # the README's submit line, this fails.
+    # the recipe's submit line, this fails.
     assert "submitted without sliderl's metadata" not in output
 
 
@@ -125,3 +131,20 @@ def test_a_relative_run_dir_in_a_submitted_job_is_refused(tmp_path, monkeypatch,
     monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR",
                        '{"runtime_env": {"working_dir": "gcs://_ray_pkg_0123.zip"}, "metadata": {}}')
     check_outlives_job(str(tmp_path / "runs" / "smoke"), "run_dir")
+
+
+def test_every_python_m_module_the_docs_name_exists_and_runs_as_a_script():
+    # Catches (issue 37): a command that names a module where it no longer lives (`python -m core.tiny`, written
+    # before the packages moved under sliderl/). Planted by writing `python -m core.tiny` back into
+    # docs/guide.md, or by deleting the `__main__` block of sliderl/core/tiny.py, this fails.
+    names = sorted({name for doc in DOCS for name in re.findall(r"python3? -m ([A-Za-z_][\w.]*)", doc.read_text())})
+    assert {"venv", "pytest", "sliderl.core.tiny"} <= set(names), names  # the README's two lines and the guide's one
+    for name in names:
+        try:
+            spec = importlib.util.find_spec(name)
+        except ModuleNotFoundError:  # its parent package does not exist
+            spec = None
+        assert spec is not None and spec.origin, f"`python -m {name}` in the docs: no such module"
+        source = Path(spec.origin)
+        if ROOT in source.parents:  # ours: `python -m` runs the file as __main__
+            assert '__name__ == "__main__"' in source.read_text(), f"`python -m {name}`: {source} has no __main__ block"

@@ -46,7 +46,7 @@ def test_one_task_and_one_register_count_across_the_stages(recipe):
 
 
 # Catches: `sliderl train configs/tip-grpo.yaml` warm-starting from another stage 1 than `sliderl sft
-# configs/tip-sft.yaml` trains (another step count, learning rate, batch, model or data), so the README's
+# configs/tip-sft.yaml` trains (another step count, learning rate, batch, model or data), so the guide's
 # two ways to run stage 2 would start from different models.
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_stage_two_warm_start_is_stage_one(recipe):

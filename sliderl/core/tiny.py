@@ -3,7 +3,7 @@
 ``make_tiny_model`` writes a complete Hugging Face directory — config.json, safetensors weights,
 tokenizer, generation_config.json — that ``core.loader`` and ``transformers`` both load.
 
-    python -m core.tiny OUT_DIR --arch qwen3
+    python -m sliderl.core.tiny OUT_DIR --arch qwen3
 """
 
 from __future__ import annotations

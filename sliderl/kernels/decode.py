@@ -246,7 +246,7 @@ def choose_num_splits(programs: int, max_tiles: int, sms: int, programs_per_sm: 
 
 def decode_config(num_seqs: int, num_kv_heads: int, block_size: int, max_live_blocks: int, head_dim: int,
                   dtype: torch.dtype, device: torch.device) -> DecodeConfig:
-    """Default launch shape, from the H200 sweeps in docs/benchmarks.md.
+    """Default launch shape, from the H200 sweeps in docs/notebook/benchmarks.md.
 
     bf16/fp16, by the number of (sequence, KV head) programs: enough to fill the GPU twice over
     (batch 256 at 8 KV heads) or very few (batch 1): 32 KB K tiles (128 keys at head dim 128),

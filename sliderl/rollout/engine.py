@@ -83,7 +83,7 @@ class LLM:
                                    self.max_model_len, admit_by_bound=self.policy.admits_by_bound,
                                    watermark_blocks=math.ceil(round(args.kv_watermark * num_blocks, 6)))
         overlap = args.overlap
-        if overlap is None:  # registers too: with its redos it beats serial (6,809 vs 6,692 tok/s, docs/benchmarks.md)
+        if overlap is None:  # registers too: with its redos it beats serial (6,809 vs 6,692 tok/s, docs/notebook/benchmarks.md)
             overlap = self.device.type == "cuda"
         self.run_ahead = RunAhead(self.runner, self.scheduler, overlap)
         self.eos_ids = self._eos_ids(model)

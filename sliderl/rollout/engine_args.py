@@ -51,7 +51,7 @@ class EngineArgs:
     overlap: bool | None = None
     """Queue each decode step before the previous one's tokens are read back; None: on for CUDA."""
     gemv: bool = False
-    """On CUDA, run linear layers and the lm_head over at most 8 tokens with the Triton split-K GEMV instead of cuBLAS (off: no faster at batch 1 on the H200, docs/benchmarks.md)."""
+    """On CUDA, run linear layers and the lm_head over at most 8 tokens with the Triton split-K GEMV instead of cuBLAS (off: no faster at batch 1 on the H200, docs/notebook/benchmarks.md)."""
     pasta_max_forks: int = 8
     """kv=pasta: most forks per request (>= 0); a promise past it is plain text. Each fork may hold max_tokens + 2 tokens of KV, which the request's block bound counts."""
 

@@ -213,7 +213,7 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
         any_truncation = bool(((top_k > 0) | (top_p < 1)).any())
     # one fused pass (kernels.sample) when some row samples: 9.6x faster than the torch ops at 256 rows of a
     # 152K vocabulary, 1.6x at one row; all-greedy batches keep argmax + logsumexp, which is faster there
-    # (one program per row: ~1 ms whatever the batch; docs/benchmarks.md)
+    # (one program per row: ~1 ms whatever the batch; docs/notebook/benchmarks.md)
     if logits.is_cuda and not any_truncation and all_greedy is not True and logits.stride(1) == 1:
         from sliderl.kernels.sample import fused_sample
         return fused_sample(logits, temperature, seed, step)

@@ -232,7 +232,7 @@ class TrainConfig(Section):
     """The run's storage root: config.yaml, traces/, checkpoints/, driver_state.json, metrics.jsonl and
     plots. A local folder (one node, or a folder every node mounts; use an absolute path under ``ray
     job submit``: the job's working directory is a temporary copy) or a URI every node can reach:
-    s3://bucket/prefix, gs://bucket/prefix, abfs://…, hdfs://… (see README: storage root)."""
+    s3://bucket/prefix, gs://bucket/prefix, abfs://…, hdfs://… (see docs/guide.md: storage root)."""
     resume: bool = False
     """Continue from the latest complete checkpoint in run_dir (its step, data cursor, weights)."""
 
@@ -275,7 +275,7 @@ class TrainConfig(Section):
         generation time, i.e. F / G learner steps (G = ``groups_per_step``) pass while one group generates: it
         arrives about F / G versions old, so past ``max(max_staleness, 1) x G`` groups in flight the surplus is
         generated only to be dropped (measured on the CPU under max_staleness 1: G in flight dropped 1 of 17
-        arrived groups, 2 x G 3 of 15, 4 x G 13 of 25; docs/benchmarks.md, issue 15)."""
+        arrived groups, 2 x G 3 of 15, 4 x G 13 of 25; docs/notebook/benchmarks.md, issue 15)."""
         if self.train.mode != "async":
             return None
         in_flight = self.rollout.num_workers * self.rollout.max_inflight_groups
