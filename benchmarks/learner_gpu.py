@@ -41,8 +41,8 @@ Definitions (per step):
                     forward q·k and p·v, 2·d_head FLOPs each (4·d_head); backward dV = pᵀ·dO, dP = dO·vᵀ,
                     dQ = dS·k, dK = dSᵀ·q (8·d_head); 12·d_head in all. Recomputation (checkpointing,
                     the LM head's chunks), padding, masked-out tiles and elementwise work are not counted.
-  MFU               model FLOPs / (step_s · 790e12), 790 TFLOP/s being the H200's dense bf16 peak;
-                    ``MFU 6N`` = 6·N·processed / (step_s · 790e12), the earlier, attention-free estimate.
+  MFU               model FLOPs / (step_s · 989e12), 989 TFLOP/s being the H200's datasheet dense bf16 peak;
+                    ``MFU 6N`` = 6·N·processed / (step_s · 989e12), the field's attention-free count.
   peak GiB          ``torch.cuda.max_memory_allocated`` over the row (model, optimizer state, all steps);
                     on CPU the process's peak RSS.
 
@@ -68,7 +68,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PEAK_FLOPS = 790e12  # H200 dense bf16
+PEAK_FLOPS = 989e12  # H200 dense bf16, the datasheet's (not a measured matmul rate)
 GROUP = 8
 
 

@@ -65,8 +65,8 @@ def test_rates_by_hand():
     flops = 3_850_371_072 + 410_517_504 + 457_113_600  # = 4,718,002,176
     r = rates(TINY, counts, step_s=2.0)
     assert r["model_flops"] == flops
-    assert r["mfu"] == pytest.approx(flops / (2.0 * 790e12))
-    assert r["mfu_6n"] == pytest.approx(3_850_371_072 / (2.0 * 790e12))
+    assert r["mfu"] == pytest.approx(flops / (2.0 * 989e12))
+    assert r["mfu_6n"] == pytest.approx(3_850_371_072 / (2.0 * 989e12))
     assert (r["tokens_per_s"], r["processed_per_s"]) == (256, 1088)
 
 
@@ -307,3 +307,26 @@ def test_accuracy_vs_w_smoke_has_a_row_per_window_within_its_window(tiny_model_f
         assert row["problems"] == 4 and row["tokens_per_second"] > 0, row
         assert 0 < row["mean_live_kv"] <= (w if kv.startswith("sliding") else 40 + w), (kv, row)
     assert "| prefix_sliding:8 |" in (tmp_path / "accuracy_vs_w.md").read_text()
+
+
+def test_regress_flags_a_drop_beyond_the_tolerance_either_way_round():
+    # catches: benchmarks/regress.py passing a regression — the batch-1 decode fell from 450 to 203 tok/s
+    # and no check compared it with its record — a verdict read the wrong way round for lower-is-better
+    # numbers (step seconds), or a missing measurement passing silently. By hand, tolerance 10%:
+    # 450 -> 405 tok/s is 0.90 of the record (ok), 450 -> 203 is 0.45 (DROP); a step of 7.7 s that now takes
+    # 9.0 s is 7.7/9.0 = 0.86 (DROP), one that now takes 6.5 s is 1.18 (better, beyond the tolerance).
+    from benchmarks.regress import HEADLINES, Headline, main, value_of, verdict
+
+    tok = Headline("t", "decode", {}, "tokens_per_s", "tok/s")
+    step = Headline("s", "learner", {}, "step_s", "s", higher_is_better=False)
+    assert verdict(tok, 450.0, 405.0, 0.10) == "ok"
+    assert verdict(tok, 450.0, 203.0, 0.10) == "DROP"
+    assert verdict(step, 7.7, 9.0, 0.10) == "DROP"
+    assert verdict(step, 7.7, 6.5, 0.10) == "better"
+    assert verdict(tok, None, 300.0, 0.10) == "new" and verdict(tok, 450.0, None, 0.10) == "missing"
+    rows = [{"policy": "full", "position": 8192, "tokens_per_s": 1.0},
+            {"policy": "prefix_sliding:4096", "position": 8192, "batch": 1, "tokens_per_s": 453.8}]
+    batch1 = next(h for h in HEADLINES if h.id == "batch1.prefix_sliding.8k")
+    assert value_of(batch1, rows) == 453.8  # the row whose fields all match, not the first row
+    with pytest.raises(SystemExit):
+        main(["--only", "no-such-headline"])

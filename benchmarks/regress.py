@@ -1,0 +1,164 @@
+"""The headline numbers of docs/results.md measured again, each against its recorded value (GPU).
+
+    python benchmarks/regress.py                      # measure every headline, print recorded vs measured
+    python benchmarks/regress.py --only batch1 decode # the headlines whose id starts with these
+    python benchmarks/regress.py --record --out DIR   # also write the rows and the new record to DIR
+
+Each headline is one number one benchmark script prints in its JSON rows (``HEADLINES``: the script's
+arguments, the row it is read from, higher or lower is better). The recorded values live in
+``docs/results/headlines.json`` ({id: {value, unit, commit, machine, raw}}), each beside the raw rows it
+was read from; ``--record`` writes a new ``headlines.json`` and the scripts' raw rows into ``--out`` (to be
+committed under docs/results/). A measurement worse than its record by more than ``--tolerance`` (10%)
+is a drop: the table says DROP and the script exits 1, so the next regression is caught the day it lands.
+
+Benchmarks run once per script (one process each), so a headline costs what its script's run costs:
+about 7 minutes for all of them on one H200.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RECORD = ROOT / "docs" / "results" / "headlines.json"
+
+
+@dataclass(frozen=True)
+class Run:
+    """One benchmark script's run; its rows feed every headline that names it."""
+
+    name: str
+    args: tuple[str, ...]  # after the script path; the output file or folder is appended as --out
+    rows_file: str  # "" : --out is the JSON file itself; else the file inside the --out folder
+
+
+@dataclass(frozen=True)
+class Headline:
+    id: str
+    run: str
+    match: dict  # the row whose fields equal these
+    key: str  # the number, in that row
+    unit: str
+    higher_is_better: bool = True
+
+
+RUNS = {
+    "decode": Run("decode", ("benchmarks/engine_gpu.py", "--positions", "8192", "32768", "131072", "--policies",
+                             "prefix_sliding:4096", "full", "registers:16", "--hf-batch", "0"), ""),
+    "batch1": Run("batch1", ("benchmarks/engine_gpu.py", "--positions", "8192", "--policies", "prefix_sliding:4096",
+                             "--max-seqs", "1", "--hf-batch", "0", "--steps", "96", "--warmup", "16", "--profile",
+                             "32"), ""),
+    "learner": Run("learner", ("benchmarks/learner_gpu.py", "--lengths", "32768", "--no-peer", "--rows",
+                               "sliderl:truncated:ckpt:32768", "sliderl:full:ckpt:32768"), "rows.jsonl"),
+}
+
+HEADLINES = (
+    Headline("decode.prefix_sliding.8k", "decode", {"policy": "prefix_sliding:4096", "position": 8192},
+             "tokens_per_s", "tok/s"),
+    Headline("decode.prefix_sliding.32k", "decode", {"policy": "prefix_sliding:4096", "position": 32768},
+             "tokens_per_s", "tok/s"),
+    Headline("decode.prefix_sliding.128k", "decode", {"policy": "prefix_sliding:4096", "position": 131072},
+             "tokens_per_s", "tok/s"),
+    Headline("decode.full.8k", "decode", {"policy": "full", "position": 8192}, "tokens_per_s", "tok/s"),
+    Headline("decode.full.32k", "decode", {"policy": "full", "position": 32768}, "tokens_per_s", "tok/s"),
+    Headline("decode.registers16.128k", "decode", {"policy": "registers:16", "position": 131072},
+             "tokens_per_s", "tok/s"),
+    Headline("batch1.prefix_sliding.8k", "batch1", {"policy": "prefix_sliding:4096", "position": 8192, "batch": 1},
+             "tokens_per_s", "tok/s"),
+    Headline("learner.truncated.32k.step", "learner", {"name": "sliderl:truncated:ckpt:32768"}, "step_s", "s",
+             higher_is_better=False),
+    Headline("learner.truncated.32k.mfu", "learner", {"name": "sliderl:truncated:ckpt:32768"}, "mfu", ""),
+    Headline("learner.full.32k.step", "learner", {"name": "sliderl:full:ckpt:32768"}, "step_s", "s",
+             higher_is_better=False),
+    Headline("learner.full.32k.mfu", "learner", {"name": "sliderl:full:ckpt:32768"}, "mfu", ""),
+)
+
+
+def run_script(run: Run, out: Path) -> list[dict]:
+    """Run one benchmark script; its rows (a JSON list, or JSON lines in its --out folder)."""
+    target = out / (f"{run.name}.json" if not run.rows_file else run.name)
+    cmd = [sys.executable, *run.args, "--out", str(target)]
+    print("regress:", " ".join(cmd), flush=True)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    if run.rows_file:
+        target.mkdir(parents=True, exist_ok=True)
+    code = subprocess.run(cmd, cwd=ROOT, env=env).returncode
+    if code != 0:
+        print(f"regress: {run.name} exited {code}", flush=True)
+        return []
+    if not run.rows_file:
+        return json.loads(target.read_text())
+    return [json.loads(line) for line in (target / run.rows_file).read_text().splitlines() if line.strip()]
+
+
+def value_of(headline: Headline, rows: list[dict]) -> float | None:
+    for row in rows:
+        if all(row.get(k) == v for k, v in headline.match.items()):
+            value = row.get(headline.key)
+            return float(value) if isinstance(value, (int, float)) else None
+    return None
+
+
+def verdict(headline: Headline, recorded: float | None, measured: float | None, tolerance: float) -> str:
+    """ok / DROP (worse than the record by more than ``tolerance``) / better / new / missing."""
+    if measured is None:
+        return "missing"
+    if recorded is None:
+        return "new"
+    ratio = measured / recorded if headline.higher_is_better else recorded / measured
+    if ratio < 1 - tolerance:
+        return "DROP"
+    return "better" if ratio > 1 + tolerance else "ok"
+
+
+def table(rows: list[tuple[Headline, float | None, float | None, str]]) -> str:
+    lines = [f"{'headline':<30}{'recorded':>12}{'measured':>12}{'ratio':>8}  verdict",
+             "-" * 72]
+    for h, recorded, measured, word in rows:
+        ratio = f"{measured / recorded:.2f}" if recorded and measured else "-"
+        fmt = lambda v: "-" if v is None else f"{v:.4g}"  # noqa: E731
+        lines.append(f"{h.id:<30}{fmt(recorded):>12}{fmt(measured):>12}{ratio:>8}  {word}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", nargs="+", default=[], help="headline id prefixes to measure")
+    parser.add_argument("--tolerance", type=float, default=0.10, help="a drop larger than this fraction fails")
+    parser.add_argument("--record", action="store_true", help="write the measured values as the new record")
+    parser.add_argument("--out", type=Path, help="where the scripts' rows (and, with --record, headlines.json) go")
+    parser.add_argument("--commit", default=os.environ.get("SLIDERL_COMMIT", "unknown"))
+    parser.add_argument("--machine", default="1x H200")
+    args = parser.parse_args(argv)
+    chosen = [h for h in HEADLINES if not args.only or any(h.id.startswith(p) for p in args.only)]
+    if not chosen:
+        parser.error(f"--only {args.only} matches no headline; ids: {', '.join(h.id for h in HEADLINES)}")
+    record = json.loads(RECORD.read_text()) if RECORD.exists() else {}
+    out = args.out or Path(tempfile.mkdtemp(prefix="regress-"))
+    out.mkdir(parents=True, exist_ok=True)
+    rows = {name: run_script(RUNS[name], out) for name in dict.fromkeys(h.run for h in chosen)}
+    results = []
+    for h in chosen:
+        recorded = record.get(h.id, {}).get("value")
+        measured = value_of(h, rows[h.run])
+        results.append((h, recorded, measured, verdict(h, recorded, measured, args.tolerance)))
+    print(table(results), flush=True)
+    if args.record:
+        for h, _, measured, _ in results:
+            if measured is not None:
+                raw = RUNS[h.run]
+                record[h.id] = {"value": measured, "unit": h.unit, "commit": args.commit, "machine": args.machine,
+                                "raw": f"headlines/{h.run}.json" if not raw.rows_file else f"headlines/{h.run}/{raw.rows_file}"}
+        (out / "headlines.json").write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+    return 1 if any(word in ("DROP", "missing") for *_, word in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
