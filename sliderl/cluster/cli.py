@@ -275,11 +275,13 @@ def run_train(config_path: str | None, overrides: list[str]) -> int:
     """``sliderl train``: load the config, run the job, print the summary."""
     from sliderl.cluster.errors import RunError
     from sliderl.cluster.run.driver import train
+    from sliderl.cluster.run.plan import prepare
 
     cfg = load_config(TrainConfig, config_path, overrides)
+    plan = prepare(cfg)  # every error a user can cause (data, run_dir, cluster address) comes before the config
     print(to_yaml(cfg), end="", flush=True)
     try:
-        result = train(cfg, config_path=config_path)
+        result = train(cfg, config_path=config_path, plan=plan)
     except RunError as err:
         print(f"sliderl train: run failed: {' '.join(str(err).split())}", file=sys.stderr)
         return RUN_FAILED

@@ -81,17 +81,19 @@ class RunResult:
 StepHook = Callable[["Session", int, StepReport], "bool | None"]
 
 
-def train(cfg: TrainConfig, on_step: StepHook | None = None, config_path: str | None = None) -> RunResult:
+def train(cfg: TrainConfig, on_step: StepHook | None = None, config_path: str | None = None,
+          plan: RunPlan | None = None) -> RunResult:
     """Run the job ``cfg`` to ``train.steps`` (or until ``on_step`` returns False).
 
     ``on_step(session, step, report)`` is called after every step; returning False ends the run
     there, without a final checkpoint (as an interruption would). An existing ``ray.init`` in this
     process is used as it is; otherwise Ray is started (or joined), with the run's job metadata
     (``config_path``: the config file it came from, for that metadata), and shut down at the end.
+    ``plan``: ``prepare(cfg)`` when the caller ran it already (the CLI does, to report every user error first).
     """
     import ray
 
-    plan = prepare(cfg)
+    plan = prepare(cfg) if plan is None else plan
     if (note := cfg.stale_drop_warning()) is not None:
         print(f"sliderl: warning: {note}", file=sys.stderr, flush=True)
     pg, owns_ray = None, False

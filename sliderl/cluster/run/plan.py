@@ -79,6 +79,7 @@ def prepare(cfg: TrainConfig) -> RunPlan:
     """Storage root, resolved config, data (fields checked), initial model and warm-start examples; no Ray yet."""
     check_devices(cfg)
     check_outlives_job(cfg.run_dir, "run_dir")
+    check_cluster_address(cfg)
     baseline = baseline_model_path(cfg) if cfg.reward.speedup is not None else None
     storage, local_dir, resume = _open_run(cfg)
     train_source, eval_source = data_sources(cfg, local_dir)
@@ -145,7 +146,38 @@ def engine_prompts(cfg: TrainConfig, model_path: str, prompts: PromptFormat, tra
 
     limit = cfg.engine.max_model_len or AutoConfig.from_pretrained(model_path, local_files_only=True).max_position_embeddings
     fitting = keep_fitting(prompts.apply(train), limit, "train")
-    return fitting, keep_fitting(prompts.apply(evaluation), limit, "eval") if evaluation else evaluation
+    evaluation = keep_fitting(prompts.apply(evaluation), limit, "eval") if evaluation else evaluation
+    check_pool(cfg, limit, [(fitting, cfg.sampling.max_tokens, "train"),
+                            (evaluation, cfg.eval_sampling().max_tokens, "eval")])
+    return fitting, evaluation
+
+
+def check_pool(cfg: TrainConfig, max_model_len: int, uses: list[tuple[list[Problem], int, str]]) -> None:
+    """A ConfigError when ``engine.num_blocks`` cannot hold one request of the longest prompt of each use (problems,
+    max_tokens, what): the engine would refuse it inside a rollout worker. A pool sized from memory is not known yet."""
+    from sliderl.rollout.block_bound import request_block_bound
+
+    engine = cfg.engine
+    for problems, max_tokens, what in uses:
+        if engine.num_blocks is None or not problems:
+            continue
+        longest = max(len(p.prompt_token_ids) for p in problems)
+        need = request_block_bound(engine, longest, max_tokens, max_model_len)
+        if need > engine.num_blocks:
+            raise ConfigError(f"engine.num_blocks={engine.num_blocks} cannot hold one {what} request: its longest "
+                              f"prompt ({longest} tokens) with max_tokens={max_tokens} may hold {need} blocks of "
+                              f"{engine.block_size} tokens under engine.kv={engine.kv} (max_model_len={max_model_len}); "
+                              f"set engine.num_blocks >= {need}, or lower the max_tokens or the window")
+
+
+def check_cluster_address(cfg: TrainConfig) -> None:
+    """The cluster to join (``ray.address`` or RAY_ADDRESS) answers on its port; a ResourceError (a ConfigError)
+    naming it otherwise. A local run checks nothing."""
+    from sliderl.cluster.actors.placement import check_reachable, cluster_address
+
+    address = cluster_address(cfg)
+    if address is not None:
+        check_reachable(address)
 
 
 def check_devices(cfg: TrainConfig) -> None:
