@@ -26,7 +26,7 @@ from sliderl.cluster.errors import ConfigError
 from sliderl.cluster.observe.monitor import DRIVER_FILES, WANDB_DIR
 from sliderl.cluster.records import Problem
 from sliderl.cluster.run.checkpoints import Checkpoints, DamagedCheckpoint, DriverState
-from sliderl.cluster.run.sft_job import stage_examples
+from sliderl.cluster.run.sft_job import keep_fitting_examples, stage_examples
 from sliderl.cluster.storage.data import data_sources, keep_fitting, load_split
 from sliderl.cluster.storage.root import Storage
 from sliderl.trainer.sft import SFTExample
@@ -92,7 +92,7 @@ def prepare(cfg: TrainConfig) -> RunPlan:
     model_path = cfg.model.resolve()
     prompts = prompt_format_of(cfg, model_path)
     train_problems, eval_problems = engine_prompts(cfg, model_path, prompts, train_problems, eval_problems)
-    warm_start = stage_examples(cfg.warmstart, cfg.task, prompts) if cfg.warmstart.enabled else None
+    warm_start = warm_start_examples(cfg, model_path, prompts) if cfg.warmstart.enabled else None
     return RunPlan(storage, local_dir, model_path, train_problems, eval_problems, resume, warm_start, baseline)
 
 
@@ -129,6 +129,16 @@ def latest_checkpoint(checkpoints: Checkpoints) -> tuple[PurePath, DriverState] 
         return checkpoints.latest()
     except DamagedCheckpoint as err:
         raise ConfigError(f"resume=true: {err}") from None
+
+
+def warm_start_examples(cfg: TrainConfig, model_path: str, prompts: PromptFormat):
+    """The warm start's (train, held-out) examples, those longer than the model's context refused (or, with
+    warmstart.data.skip_invalid, left out)."""
+    from transformers import AutoConfig
+
+    context = AutoConfig.from_pretrained(model_path, local_files_only=True).max_position_embeddings
+    return keep_fitting_examples(stage_examples(cfg.warmstart, cfg.task, prompts), prompts.tokenizer, context,
+                                 cfg.warmstart.data.skip_invalid, cfg.warmstart.data.source)
 
 
 def prompt_format_of(cfg: TrainConfig, model_path: str) -> PromptFormat:

@@ -54,6 +54,25 @@ def check_location(location: str) -> str:
     return location
 
 
+def check_writable_folder(folder: str | os.PathLike, key: str) -> Path:
+    """The local folder ``folder`` (created when missing), checked by writing and removing a probe file; a
+    ConfigError naming ``key`` and the folder when it is a file, lies under one, or cannot be written."""
+    from sliderl.cluster.errors import ConfigError
+
+    path = Path(folder).expanduser()
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{key}={str(folder)!r} is a file, not a folder; choose a folder (it is created when missing)")
+    probe = path / f".sliderl-write-check-{os.getpid()}"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as err:
+        raise ConfigError(f"{key}={str(folder)!r} cannot be written ({err.strerror or err}: "
+                          f"{err.filename or path}); choose a writable folder") from None
+    return path
+
+
 class Storage:
     """Files under one root, local or remote, through ``pyarrow.fs``."""
 
