@@ -55,21 +55,23 @@ def check_location(location: str) -> str:
 
 
 def check_writable_folder(folder: str | os.PathLike, key: str) -> Path:
-    """The local folder ``folder`` (created when missing), checked by writing and removing a probe file; a
-    ConfigError naming ``key`` and the folder when it is a file, lies under one, or cannot be written."""
+    """``folder`` as a local path, once it (or, when missing, the nearest folder above it, where it would be
+    created) is a folder a probe file can be written to and removed from; a ConfigError naming ``key`` otherwise
+    (a file, a path under a file, a read-only or full disk). Creates nothing."""
     from sliderl.cluster.errors import ConfigError
 
-    path = Path(folder).expanduser()
-    if path.exists() and not path.is_dir():
-        raise ConfigError(f"{key}={str(folder)!r} is a file, not a folder; choose a folder (it is created when missing)")
-    probe = path / f".sliderl-write-check-{os.getpid()}"
+    path = Path(folder).expanduser().absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        where = "is a file" if existing == path else f"lies under the file {existing}"
+        raise ConfigError(f"{key}={str(folder)!r} {where}, not a folder; choose a folder (it is created when missing)")
+    probe = existing / f".sliderl-write-check-{os.getpid()}"
     try:
-        path.mkdir(parents=True, exist_ok=True)
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as err:
-        raise ConfigError(f"{key}={str(folder)!r} cannot be written ({err.strerror or err}: "
-                          f"{err.filename or path}); choose a writable folder") from None
+        raise ConfigError(f"{key}={str(folder)!r} cannot be written ({err.strerror or err} in {existing}); choose a "
+                          "writable folder") from None
     return path
 
 
