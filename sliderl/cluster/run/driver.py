@@ -40,10 +40,12 @@ from sliderl.cluster.config.train import TrainConfig
 from sliderl.cluster.errors import RunError
 from sliderl.cluster.eval.evaluation import score
 from sliderl.cluster.observe.dashboard import job_metadata, warn_if_submitted_without_metadata
+from sliderl.cluster.observe.monitor import METRICS_FILE
 from sliderl.cluster.records import EvalResult, PromptGroup, RolloutGroup, StepReport
 from sliderl.cluster.run.checkpoints import Checkpoints, DriverState
 from sliderl.cluster.run.ledger import GroupLedger
 from sliderl.cluster.run.plan import RunPlan, prepare
+from sliderl.cluster.run.resume import roll_back
 from sliderl.cluster.run.worker_pool import Health, WorkerPool
 from sliderl.cluster.storage.data import PromptStream
 from sliderl.cluster.storage.model_files import ModelFiles
@@ -66,7 +68,7 @@ class RunResult:
     eval_after: EvalResult | None
     summary: str
     stopped_early: bool = False
-    optimizer_steps: int = 0  # policy versions this session's learner gained (0: nothing was trained)
+    optimizer_steps: int = 0  # optimizer steps of the run, every session's (its learner's version; 0: none)
     skipped_groups: dict[str, float] = field(default_factory=dict)  # why groups gave no signal, summed over steps
 
     def nothing_trained(self) -> str | None:
@@ -159,12 +161,8 @@ class Session:
                                    cfg.data.shuffle, cursor=self.state.cursor)
         self.backlog: list[PromptGroup] = [self.stream.group(n) for n in self.state.outstanding]
         self.trace_log = TraceLog(plan.storage)
-        if plan.resume is not None:  # the log holds exactly the groups the checkpoint resolved
-            ledger = plan.resume[1].ledger
-            dropped = self.trace_log.keep_groups(set(ledger.trained) | set(ledger.stale))
-            if dropped:
-                print(f"sliderl: rolled the trace log back to {plan.resume[0].name}: {dropped} traces of groups "
-                      "it had not resolved will be generated again", flush=True)
+        if plan.resume is not None:  # the records hold exactly the groups and steps of the checkpoint
+            roll_back(plan.resume, self.trace_log, plan.local_dir / METRICS_FILE)
         self.checkpoints = Checkpoints(plan.storage, cfg.checkpoint.keep)
         self.monitor = None
         self.queue = make_queue(cfg)
@@ -195,7 +193,7 @@ class Session:
             self._publish()  # workers start from the initial model: give them the checkpoint's weights
         if self.cfg.eval.before and self.state.step == 0:
             self.eval_before = self._unlogged_eval_before = self._evaluate("before")
-        start_version, stopped = self.state.version, False
+        stopped = False
         while self.state.step < self.cfg.train.steps and not stopped:
             report = self._step()
             stopped = self.on_step is not None and self.on_step(self, self.state.step, report) is False
@@ -204,7 +202,7 @@ class Session:
         self.checkpoints.write_state(self._snapshot())
         summary = self.monitor.finish()
         return RunResult(self.plan.run_dir, self._snapshot(), self.eval_before, self.eval_after, summary, stopped,
-                         self.state.version - start_version, dict(self._skipped))
+                         self.state.version, dict(self._skipped))
 
     def close(self) -> None:
         """Stop every actor of this session (the placement group stays for the next one)."""
