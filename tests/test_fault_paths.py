@@ -183,3 +183,77 @@ def test_a_failed_broadcast_is_published_again(ray_session, model_dir, tmp_path)
         for actor in [learner, queue.actor, *workers.values()]:
             ray_session.kill(actor, no_restart=True)
         release(pg)
+
+
+def test_a_checkpoint_the_learner_cannot_write_stops_the_run_and_keeps_the_previous_one(ray_session, model_dir,
+                                                                                          tmp_path, monkeypatch):
+    # Catches (issue 37): a checkpoint that cannot be written (full or read-only disk, a path that is a file) ending
+    # the run with a traceback mid-run, or leaving a half-written folder. Here the learner's own write fails for
+    # real: step_000002's model.safetensors is a folder when the learner opens it (IsADirectoryError inside the
+    # actor). The run stops with one message naming the write, step_000001 stays what a resume picks, and the
+    # half-written step_000002 is gone. Planted by dropping the except in Session._checkpoint, a raw RayTaskError
+    # escapes and this fails.
+    from sliderl.cluster.run.checkpoints import Checkpoints
+    from sliderl.cluster.run.driver import train
+    from sliderl.cluster.storage.root import Storage
+
+    make_dir = Storage.make_dir
+
+    def blocked_weights(self, path):
+        make_dir(self, path)
+        if path.name == "step_000002":
+            (path / "model.safetensors").mkdir()
+
+    monkeypatch.setattr(Storage, "make_dir", blocked_weights)
+    cfg = tiny_job(model_dir, tmp_path / "run", "train.mode=sync", "train.steps=3", "checkpoint.every=1")
+    with pytest.raises(RunError, match=r"checkpoint step_000002 could not be written \(writing \S*step_000002/"
+                                       r"model.safetensors failed: Is a directory\); the previous checkpoint "
+                                       r"step_000001 is intact \(resume=true continues from it\)"):
+        train(cfg)
+    latest = Checkpoints(tmp_path / "run").latest()
+    assert latest is not None and latest[0].name == "step_000001" and latest[1].step == 1
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step_000001"]
+
+
+def test_a_checkpoint_the_driver_cannot_write_is_skipped_with_on_error_continue(ray_session, model_dir, tmp_path,
+                                                                                monkeypatch, capsys):
+    # Catches (issue 37): checkpoint.on_error=continue ignored, or a failed save leaving its folder behind. The disk
+    # is "full" (ENOSPC) when the driver writes step_000002's driver_state.json: the run warns naming that file and
+    # goes on to step 3, whose checkpoint is complete. Planted by raising in both on_error modes, this fails.
+    from sliderl.cluster.run.driver import train
+    from sliderl.cluster.storage.root import Storage
+
+    write_bytes = Storage.write_bytes
+
+    def full_disk(self, path, data):
+        if path.name == "driver_state.json" and path.parent.name == "step_000002":
+            raise OSError(28, "No space left on device", str(path))
+        return write_bytes(self, path, data)
+
+    monkeypatch.setattr(Storage, "write_bytes", full_disk)
+    cfg = tiny_job(model_dir, tmp_path / "run", "train.mode=sync", "train.steps=3", "checkpoint.every=1",
+                   "checkpoint.keep=3", "checkpoint.on_error=continue")
+    result = train(cfg)
+    assert result.state.step == 3
+    assert "checkpoint step_000002 could not be written (writing " in capsys.readouterr().err
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step_000001", "step_000003"]
+
+
+def test_groups_that_keep_arriving_too_stale_end_the_run(ray_session, model_dir, tmp_path, monkeypatch):
+    # Catches (issue 37): a run that spins forever when every group that arrives is too stale to train (the group
+    # timeout never fires while groups keep arriving). Here no weights ever reach the workers (publish does
+    # nothing), so after step 1 every group is sampled at version 0 while the learner is at 1, one version too
+    # old for max_staleness 0. This is also what a worker that never updates its weight version does (a bug that
+    # made this suite's sync test hang): the run ends naming staleness, groups in flight and the step time.
+    # Planted by never raising in Session._collect, the run spins until the test's timeout.
+    from sliderl.cluster.actors.weight_sync import SyncReport, WeightSync
+    from sliderl.cluster.run.driver import train
+
+    monkeypatch.setattr(WeightSync, "publish", lambda self, version, learner, workers: SyncReport(version, 0.0, []))
+    cfg = tiny_job(model_dir, tmp_path / "run", "train.mode=async", "train.steps=3", "train.max_staleness=0",
+                   "rollout.max_inflight_groups=2", "train.max_stale_streak=6")
+    with pytest.raises(RunError, match=r"7 groups in a row arrived too stale to train \(the last sampled at version 0, "
+                                       r"the learner at 1; train.max_staleness=0\) with \d+ groups \(1 workers x "
+                                       r"rollout.max_inflight_groups=2\) in flight and a mean learner step of "
+                                       r"\d+\.\d s"):
+        train(cfg)

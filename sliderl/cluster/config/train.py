@@ -118,6 +118,15 @@ class LoopConfig(Section):
     """How often the driver checks that every rollout worker is alive and the same process."""
     max_learner_restarts: int = Field(1, ge=0)
     """Times a dead learner is recreated from the latest checkpoint (with fresh workers) before the run stops."""
+    max_stale_streak: int | None = Field(None, ge=1)
+    """Stop with an error once this many groups in a row arrived too stale to train (the run would spin,
+    generating only groups it drops); None: twice the groups that can wait at once (in flight, queued, a step's)."""
+
+    @property
+    def staleness_limit(self) -> int:
+        """The most versions a trained group may lag: max_staleness in async mode, 0 in sync mode (each step's
+        groups are generated with the newest weights)."""
+        return 0 if self.mode == "sync" else self.max_staleness
 
 
 class WeightSyncConfig(Section):
@@ -140,6 +149,9 @@ class CheckpointConfig(Section):
     """Save every this many steps (0: only at the end); the last step is always saved."""
     keep: int = Field(2, ge=1)
     """Complete checkpoints kept; older ones are deleted."""
+    on_error: Literal["stop", "continue"] = "stop"
+    """A checkpoint that cannot be written (a full or read-only disk): stop (exit 1, saying which write failed;
+    the previous checkpoint stays the one a resume picks) or continue the run without it (a warning)."""
 
 
 class RayConfig(Section):

@@ -43,6 +43,7 @@ from sliderl.cluster.observe.dashboard import job_metadata, warn_if_submitted_wi
 from sliderl.cluster.observe.monitor import METRICS_FILE
 from sliderl.cluster.records import EvalResult, PromptGroup, RolloutGroup, StepReport
 from sliderl.cluster.run.checkpoints import Checkpoints, DriverState
+from sliderl.cluster.run.guards import StaleStreak, save_failure, stale_streak_limit, stale_streak_message
 from sliderl.cluster.run.ledger import GroupLedger
 from sliderl.cluster.run.plan import RunPlan, prepare
 from sliderl.cluster.run.resume import roll_back
@@ -179,6 +180,10 @@ class Session:
         self._unlogged_eval_before: EvalResult | None = None  # goes into the next step's report
         self.eval_after: EvalResult | None = None
         self._warned_preemption = False
+        r = cfg.rollout
+        self._stale_streak = StaleStreak(stale_streak_limit(cfg.train.max_stale_streak, r.num_workers * r.max_inflight_groups,
+                                                            r.queue_size, cfg.train.groups_per_step))
+        self._step_seconds: list[float] = []
 
     # ---- the run -------------------------------------------------------------------------------
     def run(self) -> RunResult:
@@ -225,6 +230,7 @@ class Session:
         release = self.cfg.rollout.release_between_steps
         release_seconds = self.pool.release_memory() if release else None
         metrics = self._train(batch)
+        self._step_seconds.append(metrics.step_seconds)
         self.state.version = metrics.version
         for key in SKIP_REASONS:
             self._skipped[key] = self._skipped.get(key, 0.0) + metrics.algorithm.get(key, 0.0)
@@ -264,13 +270,15 @@ class Session:
 
     def _collect(self, n: int) -> list:
         """``n`` groups fit to train at the current version, dealing and waiting as needed."""
-        max_staleness = 0 if self.cfg.train.mode == "sync" else self.cfg.train.max_staleness
+        max_staleness = self.cfg.train.staleness_limit
         batch: list = []
         deadline = time.monotonic() + self.cfg.train.group_timeout_s
         while True:
             take = self.ledger.take(n - len(batch), self.state.version, max_staleness)
             batch += take.groups
             self._step_counters.stale += len(take.stale)
+            if self._stale_streak.observe(len(take.groups), [g.policy_version for g in take.stale]):
+                raise RunError(self._stale_streak_message())
             if len(batch) >= n:
                 return batch
             self._feed(n - len(batch))
@@ -279,6 +287,14 @@ class Session:
             elif time.monotonic() > deadline:
                 raise RunError(f"no rollout group arrived for {self.cfg.train.group_timeout_s:g} s "
                                f"(live workers: {sorted(self.pool.live())}); see the worker logs")
+
+    def _stale_streak_message(self) -> str:
+        r = self.cfg.rollout
+        in_flight = (f"{sum(self.ledger.held_by(w) for w in self.pool.live())} groups ({r.num_workers} workers x "
+                     f"rollout.max_inflight_groups={r.max_inflight_groups})")
+        mean = sum(self._step_seconds) / len(self._step_seconds) if self._step_seconds else None
+        return stale_streak_message(self._stale_streak, self.state.version, self.cfg.train.staleness_limit,
+                                    in_flight, mean)
 
     def _train(self, batch: list) -> dict:
         """One learner step; in async mode the queue keeps being drained for the next step meanwhile."""
@@ -378,13 +394,36 @@ class Session:
         return report.seconds
 
     # ---- checkpoints, eval, metrics ------------------------------------------------------------
-    def _checkpoint(self) -> PurePath:
+    def _checkpoint(self) -> PurePath | None:
         """The learner writes its part to the storage root from its own node, then the driver its state and
-        the marker; metrics.jsonl follows to a remote root."""
-        path = self.checkpoints.save(self.state.step, self._snapshot(),
-                                     lambda where: self._learner_call(self.learner.save_checkpoint.remote(where)))
+        the marker; metrics.jsonl follows to a remote root. A save that fails (a full or read-only disk) leaves
+        no marker, so a resume picks the checkpoint before it; checkpoint.on_error says whether the run stops."""
+        from ray.exceptions import RayTaskError
+
+        step = self.state.step
+        try:
+            path = self.checkpoints.save(step, self._snapshot(),
+                                         lambda where: self._learner_call(self.learner.save_checkpoint.remote(where)))
+        except (OSError, RayTaskError) as err:
+            self._save_failed(step, err)
+            return None
         self.plan.push_driver_files()
         return path
+
+    def _save_failed(self, step: int, err: BaseException) -> None:
+        """Remove what the failed save wrote, then stop with a RunError or (checkpoint.on_error=continue) warn."""
+        folder = self.checkpoints.path(step)
+        try:
+            self.checkpoints.storage.delete(folder)
+        except OSError:  # nothing a resume would pick: the marker is written last
+            pass
+        complete = self.checkpoints.complete()
+        previous = f"the previous checkpoint {complete[-1].name} is intact" if complete else "no checkpoint exists yet"
+        what = f"checkpoint {folder.name} could not be written ({save_failure(err)}); {previous}"
+        if self.cfg.checkpoint.on_error == "stop":
+            raise RunError(f"{what} (resume=true continues from it); free or fix {self.plan.run_dir}, or set "
+                           "checkpoint.on_error=continue to go on without checkpoints that fail")
+        print(f"sliderl: warning: {what}; the run goes on (checkpoint.on_error=continue)", file=sys.stderr, flush=True)
 
     def _snapshot(self) -> DriverState:
         undealt = [int(g.group_id[1:]) for g in self.backlog if g.group_id not in self.ledger.outstanding]
