@@ -90,6 +90,9 @@ def test_sync_run_steps_versions_and_traces_add_up(sync_run):
     assert len(trained) == len(set(trained)) == 3 * 2
     traces = logged_traces(result.run_dir)
     assert len(traces) == 3 * 2 * 4  # sync: exactly the groups that were trained, 4 samples each
+    # the 6 groups are one Parquet part, written at the run's one checkpoint (issue 37: a part per group before)
+    from sliderl.cluster.storage.trace_log import TraceLog
+    assert len(TraceLog(result.run_dir).parts()) == 1
     assert Counter(t["group_id"] for t in traces) == {g: 4 for g in trained}
     # sync: the groups of step k were sampled with the weights after step k-1
     version_of = {t["group_id"]: t["policy_version"] for t in traces}

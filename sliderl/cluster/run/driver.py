@@ -16,8 +16,10 @@ has several nodes), after the warm start has run on its own actor. Checkpoints, 
 the trace log live under the run's storage root (``run_dir``: a local folder or a URI such as
 ``s3://bucket/run``), so a fresh driver on any node resumes from the root alone.
 
-Every group that leaves the queue is appended to the Parquet trace log at once. A rollout worker
-that dies is restarted by Ray, given the current weights, and its groups are re-issued; the books
+Every group that leaves the queue goes to the Parquet trace log, written as one part per checkpoint (or
+per ``trace_log.PART_ROWS`` traces) and when a session ends, so the log holds every group a checkpoint
+resolved. A rollout worker that dies is restarted by Ray, given the current weights, and its groups are
+re-issued; the books
 (``GroupLedger``) guarantee no group is trained twice. A learner that dies is recreated from the
 latest checkpoint (``train.max_learner_restarts`` times); a run that cannot continue raises
 ``RunError`` with its checkpoints and traces intact.
@@ -204,6 +206,7 @@ class Session:
             stopped = self.on_step is not None and self.on_step(self, self.state.step, report) is False
         if not stopped and not self.checkpoints.is_complete(self.state.step):
             self._checkpoint()
+        self.trace_log.flush()
         self.checkpoints.write_state(self._snapshot())
         summary = self.monitor.finish()
         return RunResult(self.plan.run_dir, self._snapshot(), self.eval_before, self.eval_after, summary, stopped,
@@ -215,6 +218,11 @@ class Session:
 
         if self.monitor is not None:
             self.monitor.finish(exit_code=1)
+        try:
+            self.trace_log.flush()  # what arrived stays on disk whatever ended the session
+        except Exception as err:  # a closing session must still stop its actors
+            print(f"sliderl: warning: {self.trace_log.pending} traces could not be written: {err}", file=sys.stderr,
+                  flush=True)
         self.pool.stop()
         for actor in (self.learner, self.queue.actor):
             try:
@@ -363,7 +371,7 @@ class Session:
         if more > 0:
             items += self.queue.get_nowait_batch(more)
         for group in items:
-            self.trace_log.append(group.traces)
+            self.trace_log.add(group.traces)
             self._step_counters.tokens += group.num_tokens
             self.ledger.receive(group)
         return len(items)
@@ -402,6 +410,7 @@ class Session:
 
         step = self.state.step
         try:
+            self.trace_log.flush()  # every group the checkpoint resolves is in the log
             path = self.checkpoints.save(step, self._snapshot(),
                                          lambda where: self._learner_call(self.learner.save_checkpoint.remote(where)))
         except (OSError, RayTaskError) as err:
