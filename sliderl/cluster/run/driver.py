@@ -473,6 +473,7 @@ class Session:
             preempted_traces=_mean(float(t.num_preemptions > 0) for t in traces),
             prompt_tokens=_mean(len(t.prompt_token_ids) for t in traces),
             speedup=_geomean(t.reward_components.get("speedup") for t in traces),
+            trained_groups=len(batch),
             rollout_tokens_per_s=counters.tokens / max(time.monotonic() - counters.since, 1e-9),
             stale_groups_dropped=counters.stale,
             staleness_mean=_mean(ages),
