@@ -120,23 +120,34 @@ def test_a_diverged_learner_ends_the_run_with_a_clear_error(ray_session, model_d
     assert metric_rows(tmp_path / "run")  # the steps before it were logged
 
 
-def test_sync_every_2_publishes_every_other_step(ray_session, model_dir, tmp_path):
-    # Catches: train.sync_every ignored (weights published after every step) or never honoured at the
-    # last step. Async, sync_every=2, 4 steps, every step trains (kv_penalty gives every group reward
-    # variance): versions 2 and 4 are published, never 1 or 3, so every trace was sampled at version 0
-    # or 2, and only steps 2 and 4 report a weight-sync time. Planted with `due = True`, the traces of
-    # version 1 appear and step 1 has a sync time.
+def test_sync_every_2_publishes_every_other_step_and_the_last(ray_session, model_dir, tmp_path):
+    # Catches: train.sync_every ignored (weights published after every step) or the last step's weights never
+    # published. Async, sync_every=2, 5 steps, every step trains (kv_penalty gives every group reward variance):
+    # versions 2, 4 and 5 are published (5: the last step, not a multiple of 2), never 1 or 3, so every trace was
+    # sampled at version 0, 2 or 4, only steps 2, 4 and 5 report a weight-sync time, and after the run the worker
+    # holds the learner's version-5 weights. Planted with `due = True`, step 1 has a sync time; with the last step
+    # left out of `due` (issue 37: the suite let it through while its 4 steps were a multiple of the period),
+    # step 5 has no sync and the worker stays at version 4.
     from sliderl.cluster.run.driver import train
 
-    cfg = tiny_job(model_dir, tmp_path / "run", "train.mode=async", "train.steps=4", "train.sync_every=2",
+    seen = {}
+
+    def read_weights(session, step, report):
+        if step == 5:
+            seen["worker_version"] = ray_session.get(session.pool.handles[0].status.remote()).version
+            seen["worker"] = ray_session.get(session.pool.handles[0].parameter.remote(WEIGHT))
+            seen["learner"] = ray_session.get(session.learner.parameter.remote(WEIGHT))
+
+    cfg = tiny_job(model_dir, tmp_path / "run", "train.mode=async", "train.steps=5", "train.sync_every=2",
                    "train.max_staleness=4", "rollout.max_inflight_groups=2")
-    result = train(cfg)
+    result = train(cfg, on_step=read_weights)
     rows = metric_rows(result.run_dir)
-    assert result.state.version == 4, "every step should train (else the versions below are not 2 and 4)"
+    assert result.state.version == 5, "every step should train (else the versions below are not 2, 4 and 5)"
     synced = [step for step, row in sorted(rows.items()) if row.get("weight_sync_seconds") is not None]
-    assert synced == [2, 4]
+    assert synced == [2, 4, 5]
     versions = {t["policy_version"] for t in logged_traces(result.run_dir)}
     assert versions <= {0, 2, 4} and 2 in versions, versions
+    assert seen["worker_version"] == 5 and seen["worker"] == seen["learner"]
 
 
 def test_a_failed_broadcast_is_published_again(ray_session, model_dir, tmp_path):

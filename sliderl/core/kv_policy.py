@@ -198,12 +198,6 @@ def _positive(value: int, what: str, spec: str) -> int:
     return value
 
 
-def visible_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, k_death: torch.Tensor) -> torch.Tensor:
-    """Dense visibility: ``[Q, K]`` bool, ``k <= q < d(k)``. q_pos: [Q]; k_pos, k_death: [K]."""
-    q = q_pos[:, None]
-    return (k_pos[None, :] <= q) & (q < k_death[None, :])
-
-
 class DeathTracker:
     """Follows one sequence token by token and keeps d(k) for every position seen so far.
 
