@@ -35,7 +35,8 @@ BAD_FILES = {
     "UTF-16": ("d.jsonl", lambda p: p.write_bytes(jsonl(GOOD).decode().encode("utf-16")), ["is UTF-16", "as UTF-8"]),
     "invalid UTF-8": ("d.jsonl", lambda p: p.write_bytes(jsonl(GOOD[:1]) + b'{"prompt": "3\xff", "answer": "1"}\n'),
                       ["line 2 is not valid UTF-8 (byte 0xff at byte 14 of the line)"]),
-    "an object where a text was": ("d.jsonl", lambda p: p.write_bytes(jsonl([*GOOD, {"prompt": "x", "answer": {"a": 3}}])),
+    "an object where a text was": ("d.jsonl",
+                                   lambda p: p.write_bytes(jsonl([*GOOD, {"prompt": "x", "answer": {"a": 3}}])),
                                    ["line 3: field 'answer' is an object", "where d.jsonl line 1 has a text"]),
     "a number where a text was": ("d.jsonl", lambda p: p.write_bytes(jsonl([GOOD[0], {"prompt": "x", "answer": 4}])),
                                   ["line 2: field 'answer' is a number (4)", "has a text"]),
@@ -43,7 +44,8 @@ BAD_FILES = {
                                  ["line 3 is a JSON list, not an object"]),
     "a line that is no JSON": ("d.jsonl", lambda p: p.write_bytes(jsonl(GOOD) + b'{"prompt": "x",\n'),
                                ["line 3 is not valid JSON"]),
-    "a line over the bound": ("d.jsonl", lambda p: p.write_bytes(jsonl([GOOD[0], {"prompt": "x" * 3000, "answer": "1"}])),
+    "a line over the bound": ("d.jsonl",
+                              lambda p: p.write_bytes(jsonl([GOOD[0], {"prompt": "x" * 3000, "answer": "1"}])),
                               ["line 2 is longer than data.max_line_bytes=1000 bytes, so it was not loaded"]),
 }
 

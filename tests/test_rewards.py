@@ -84,7 +84,8 @@ def test_a_trace_cut_short_in_its_thinking_has_no_answer():
         assert verifier(closed, "52").total == 1.0
         assert verifier("Answer: \\boxed{52}", "52").total == 1.0  # no thinking block: the whole text
     custom = CorrectnessTerm(end_think="</reason>").build("arith")
-    assert custom("<reason>\\boxed{52}", "52").total == 0.0 and custom("<reason>x</reason>\\boxed{52}", "52").total == 1.0
+    assert custom("<reason>\\boxed{52}", "52").total == 0.0
+    assert custom("<reason>x</reason>\\boxed{52}", "52").total == 1.0
 
 
 def test_last_boxed_balances_braces():

@@ -373,8 +373,9 @@ class TrainConfig(Section):
         cpu = [key for key, device in (("learner.device", self.learner.device), ("engine.device", self.engine.device))
                if not device.startswith("cuda")]
         if self.weight_sync.backend == "broadcast" and self.weight_sync.broadcast_backend == "nccl" and cpu:
-            raise ValueError(f"weight_sync.broadcast_backend=nccl moves GPU tensors between GPUs, but {' and '.join(cpu)}="
-                             "cpu; use weight_sync.broadcast_backend=gloo (or auto), or put learner and engine on cuda")
+            raise ValueError(f"weight_sync.broadcast_backend=nccl moves GPU tensors between GPUs, but "
+                             f"{' and '.join(cpu)}=cpu; use weight_sync.broadcast_backend=gloo (or auto), or put "
+                             "learner and engine on cuda")
 
     # ---- the records the actors receive --------------------------------------------------------
     def learner_args(self) -> LearnerArgs:

@@ -183,8 +183,9 @@ class Session:
         self.eval_after: EvalResult | None = None
         self._warned_preemption = False
         r = cfg.rollout
-        self._stale_streak = StaleStreak(stale_streak_limit(cfg.train.max_stale_streak, r.num_workers * r.max_inflight_groups,
-                                                            r.queue_size, cfg.train.groups_per_step))
+        in_flight = r.num_workers * r.max_inflight_groups
+        self._stale_streak = StaleStreak(stale_streak_limit(cfg.train.max_stale_streak, in_flight, r.queue_size,
+                                                            cfg.train.groups_per_step))
         self._step_seconds: list[float] = []
 
     # ---- the run -------------------------------------------------------------------------------

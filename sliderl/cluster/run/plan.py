@@ -231,8 +231,9 @@ def check_pool(cfg: TrainConfig, max_model_len: int, uses: list[tuple[list[Probl
         if need > engine.num_blocks:
             raise ConfigError(f"engine.num_blocks={engine.num_blocks} cannot hold one {what} request: its longest "
                               f"prompt ({longest} tokens) with max_tokens={max_tokens} may hold {need} blocks of "
-                              f"{engine.block_size} tokens under engine.kv={engine.kv} (max_model_len={max_model_len}); "
-                              f"set engine.num_blocks >= {need}, or lower the max_tokens or the window")
+                              f"{engine.block_size} tokens under engine.kv={engine.kv} "
+                              f"(max_model_len={max_model_len}); set engine.num_blocks >= {need}, or lower the "
+                              "max_tokens or the window")
 
 
 def check_cluster_address(cfg: TrainConfig) -> None:
