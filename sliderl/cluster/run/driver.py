@@ -45,7 +45,7 @@ from sliderl.cluster.observe.dashboard import job_metadata, warn_if_submitted_wi
 from sliderl.cluster.observe.monitor import METRICS_FILE
 from sliderl.cluster.records import EvalResult, PromptGroup, RolloutGroup, StepReport
 from sliderl.cluster.run.checkpoints import Checkpoints, DriverState
-from sliderl.cluster.run.guards import StaleStreak, save_failure, stale_streak_limit, stale_streak_message
+from sliderl.cluster.run.guards import StaleStreak, failed_save, stale_streak_limit, stale_streak_message
 from sliderl.cluster.run.ledger import GroupLedger
 from sliderl.cluster.run.plan import RunPlan, prepare
 from sliderl.cluster.run.resume import roll_back
@@ -415,25 +415,10 @@ class Session:
             path = self.checkpoints.save(step, self._snapshot(),
                                          lambda where: self._learner_call(self.learner.save_checkpoint.remote(where)))
         except (OSError, RayTaskError) as err:
-            self._save_failed(step, err)
+            failed_save(self.checkpoints, step, err, self.cfg.checkpoint.on_error, self.plan.run_dir)
             return None
         self.plan.push_driver_files()
         return path
-
-    def _save_failed(self, step: int, err: BaseException) -> None:
-        """Remove what the failed save wrote, then stop with a RunError or (checkpoint.on_error=continue) warn."""
-        folder = self.checkpoints.path(step)
-        try:
-            self.checkpoints.storage.delete(folder)
-        except OSError:  # nothing a resume would pick: the marker is written last
-            pass
-        complete = self.checkpoints.complete()
-        previous = f"the previous checkpoint {complete[-1].name} is intact" if complete else "no checkpoint exists yet"
-        what = f"checkpoint {folder.name} could not be written ({save_failure(err)}); {previous}"
-        if self.cfg.checkpoint.on_error == "stop":
-            raise RunError(f"{what} (resume=true continues from it); free or fix {self.plan.run_dir}, or set "
-                           "checkpoint.on_error=continue to go on without checkpoints that fail")
-        print(f"sliderl: warning: {what}; the run goes on (checkpoint.on_error=continue)", file=sys.stderr, flush=True)
 
     def _snapshot(self) -> DriverState:
         undealt = [int(g.group_id[1:]) for g in self.backlog if g.group_id not in self.ledger.outstanding]

@@ -1,5 +1,5 @@
 """The driver's guards against runs that go on without progress: groups that keep arriving too stale to
-train, and a checkpoint that cannot be written.
+train, and a checkpoint that cannot be written (``failed_save``: stop saying which write failed, or go on).
 
 A stale streak: while stale groups keep arriving the group timeout never fires (something did arrive), yet no
 step is taken; ``StaleStreak`` counts the groups dropped in a row and says when the count passes its limit, so
@@ -8,7 +8,11 @@ the run can end saying why (staleness, groups in flight, learner step time) inst
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
+from pathlib import Path
+
+from sliderl.cluster.errors import RunError
 
 
 @dataclass
@@ -54,3 +58,21 @@ def save_failure(err: BaseException) -> str:
         where = f" {cause.filename}" if cause.filename else ""
         return f"writing{where} failed: {cause.strerror or cause}"
     return f"{type(cause).__name__}: {' '.join(str(cause).split())[:300]}"
+
+
+def failed_save(checkpoints, step: int, err: BaseException, on_error: str, run_dir: Path | str) -> None:
+    """After checkpoint ``step`` failed to save: remove what it wrote (it has no marker, so a resume would
+    never pick it), then raise a RunError naming the failed write and the checkpoint a resume picks, or with
+    ``on_error`` "continue" warn and return."""
+    folder = checkpoints.path(step)
+    try:
+        checkpoints.storage.delete(folder)
+    except OSError:  # left for the next save of this step (or nobody): it has no marker
+        pass
+    complete = checkpoints.complete()
+    previous = f"the previous checkpoint {complete[-1].name} is intact" if complete else "no checkpoint exists yet"
+    what = f"checkpoint {folder.name} could not be written ({save_failure(err)}); {previous}"
+    if on_error == "stop":
+        raise RunError(f"{what} (resume=true continues from it); free or fix {run_dir}, or set "
+                       "checkpoint.on_error=continue to go on without checkpoints that fail")
+    print(f"sliderl: warning: {what}; the run goes on (checkpoint.on_error=continue)", file=sys.stderr, flush=True)
