@@ -162,3 +162,32 @@ def test_metrics_rows_after_the_checkpoint_are_rolled_back(tmp_path):
     assert roll_back_metrics(path, 2) == 2
     assert path.read_text() == rows[0] + "\n" + rows[1] + "\n"
     assert roll_back_metrics(path, 2) == 0 and roll_back_metrics(tmp_path / "none.jsonl", 2) == 0
+
+
+def test_a_failed_save_stops_naming_the_write_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    # Catches (issue 37): a checkpoint write that fails mid-run (here the disk is full when step_000002's
+    # driver_state.json is written) giving a traceback, or leaving a folder behind. The save raises; failed_save
+    # removes the half-written folder and stops the run (checkpoint.on_error=stop, the default) naming the file
+    # and the checkpoint a resume picks, which is step_000001. Planted by not removing the folder, a
+    # step_000002 without its marker stays.
+    from sliderl.cluster.errors import RunError
+    from sliderl.cluster.run.guards import failed_save
+
+    checkpoints = Checkpoints(tmp_path)
+    checkpoints.save(1, DriverState(step=1), lambda path: Manifest())
+    write_bytes = Storage.write_bytes
+
+    def full_disk(self, path, data):
+        if path.name == "driver_state.json" and path.parent.name == "step_000002":
+            raise OSError(28, "No space left on device", str(path))
+        return write_bytes(self, path, data)
+
+    monkeypatch.setattr(Storage, "write_bytes", full_disk)
+    with pytest.raises(OSError) as raised:
+        checkpoints.save(2, DriverState(step=2), lambda path: Manifest())
+    with pytest.raises(RunError, match=r"checkpoint step_000002 could not be written \(writing \S*step_000002/"
+                                       r"driver_state.json failed: No space left on device\); the previous "
+                                       r"checkpoint step_000001 is intact \(resume=true continues from it\)"):
+        failed_save(checkpoints, 2, raised.value, "stop", tmp_path)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000001"]
+    assert checkpoints.latest()[0].name == "step_000001"
