@@ -117,8 +117,9 @@ def test_a_resume_that_changes_what_the_run_is_is_refused_naming_every_key(tiny_
 def test_a_resume_that_changes_how_the_run_goes_on_is_said_and_kept_in_the_history(tiny_model_factory, tmp_path,
                                                                                       capsys):
     # Catches (issue 37): config.yaml silently overwritten by a resume. The allowed changes (steps, eval,
-    # workers) are printed; config.yaml is the new config and config_history.yaml holds both sessions'.
-    # Planted by writing config.yaml without the history, this fails.
+    # workers) are printed; config.yaml is the new config and config_history.yaml holds both sessions'. A
+    # default made of the time (eval.compare.output_dir, unused by a train job) is no change. Planted by writing
+    # config.yaml without the history, this fails.
     run_dir, base = saved_run(tiny_model_factory, tmp_path)
     plan = prepare(load_config(TrainConfig, None, [*base, "resume=true", "train.steps=5", "eval.after=true",
                                                    "rollout.num_workers=2"]))

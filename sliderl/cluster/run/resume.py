@@ -38,20 +38,23 @@ MEANING = ("model", "task", "data.source", "data.split", "data.prompt_field", "d
            "data.enable_thinking", "engine.kv", "rollout.group_size", "learner.algo", "learner.vocab_policy",
            "train.seed")
 HARMLESS_UNDER_MEANING = ("model.cache_dir",)
-NOT_COMPARED = ("run_dir", "resume")
+NOT_COMPARED = ("run_dir", "resume", "eval.compare")  # where the run is, and what the train job does not use
 
 
 def config_changes(saved: dict, new: dict) -> dict[str, tuple[Any, Any]]:
     """``{dotted key: (saved value, new value)}`` of every leaf both configs have and that differs."""
     old, now = _leaves(saved), _leaves(new)
     return {key: (old[key], now[key]) for key in old.keys() & now.keys()
-            if old[key] != now[key] and key.split(".")[0] not in NOT_COMPARED}
+            if old[key] != now[key] and not _under(key, NOT_COMPARED)}
 
 
 def changes_meaning(key: str) -> bool:
     """Whether changing ``key`` would make another run of this one."""
-    under = lambda prefixes: any(key == p or key.startswith(p + ".") for p in prefixes)  # noqa: E731
-    return under(MEANING) and not under(HARMLESS_UNDER_MEANING)
+    return _under(key, MEANING) and not _under(key, HARMLESS_UNDER_MEANING)
+
+
+def _under(key: str, prefixes: tuple[str, ...]) -> bool:
+    return any(key == p or key.startswith(p + ".") for p in prefixes)
 
 
 def check_resumed_config(storage: Storage, new: dict) -> list[str]:
