@@ -219,6 +219,7 @@ def test_long_rl_verdict_ranks_the_gain_per_gpu_second_not_the_end_accuracy():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(2700)  # its own subprocess limits are longer than the suite's per-test timeout
 def test_long_rl_smoke_run_has_every_arm_curve_and_window(tmp_path):
     # Catches a pipeline that drops an arm, an evaluation or the accuracy-vs-W rows, or evaluates under the wrong
     # policy: the whole benchmark at its CPU size (SFT, four Ray arms at once, the batch of greedy evaluations).
@@ -292,6 +293,7 @@ def test_long_rl_smoke_run_has_every_arm_curve_and_window(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1000)  # its own subprocess limits are longer than the suite's per-test timeout
 def test_accuracy_vs_w_smoke_has_a_row_per_window_within_its_window(tiny_model_factory, tmp_path):
     # Catches an entry decoded under another policy than its row says (a window not passed through to the
     # engine): benchmarks/accuracy_vs_w.py --smoke on a random tiny model, each row's mean live KV within what the

@@ -90,6 +90,9 @@ def test_sync_run_steps_versions_and_traces_add_up(sync_run):
     assert len(trained) == len(set(trained)) == 3 * 2
     traces = logged_traces(result.run_dir)
     assert len(traces) == 3 * 2 * 4  # sync: exactly the groups that were trained, 4 samples each
+    # the 6 groups are one Parquet part, written at the run's one checkpoint (issue 37: a part per group before)
+    from sliderl.cluster.storage.trace_log import TraceLog
+    assert len(TraceLog(result.run_dir).parts()) == 1
     assert Counter(t["group_id"] for t in traces) == {g: 4 for g in trained}
     # sync: the groups of step k were sampled with the weights after step k-1
     version_of = {t["group_id"]: t["policy_version"] for t in traces}
@@ -392,6 +395,40 @@ def test_ledger_drops_groups_from_a_newer_version():
     ledger.receive(arrival(0, 0, version=5))  # sampled before the learner was rolled back to 3
     take = ledger.take(1, version=3, max_staleness=None)
     assert take.groups == [] and ledger.stale == ["g00000000"]
+
+
+def test_a_group_that_arrived_is_never_reissued():
+    # Catches (issue 37): the ledger re-issuing a group that already arrived, which the suite let through (a
+    # receive clears the arriving worker's hold, so only a copy held by another worker shows it). Worker 0
+    # restarts holding group 0, which goes to worker 1; worker 0's old copy then arrives after all; worker 1
+    # dies: the group arrived, so it is not dealt a third time. Planted with orphans() not skipping arrived
+    # groups, group 0 is re-issued twice and this fails.
+    ledger = GroupLedger()
+    ledger.deal(0, [group(0)])
+    assert [g.group_id for g in ledger.orphans(0)] == ["g00000000"]
+    ledger.deal(1, [group(0)])
+    assert ledger.receive(arrival(0, 0, version=0))
+    assert ledger.orphans(1) == [] and ledger.reissued == ["g00000000"]
+    assert not ledger.receive(arrival(0, 1, version=0))  # and worker 1's copy, if it came, is a duplicate
+
+
+def test_sync_mode_trains_only_groups_sampled_at_the_current_version():
+    # Catches (issue 37): staleness off by one in sync mode (the suite let it through: sync runs never hold an
+    # older group). Sync mode accepts age 0 only, whatever train.max_staleness says; async accepts up to it.
+    # At version 3: a group of version 3 (age 0) is trained, one of version 2 (age 1) dropped in sync mode; in
+    # async mode with max_staleness 1 the age-1 group is trained and an age-2 group dropped. Planted with
+    # staleness_limit 1 in sync mode, or `age >= max_staleness` in GroupLedger.take, this fails.
+    sync = load_config(TrainConfig, None, ["train.mode=sync", "train.max_staleness=2"]).train
+    asynchronous = load_config(TrainConfig, None, ["train.mode=async", "train.max_staleness=1"]).train
+    assert (sync.staleness_limit, asynchronous.staleness_limit) == (0, 1)
+    for limit, versions, trained, dropped in ((sync.staleness_limit, [3, 2], ["g00000000"], ["g00000001"]),
+                                              (asynchronous.staleness_limit, [2, 1], ["g00000000"], ["g00000001"])):
+        ledger = GroupLedger()
+        ledger.deal(0, [group(0), group(1)])
+        for n, version in enumerate(versions):
+            ledger.receive(arrival(n, 0, version=version))
+        take = ledger.take(2, version=3, max_staleness=limit)
+        assert [g.group_id for g in take.groups] == trained and [g.group_id for g in take.stale] == dropped
 
 
 def test_checkpointed_books_refuse_a_group_resolved_before_the_resume(tmp_path):

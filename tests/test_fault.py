@@ -4,12 +4,21 @@ mid-run (recreated from its last checkpoint), and a resume past a damaged newest
 instance serves the module.
 """
 
+import json
 import os
 import signal
 from collections import Counter
 
 import pytest
-from cluster_jobs import expected_actor_name, logged_traces, metric_rows, model_dir, ray_session, tiny_job  # noqa: F401 (fixtures)
+from cluster_jobs import (  # noqa: F401 (fixtures)
+    expected_actor_name,
+    logged_traces,
+    metric_rows,
+    model_dir,
+    ray_session,
+    tiny_job,
+    tiny_overrides,
+)
 
 
 @pytest.fixture(scope="module")
@@ -120,6 +129,15 @@ def test_resumed_runs_log_each_trained_group_once(resumed_runs):
     assert set(counts) == set(trained) and set(counts.values()) == {4}, counts
 
 
+def test_resumed_runs_log_each_step_once_in_metrics_jsonl(resumed_runs):
+    # Catches (issue 37): metrics.jsonl holding the rows of steps rolled back (run A's step 3, then run B's step
+    # 3 before its learner died) beside the replayed ones: 1, 2, 3, 3, 3, 4. Every line is read, not merged by
+    # step. Planted by not rolling metrics.jsonl back in resume.roll_back, steps 3 appear three times.
+    _, second, _, _ = resumed_runs
+    steps = [json.loads(line)["step"] for line in (second.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4], steps
+
+
 @pytest.fixture(scope="module")
 def kept_two_run(resumed_runs, model_dir):
     """Run C resumes run B (at step 4) to step 7 with a checkpoint every step and keep=2; the checkpoint
@@ -165,3 +183,20 @@ def test_resume_falls_back_past_a_damaged_newest_checkpoint(kept_two_run, model_
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step_000007", "step_000007.damaged", "step_000008"]
     for step in ("step_000007", "step_000008"):  # the re-done step 7 and step 8 are intact
         assert Manifest.read(checkpoints / step).damage(checkpoints / step) is None
+
+
+def test_a_resume_with_no_steps_left_exits_0(kept_two_run, model_dir, capsys):
+    # Catches (issue 37): a resumed run whose remaining steps were all taken before it stopped exited 1 with "no
+    # optimizer step was taken" (the driver counted only its own process's steps). `sliderl train resume=true` at
+    # the run's last complete step has nothing to do and succeeds. Planted by counting this session's versions
+    # again (version - start_version), it exits 1.
+    from sliderl.cluster.cli import main
+    from sliderl.cluster.run.checkpoints import Checkpoints
+
+    third, _, _ = kept_two_run
+    last = Checkpoints(third.run_dir).complete()[-1]  # step 7, or 8 after the fallback test
+    step = int(last.name.removeprefix("step_"))
+    code = main(["train", *tiny_overrides(model_dir, third.run_dir), "train.mode=sync", f"train.steps={step}",
+                 "checkpoint.every=1", "checkpoint.keep=2", "resume=true"])
+    err = capsys.readouterr().err
+    assert code == 0 and "no optimizer step" not in err, err[-2000:]

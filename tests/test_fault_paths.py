@@ -9,6 +9,7 @@ the module; each run is a few tiny steps.
 from __future__ import annotations
 
 import os
+import re
 import signal
 
 import pytest
@@ -120,23 +121,34 @@ def test_a_diverged_learner_ends_the_run_with_a_clear_error(ray_session, model_d
     assert metric_rows(tmp_path / "run")  # the steps before it were logged
 
 
-def test_sync_every_2_publishes_every_other_step(ray_session, model_dir, tmp_path):
-    # Catches: train.sync_every ignored (weights published after every step) or never honoured at the
-    # last step. Async, sync_every=2, 4 steps, every step trains (kv_penalty gives every group reward
-    # variance): versions 2 and 4 are published, never 1 or 3, so every trace was sampled at version 0
-    # or 2, and only steps 2 and 4 report a weight-sync time. Planted with `due = True`, the traces of
-    # version 1 appear and step 1 has a sync time.
+def test_sync_every_2_publishes_every_other_step_and_the_last(ray_session, model_dir, tmp_path):
+    # Catches: train.sync_every ignored (weights published after every step) or the last step's weights never
+    # published. Async, sync_every=2, 5 steps, every step trains (kv_penalty gives every group reward variance):
+    # versions 2, 4 and 5 are published (5: the last step, not a multiple of 2), never 1 or 3, so every trace was
+    # sampled at version 0, 2 or 4, only steps 2, 4 and 5 report a weight-sync time, and after the run the worker
+    # holds the learner's version-5 weights. Planted with `due = True`, step 1 has a sync time; with the last step
+    # left out of `due` (issue 37: the suite let it through while its 4 steps were a multiple of the period),
+    # step 5 has no sync and the worker stays at version 4.
     from sliderl.cluster.run.driver import train
 
-    cfg = tiny_job(model_dir, tmp_path / "run", "train.mode=async", "train.steps=4", "train.sync_every=2",
+    seen = {}
+
+    def read_weights(session, step, report):
+        if step == 5:
+            seen["worker_version"] = ray_session.get(session.pool.handles[0].status.remote()).version
+            seen["worker"] = ray_session.get(session.pool.handles[0].parameter.remote(WEIGHT))
+            seen["learner"] = ray_session.get(session.learner.parameter.remote(WEIGHT))
+
+    cfg = tiny_job(model_dir, tmp_path / "run", "train.mode=async", "train.steps=5", "train.sync_every=2",
                    "train.max_staleness=4", "rollout.max_inflight_groups=2")
-    result = train(cfg)
+    result = train(cfg, on_step=read_weights)
     rows = metric_rows(result.run_dir)
-    assert result.state.version == 4, "every step should train (else the versions below are not 2 and 4)"
+    assert result.state.version == 5, "every step should train (else the versions below are not 2, 4 and 5)"
     synced = [step for step, row in sorted(rows.items()) if row.get("weight_sync_seconds") is not None]
-    assert synced == [2, 4]
+    assert synced == [2, 4, 5]
     versions = {t["policy_version"] for t in logged_traces(result.run_dir)}
     assert versions <= {0, 2, 4} and 2 in versions, versions
+    assert seen["worker_version"] == 5 and seen["worker"] == seen["learner"]
 
 
 def test_a_failed_broadcast_is_published_again(ray_session, model_dir, tmp_path):
@@ -183,3 +195,53 @@ def test_a_failed_broadcast_is_published_again(ray_session, model_dir, tmp_path)
         for actor in [learner, queue.actor, *workers.values()]:
             ray_session.kill(actor, no_restart=True)
         release(pg)
+
+
+def test_a_checkpoint_the_learner_cannot_write_is_named_and_left_out(ray_session, model_dir, tmp_path, monkeypatch,
+                                                                      capsys):
+    # Catches (issue 37): a checkpoint that cannot be written (full or read-only disk, a path that is a file) ending
+    # the run with a traceback mid-run, or leaving a half-written folder. Here the learner's own write fails for
+    # real: step_000002's model.safetensors is a folder when the learner opens it (IsADirectoryError inside the
+    # actor). The driver names the write, removes the half-written step_000002, and with checkpoint.on_error=
+    # continue goes on to step 3, whose checkpoint is complete (the default, stop, is
+    # tests/test_run_dir.py::test_a_failed_save_stops_naming_the_write_and_keeps_the_previous_checkpoint). Planted
+    # by dropping the except in Session._checkpoint, a raw RayTaskError escapes and this fails.
+    from sliderl.cluster.run.driver import train
+    from sliderl.cluster.storage.root import Storage
+
+    make_dir = Storage.make_dir
+
+    def blocked_weights(self, path):
+        make_dir(self, path)
+        if path.name == "step_000002":
+            (path / "model.safetensors").mkdir()
+
+    monkeypatch.setattr(Storage, "make_dir", blocked_weights)
+    cfg = tiny_job(model_dir, tmp_path / "run", "train.mode=sync", "train.steps=3", "checkpoint.every=1",
+                   "checkpoint.keep=3", "checkpoint.on_error=continue")
+    result = train(cfg)
+    assert result.state.step == 3
+    err = capsys.readouterr().err
+    assert re.search(r"checkpoint step_000002 could not be written \(writing \S*step_000002/model.safetensors failed: "
+                     r"Is a directory\); the previous checkpoint step_000001 is intact; the run goes on", err), err
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step_000001", "step_000003"]
+
+
+def test_groups_that_keep_arriving_too_stale_end_the_run(ray_session, model_dir, tmp_path, monkeypatch):
+    # Catches (issue 37): a run that spins forever when every group that arrives is too stale to train (the group
+    # timeout never fires while groups keep arriving). Here no weights ever reach the workers (publish does
+    # nothing), so after step 1 every group is sampled at version 0 while the learner is at 1, one version too
+    # old for max_staleness 0. This is also what a worker that never updates its weight version does (a bug that
+    # made this suite's sync test hang): the run ends naming staleness, groups in flight and the step time.
+    # Planted by never raising in Session._collect, the run spins until the test's timeout.
+    from sliderl.cluster.actors.weight_sync import SyncReport, WeightSync
+    from sliderl.cluster.run.driver import train
+
+    monkeypatch.setattr(WeightSync, "publish", lambda self, version, learner, workers: SyncReport(version, 0.0, []))
+    cfg = tiny_job(model_dir, tmp_path / "run", "train.mode=async", "train.steps=3", "train.max_staleness=0",
+                   "rollout.max_inflight_groups=2", "train.max_stale_streak=6")
+    with pytest.raises(RunError, match=r"7 groups in a row arrived too stale to train \(the last sampled at version 0, "
+                                       r"the learner at 1; train.max_staleness=0\) with \d+ groups \(1 workers x "
+                                       r"rollout.max_inflight_groups=2\) in flight and a mean learner step of "
+                                       r"\d+\.\d s"):
+        train(cfg)

@@ -233,6 +233,7 @@ def colocated(tmp_path_factory, checkpoint):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1000)  # its own subprocess limits are longer than the suite's per-test timeout
 def test_colocate_runs_the_recipe_keeping_and_releasing_the_pool(colocated):
     # catches: rollout.release_between_steps not reaching the driver or the workers (no release seconds in the
     # step reports, or a run that hangs or fails when the pool is freed and re-allocated through Ray), a
@@ -257,6 +258,7 @@ def test_colocate_runs_the_recipe_keeping_and_releasing_the_pool(colocated):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1000)
 def test_trl_peer_puts_trls_grpo_beside_sliderls_row(colocated, checkpoint, tmp_path):
     # catches: a TRL run that fails with this model, data and settings (TRL's own API drifts between
     # releases), step records that miss the generation or its tokens, and a sliderl row taken from a run

@@ -232,6 +232,20 @@ def step_report(**overrides) -> StepReport:
     return StepReport(**{**values, **overrides})
 
 
+def test_the_summary_gives_the_share_of_arrived_groups_dropped_as_stale(tmp_path):
+    # Catches (issue 37): the summary said "stale dropped 15 groups" beside a recipe comment saying its staleness
+    # drops none, with nothing to compare: it now gives the share of the groups that arrived (trained + dropped).
+    # Two steps of 8 trained groups with 3 and 1 dropped: 4 of 4 + 16 = 20 arrived, 20%. Rows written before
+    # steps counted their groups keep the count alone.
+    monitor = Monitor(tmp_path / "new", MonitorConfig(wandb=WandbConfig(mode="disabled"), plots=False), total_steps=2)
+    monitor.log(1, step_report(stale_groups_dropped=3, trained_groups=8).as_dict())
+    monitor.log(2, step_report(stale_groups_dropped=1, trained_groups=8).as_dict())
+    assert "stale dropped    4 of 20 arrived groups (20.0%)" in monitor.finish()
+    old = Monitor(tmp_path / "old", MonitorConfig(wandb=WandbConfig(mode="disabled"), plots=False), total_steps=1)
+    old.log(1, step_report(stale_groups_dropped=3).as_dict())
+    assert "stale dropped    3 groups" in old.finish()
+
+
 def test_step_report_flattens_to_the_metrics_jsonl_names():
     # catches: a renamed or unprefixed metric (metrics.jsonl keys are read by tests, benchmarks and
     # dashboards), a None written as a value, an evaluation logged without its eval_before/ prefix

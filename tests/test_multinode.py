@@ -353,6 +353,7 @@ def traces(out: Path, run: int) -> list[dict]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1000)  # its own subprocess limits are longer than the suite's per-test timeout
 def test_a_run_on_two_nodes_writes_checkpoints_traces_and_state_to_the_bucket(two_runs):
     # Catches: a run whose checkpoints, driver state or traces land on some node's disk instead of the
     # storage root, a checkpoint without its marker, and actors that open the model where another node
@@ -377,6 +378,7 @@ def test_a_run_on_two_nodes_writes_checkpoints_traces_and_state_to_the_bucket(tw
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1000)
 def test_the_warm_start_runs_on_its_actor_and_is_cached_in_the_bucket(two_runs):
     # Catches: the warm start trained in the driver process (as it was), its checkpoint left on the
     # node that trained it, and a second run training it again although the bucket holds it (the
@@ -393,6 +395,7 @@ def test_the_warm_start_runs_on_its_actor_and_is_cached_in_the_bucket(two_runs):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1000)
 def test_a_fresh_driver_resumes_from_the_bucket_alone(two_runs):
     # Catches: a resume that needs the first driver's disk (checkpoints, trace log, metrics or data
     # cursor read from a local folder), one that restarts the learner from the initial weights, or

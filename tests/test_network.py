@@ -129,3 +129,30 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_rays_token_file_is_private_to_its_user(tmp_path, monkeypatch):
+    # Catches (issue 37): Ray's auth token file written world-readable (0644) by a local run (Ray generates it
+    # with the default umask) or by `ray get-auth-token --generate`: any user of the machine could read the token
+    # and run code on the cluster. Before a local ray.init the file is created 0600 (Ray then reads it instead
+    # of writing its own); one found readable by others is set to 0600; joining a cluster creates none (its
+    # token would not be the cluster's). Planted by dropping the chmod, the 0644 file stays and this fails;
+    # without the creation, Ray's own 0644 file appears at the first local run.
+    import stat
+
+    from sliderl.cluster.actors.placement import keep_auth_token_private
+
+    for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    token = tmp_path / ".ray" / "auth_token"
+    assert keep_auth_token_private(create=False) is None and not token.exists()
+    assert keep_auth_token_private() == token
+    assert stat.S_IMODE(token.stat().st_mode) == 0o600 and len(token.read_text()) == 64  # Ray's 256-bit hex token
+    first = token.read_text()
+    token.chmod(0o644)  # as `ray get-auth-token --generate` leaves it
+    assert keep_auth_token_private(create=False) == token
+    assert stat.S_IMODE(token.stat().st_mode) == 0o600 and token.read_text() == first
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    token.unlink()
+    assert keep_auth_token_private() is None and not token.exists()

@@ -44,6 +44,7 @@ def test_summary_by_hand(tmp_path):
 # catches: a chain whose commands do not fit together as docs/guide.md runs them (a stage's output not where the
 # next one looks, the eval's checkpoints not rewritten per seed, a BoNBoN run without its baseline).
 @pytest.mark.slow
+@pytest.mark.timeout(1300)  # its own subprocess limits are longer than the suite's per-test timeout
 def test_smoke_run_of_one_seed(tmp_path):
     # A 4-step model's samples (and Baseline-SFT's answer) all run to max_tokens, none right: every sample scores
     # speedup 1 + λ·0 and BoNBoN finds no pair, so the run would rightly fail as "nothing trained". BoNBoN's

@@ -68,6 +68,26 @@ def test_only_the_text_after_think_is_graded():
     assert reward("no think tags, \\boxed{\\frac{1}{2}}", "0.5").total == 1.0
 
 
+def test_a_trace_cut_short_in_its_thinking_has_no_answer():
+    # Catches (issue 37): a trace truncated before </think> whose thinking holds \boxed{52} was rewarded 1.0
+    # (the whole text was read when </think> never came). The answer is read outside the thinking block only:
+    # an opened and never closed block has none, for both verifiers; a text without a thinking block is read
+    # whole. Planted with the old answer_section (all of the text when </think> is missing), the truncated
+    # trace scores 1.0 and this fails.
+    from sliderl.rewards.arith import ArithVerifier
+
+    truncated = "<think>\nStart at 47.\na+5=52\nso \\boxed{52} maybe\nb-3=4"  # max_tokens hit mid-thinking
+    closed = "<think>\nStart at 47.\na+5=52\n</think>\nAnswer: \\boxed{52}"
+    for verifier in (ArithVerifier(), MathReward()):
+        cut = verifier(truncated, "52")
+        assert cut.total == 0.0 and cut.parsed is None and cut.info["unparseable"] == 1.0
+        assert verifier(closed, "52").total == 1.0
+        assert verifier("Answer: \\boxed{52}", "52").total == 1.0  # no thinking block: the whole text
+    custom = CorrectnessTerm(end_think="</reason>").build("arith")
+    assert custom("<reason>\\boxed{52}", "52").total == 0.0
+    assert custom("<reason>x</reason>\\boxed{52}", "52").total == 1.0
+
+
 def test_last_boxed_balances_braces():
     assert last_boxed("\\boxed{1} then \\boxed{\\frac{1}{2}}") == "\\frac{1}{2}"
     assert last_boxed("\\boxed{\\{1, 2\\}} end") == "\\{1, 2\\}"

@@ -228,3 +228,40 @@ def test_a_part_written_before_kv_deaths_still_reads(tmp_path):
     pq.write_table(pa.Table.from_pylist(rows, schema=old), log.dir / "part-000000.parquet")
     (trace,) = traces_from_table(log.read())
     assert trace.kv_deaths == [] and trace.num_preemptions == 0 and trace.trace_id == make_trace(0).trace_id
+
+
+def test_added_traces_are_written_as_one_part_when_flushed_or_when_enough_wait(tmp_path):
+    # Catches (issue 37): a run writing one small part per group (975 files for the default job). Added traces
+    # reach the disk as one part at a flush (the driver's checkpoints and session ends) or once part_rows wait,
+    # and readers see exactly the traces added, in order. Planted with add() writing at once (append), three
+    # parts appear where this expects one.
+    log = TraceLog(tmp_path, part_rows=5)
+    assert log.add([make_trace(0), make_trace(1)]) is None and log.add([make_trace(2)]) is None
+    assert visible_files(tmp_path / "traces") == [] and log.pending == 3
+    first = log.flush()
+    assert visible_files(tmp_path / "traces") == [first.name] and log.pending == 0 and log.flush() is None
+    second = log.add([make_trace(i) for i in range(3, 9)])  # 6 >= part_rows: written at once
+    assert second is not None and log.pending == 0
+    assert [pq.ParquetFile(p).metadata.num_rows for p in log.parts()] == [3, 6]
+    assert_rows_equal(ds.dataset(tmp_path / "traces", format="parquet").to_table().to_pylist(),
+                      [make_trace(i) for i in range(9)])
+
+
+def test_a_rollback_keeps_every_trace_of_the_groups_a_checkpoint_resolved(tmp_path):
+    # Catches (issue 37): a resume's rollback deleting traces of groups that were already trained. With parts of
+    # many groups (a part per checkpoint), one part holds groups trained before the checkpoint and groups that
+    # arrived after it: the rollback keeps every trace of the former, byte for byte in its rows, and only the
+    # latter go. Planted with keep_groups deleting any part that loses a row, g1 and g2 lose their traces.
+    from sliderl.cluster.run.checkpoints import DriverState
+    from sliderl.cluster.run.ledger import LedgerState
+    from sliderl.cluster.run.resume import roll_back
+
+    log = TraceLog(tmp_path)
+    log.add([make_trace(i, group_id=f"g{i // 2}") for i in range(4)])  # g0, g1: trained by step 1
+    log.flush()
+    log.add([make_trace(i, group_id=f"g{i // 2}") for i in range(4, 10)])  # g2 stale at step 2; g3, g4 after it
+    log.flush()
+    state = DriverState(step=2, ledger=LedgerState(trained=["g0", "g1"], stale=["g2"]))
+    roll_back((tmp_path / "checkpoints" / "step_000002", state), log, tmp_path / "metrics.jsonl")
+    kept = TraceLog(tmp_path).read().to_pylist()
+    assert_rows_equal(kept, [make_trace(i, group_id=f"g{i // 2}") for i in range(6)])

@@ -50,6 +50,24 @@ USER_ERRORS = [
     (["task.type=math", "warmstart.enabled=false", "data.source=/nonexistent/problems.jsonl"],
      ["data.source: dataset '/nonexistent/problems.jsonl' does not exist"]),
     (["warmstart.data.source=pairs/missing.parquet"], ["warmstart.data.source: dataset 'pairs/missing.parquet' does not exist"]),
+    # issue 37: settings that passed validation and failed minutes later inside an actor (planted: dropping
+    # TrainConfig._check_algorithm, the first four start Ray; without the nccl check the fifth does)
+    # - the README's BoNBoN command on a task without Pasta's speedup: "trace has no reward component(s) ['speedup']"
+    (["train.mode=sync", "learner.algo.type=bonbon"],
+     ["learner.algo.speedup_key='speedup'", "the reward has only correctness", "learner.algo.speedup_key=null"]),
+    (["learner.algo={type: bonbon, speedup_key: null, quality_key: kv_penalty}"],
+     ["learner.algo.quality_key='kv_penalty'", "set a term of the reward"]),
+    # - pasta traces train on the whole trace only: the learner raised at its first step
+    (["engine.kv=pasta", "learner.window_mode=truncated"],
+     ["engine.kv=pasta trains on the whole trace only", "learner.window_mode=truncated", "learner.window_mode=full"]),
+    # - a group of one has no reward variance (GRPO) or no pair (BoNBoN): every step skipped, exit 1 at the end
+    (["rollout.group_size=1"], ["rollout.group_size=1 with learner.algo.type=grpo", "rollout.group_size >= 2"]),
+    # - NCCL without GPUs: the broadcast group failed to form inside the actors
+    (["weight_sync.backend=broadcast", "weight_sync.broadcast_backend=nccl"],
+     ["weight_sync.broadcast_backend=nccl", "learner.device and engine.device=cpu", "broadcast_backend=gloo"]),
+    # - a window left empty or beyond int range: "Input should be a valid string", or deaths past int32
+    (["engine.kv=prefix_sliding:"], ["'prefix_sliding:' has an empty argument", "valid specs: full, prefix_sliding:W"]),
+    (["engine.kv=prefix_sliding:99999999999"], ["99999999999 is beyond the largest argument", "use full"]),
 ]
 
 
@@ -72,6 +90,40 @@ def test_user_error_exits_2_with_one_line_before_ray(overrides, fragments, tmp_p
     assert ray.is_initialized() == was_running  # no Ray started, so no actor and no placement group
     assert _placement_groups(ray) == groups_before
     assert not cache.exists() and not run_dir.exists()  # nothing ran: no warm start, no run directory
+
+
+def test_a_pool_too_small_for_one_request_is_exit_2_before_ray(tmp_path, capsys):
+    # Catches (issue 37): engine.num_blocks too small for one sequence at the policy's bound passing validation
+    # and failing in the rollout worker ("more than the whole pool"). The recipe's longest prompt (68 byte-level
+    # tokens) and 128 tokens under prefix_sliding:24 hold ceil(68/16) + ceil(24/16) + 1 = 8 blocks of 16 tokens
+    # at most: 2 blocks hold none. Planted by dropping check_pool from plan.engine_prompts, Ray starts and this
+    # fails.
+    import ray
+
+    was_running = ray.is_initialized()
+    code = main(["train", "engine.num_blocks=2", f"run_dir={tmp_path / 'run'}", "ray.num_cpus=1",
+                 f"warmstart.cache_dir={tmp_path / 'cache'}"])
+    out, err = capsys.readouterr()
+    last = err.strip().splitlines()[-1]  # (building the recipe's tiny model may print its progress first)
+    assert code == 2 and err.count("sliderl train: error:") == 1, err
+    assert "engine.num_blocks=2 cannot hold one train request" in last and "set engine.num_blocks >= 8" in last, err
+    assert ray.is_initialized() == was_running and not (tmp_path / "cache").exists()
+    assert "run_dir:" not in out  # the error comes before the config is printed
+
+
+def test_an_unreachable_ray_address_is_one_line_before_the_config_dump(tmp_path, capsys, monkeypatch):
+    # Catches (issue 37): RAY_ADDRESS pointing nowhere reported after a 220-line config dump (the check ran only
+    # when connecting). Planted by dropping check_cluster_address from plan.prepare, the config is printed first.
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on once closed
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
+    code = main(["train", f"run_dir={tmp_path / 'run'}", "warmstart.enabled=false"])
+    out, err = capsys.readouterr()
+    assert code == 2 and err.count("\n") == 1 and f"cannot reach the Ray cluster at '127.0.0.1:{port}'" in err, err
+    assert out == ""
 
 
 def _placement_groups(ray) -> int:

@@ -177,9 +177,12 @@ def split_args(args: list[str]) -> tuple[str | None, list[str]]:
 
 def run_generate(config_path: str | None, overrides: list[str]) -> int:
     """``sliderl generate``: load the config, generate, print and write the results."""
+    from sliderl.cluster.storage.root import check_writable_folder
+
     cfg = load_config(GenerateConfig, config_path, overrides)
     check_device(cfg.engine.device, "engine.device")
     check_outlives_job(cfg.output_dir, "output_dir")
+    check_writable_folder(cfg.output_dir, "output_dir")
     print(to_yaml(cfg), end="", flush=True)
     out_dir = Path(cfg.output_dir)
     save_config(cfg, out_dir / "config.yaml")
@@ -275,11 +278,13 @@ def run_train(config_path: str | None, overrides: list[str]) -> int:
     """``sliderl train``: load the config, run the job, print the summary."""
     from sliderl.cluster.errors import RunError
     from sliderl.cluster.run.driver import train
+    from sliderl.cluster.run.plan import prepare
 
     cfg = load_config(TrainConfig, config_path, overrides)
+    plan = prepare(cfg)  # every error a user can cause (data, run_dir, cluster address) comes before the config
     print(to_yaml(cfg), end="", flush=True)
     try:
-        result = train(cfg, config_path=config_path)
+        result = train(cfg, config_path=config_path, plan=plan)
     except RunError as err:
         print(f"sliderl train: run failed: {' '.join(str(err).split())}", file=sys.stderr)
         return RUN_FAILED
@@ -300,8 +305,11 @@ def run_train(config_path: str | None, overrides: list[str]) -> int:
 
 def run_sft(config_path: str | None, overrides: list[str]) -> int:
     """``sliderl sft``: load the config, fine-tune, print where the checkpoint is."""
+    from transformers import AutoConfig
+
     from sliderl.cluster.config.prompts import prompt_format
-    from sliderl.cluster.run.sft_job import run_sft_job, stage_pairs, written
+    from sliderl.cluster.run.sft_job import keep_fitting_examples, run_sft_job, stage_pairs, written
+    from sliderl.cluster.storage.root import check_writable_folder
     from sliderl.core.loader import load_tokenizer
 
     cfg = load_config(SFTJobConfig, config_path, overrides)
@@ -309,8 +317,13 @@ def run_sft(config_path: str | None, overrides: list[str]) -> int:
     check_outlives_job(cfg.output_dir, "output_dir")
     pairs = stage_pairs(cfg, cfg.task)  # the data's errors come before the model is built and anything is written
     conversations = any(not isinstance(prompt, str) for prompt, _ in pairs[0])
-    prompts = prompt_format(cfg.data, cfg.model, load_tokenizer(cfg.model.resolve()), conversations)
-    train, held_out = (written(prompts, part, cfg.data.source) for part in pairs)
+    model = cfg.model.resolve()
+    tokenizer = load_tokenizer(model)
+    prompts = prompt_format(cfg.data, cfg.model, tokenizer, conversations)
+    examples = tuple(written(prompts, part, cfg.data.source) for part in pairs)
+    context = AutoConfig.from_pretrained(model, local_files_only=True).max_position_embeddings
+    train, held_out = keep_fitting_examples(examples, tokenizer, context, cfg.data.skip_invalid, cfg.data.source)
+    check_writable_folder(cfg.output_dir, "output_dir")
     print(to_yaml(cfg), end="", flush=True)
     save_config(cfg, Path(cfg.output_dir) / "config.yaml")
     result = run_sft_job(cfg, train, held_out)
@@ -385,6 +398,7 @@ def run_compare(config_path: str, overrides: list[str]) -> int:
     """``sliderl eval COMPARE.yaml``: every entry of eval.compare sampled k times per problem; table and plots."""
     from sliderl.cluster.eval.comparison import run_comparison
     from sliderl.cluster.eval.report import text_table, write_report, write_tables
+    from sliderl.cluster.storage.root import check_writable_folder
 
     cfg = load_config(TrainConfig, config_path, overrides)
     compare = cfg.eval.compare
@@ -393,6 +407,7 @@ def run_compare(config_path: str, overrides: list[str]) -> int:
                           "policy (sliderl eval --help)")
     check_device(cfg.engine.device, "engine.device")
     check_outlives_job(compare.output_dir, "eval.compare.output_dir")
+    check_writable_folder(compare.output_dir, "eval.compare.output_dir")
     checkpoints = {e.label: str(checked_checkpoint(e.checkpoint, f"entry {e.label!r}: checkpoint")
                                 if e.checkpoint is not None else cfg.model.resolve()) for e in compare.entries}
     problems = eval_problems(cfg)

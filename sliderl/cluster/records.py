@@ -141,6 +141,8 @@ class StepReport:
     """mean prompt tokens of the trained traces (the reference line of visible_kv.png)"""
     speedup: float | None = None
     """geometric mean of the trained traces' theoretical speedup (reward.speedup); None without that term"""
+    trained_groups: int | None = None
+    """groups trained at this step (the summary's share of arrived groups dropped as stale)"""
     learner: StepMetrics | None = None
     """the learner's own metrics (loss, grad_norm, ...), logged as learner/<name> (its version is ``version``)"""
     eval_before: EvalResult | None = None

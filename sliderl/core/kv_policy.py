@@ -29,12 +29,14 @@ prompt and tokens outside steps never die, so at most N steps are live.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
 
 NEVER = 2**31 - 1  # death of a key that stays visible forever (fits int32 kernels)
+MAX_SPEC_ARG = 2**30  # a spec's W, S, N or B: position + W stays below NEVER for any position below it
 
 POLICY_KINDS = ("full", "prefix_sliding", "sliding_window", "streaming", "registers", "h2o", "pasta")
 SPEC_HELP = ("valid specs: full, prefix_sliding:W, sliding_window:W, streaming:S:W, registers:N, h2o:B, pasta "
@@ -73,10 +75,7 @@ class KVPolicy:
             raise ValueError(f"unknown KV policy {kind!r} in spec {spec!r}; {SPEC_HELP}")
         if len(args) != arity[kind]:
             raise ValueError(f"KV policy spec {spec!r} takes {arity[kind]} integer argument(s); {SPEC_HELP}")
-        try:
-            values = [int(a) for a in args]
-        except ValueError:
-            raise ValueError(f"KV policy spec {spec!r} has a non-integer argument; {SPEC_HELP}") from None
+        values = [_spec_int(a, spec) for a in args]
         if kind == "streaming":
             sinks, window = values
             if sinks < 0:
@@ -179,16 +178,24 @@ class KVPolicy:
         return torch.where(pos < keep, torch.full_like(pos, NEVER), pos + self.window)
 
 
+def _spec_int(text: str, spec: str) -> int:
+    """One argument of a spec: a whole number in ASCII digits, at most ``MAX_SPEC_ARG`` (checks of sign later)."""
+    text = text.strip()
+    if not text:
+        raise ValueError(f"KV policy spec {spec!r} has an empty argument (e.g. prefix_sliding: without its window); "
+                         f"{SPEC_HELP}")
+    if not re.fullmatch(r"-?[0-9]+", text):
+        raise ValueError(f"KV policy spec {spec!r} has a non-integer argument {text!r}; {SPEC_HELP}")
+    if int(text) > MAX_SPEC_ARG:
+        raise ValueError(f"KV policy spec {spec!r}: {text} is beyond the largest argument, {MAX_SPEC_ARG} (2^30); a "
+                         f"window longer than every sequence keeps every token: use full; {SPEC_HELP}")
+    return int(text)
+
+
 def _positive(value: int, what: str, spec: str) -> int:
     if value <= 0:
         raise ValueError(f"{what} must be >= 1, got {value} in KV policy spec {spec!r}; {SPEC_HELP}")
     return value
-
-
-def visible_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, k_death: torch.Tensor) -> torch.Tensor:
-    """Dense visibility: ``[Q, K]`` bool, ``k <= q < d(k)``. q_pos: [Q]; k_pos, k_death: [K]."""
-    q = q_pos[:, None]
-    return (k_pos[None, :] <= q) & (q < k_death[None, :])
 
 
 class DeathTracker:

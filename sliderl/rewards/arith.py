@@ -8,7 +8,8 @@ from sliderl.rewards.record import RewardInput, RewardRecord
 
 
 class ArithVerifier:
-    """1.0 when the last ``\\boxed{}`` after ``</think>`` holds the reference integer, else 0.0.
+    """1.0 when the last ``\\boxed{}`` after ``</think>`` holds the reference integer, else 0.0 (a thinking block
+    opened and never closed has no answer).
 
     Exact integer match (``\\boxed{ 053 }`` counts as 53); the verifier of every generated task (arith,
     regmachine, pasta: Pasta's tags all come before ``</think>``, so annotated and plain responses read
@@ -25,7 +26,8 @@ class ArithVerifier:
 
     def __call__(self, completion_text: str, answer: str | int) -> RewardRecord:
         self.num_calls += 1
-        boxed = last_boxed(answer_section(str(completion_text), self.end_think))
+        answer_text = answer_section(str(completion_text), self.end_think)
+        boxed = last_boxed(answer_text) if answer_text is not None else None
         value = parse_int(boxed)
         if value is None:
             self.num_unparseable += 1

@@ -1,4 +1,5 @@
-"""Final-answer correctness for math: the last ``\\boxed{...}`` after ``</think>``, checked with math_verify.
+"""Final-answer correctness for math: the last ``\\boxed{...}`` after ``</think>`` (outside the thinking block only),
+checked with math_verify.
 
 math_verify bounds its sympy work with ``signal.alarm``, which only works in the main thread of a
 process. ``MathReward`` therefore verifies in place when called from the main thread, and from any
@@ -22,9 +23,19 @@ BOX_COMMANDS = ("\\boxed", "\\fbox")
 logger = logging.getLogger(__name__)
 
 
-def answer_section(text: str, end_think: str = END_THINK) -> str:
-    """The text after the last end-of-thinking marker, or all of it when there is none."""
-    return text.rpartition(end_think)[2] if end_think in text else text
+def answer_section(text: str, end_think: str = END_THINK) -> str | None:
+    """The text after the last end-of-thinking marker; all of it when no thinking block was opened; None when
+    one was opened (``<think>`` for ``</think>``) and never closed: a trace cut short in its thinking has no
+    answer, whatever ``\\boxed{}`` its thinking holds."""
+    if end_think in text:
+        return text.rpartition(end_think)[2]
+    start = thinking_start(end_think)
+    return None if start is not None and start in text else text
+
+
+def thinking_start(end_think: str) -> str | None:
+    """The marker that opens the thinking block ``end_think`` closes (``</think>`` -> ``<think>``), or None."""
+    return "<" + end_think[2:] if end_think.startswith("</") and len(end_think) > 3 else None
 
 
 def last_boxed(text: str) -> str | None:
@@ -77,7 +88,8 @@ def verify_boxed(prediction: str, answer: str, timeout_s: int) -> bool:
 
 
 class MathReward:
-    """1.0 when the last boxed answer (after ``</think>``) equals the reference, else 0.0.
+    """1.0 when the last boxed answer (after ``</think>``; none while the thinking is open) equals the reference,
+    else 0.0.
 
     Never raises: no box counts in ``num_unparseable``, any failure (exception, timeout) in
     ``num_errors``; both score 0. ``timeout_s`` bounds each math_verify parse/compare step.
@@ -99,7 +111,8 @@ class MathReward:
         self.num_calls += 1
         boxed = None
         try:
-            boxed = last_boxed(answer_section(completion_text, self.end_think))
+            answer_text = answer_section(completion_text, self.end_think)
+            boxed = last_boxed(answer_text) if answer_text is not None else None
             if boxed is None:
                 self.num_unparseable += 1
                 return self._record(0.0, None, unparseable=1.0)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import socket
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
@@ -57,6 +58,7 @@ def connect(cfg: TrainConfig, metadata: dict[str, str] | None = None) -> bool:
         start_local_ray(num_cpus=cfg.ray.num_cpus, num_gpus=cfg.ray.num_gpus, **dashboard, **job)
         return True
     check_reachable(address)
+    keep_auth_token_private(create=False)
     try:
         ray.init(address=address, **job)
     except (ConnectionError, RuntimeError, ValueError) as err:
@@ -91,16 +93,52 @@ LOCAL_ONLY_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 def start_local_ray(**init_kwargs) -> None:
     """``ray.init(address="local", **init_kwargs)`` with every Ray port bound to 127.0.0.1.
 
-    Ray's token authentication stays as Ray sets it (on by default for a local instance). A process
-    that imported Ray before this call has already read ``LOCAL_ONLY_ENV``; Ray's module constant is
-    then set to the value the variable gives, as the import would have.
+    Ray's token authentication stays as Ray sets it (on by default for a local instance), its token file
+    private to this user (``keep_auth_token_private``). A process that imported Ray before this call has
+    already read ``LOCAL_ONLY_ENV``; Ray's module constant is then set to the value the variable gives, as
+    the import would have.
     """
     os.environ[LOCAL_ONLY_ENV] = "0"
     import ray
     from ray._private import ray_constants
 
+    keep_auth_token_private()
     ray_constants.ENABLE_RAY_CLUSTER = False
     ray.init(address="local", **init_kwargs)
+
+
+def keep_auth_token_private(create: bool = True) -> Path | None:
+    """Ray's token file (``RAY_AUTH_TOKEN_PATH``, else ``~/.ray/auth_token``) readable by this user only.
+
+    A new local Ray writes the token it generates with the default umask (0644: any user of the machine could
+    read it and run code on the cluster), as does ``ray get-auth-token --generate``. Unless authentication is
+    off or the token comes from ``RAY_AUTH_TOKEN``: with ``create`` (a new local instance) a missing file is
+    created here first (0600, Ray's own generator: the ``ray.init`` that follows reads it); an existing file
+    that group or others may read is set to 0600 with a note. Joining a cluster creates nothing (a token the
+    cluster does not know would fail). Returns the file, or None when there is none.
+    """
+    if os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled" or os.environ.get("RAY_AUTH_TOKEN"):
+        return None
+    path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token").expanduser()
+    if not path.exists() and not create:
+        return None
+    if not path.exists():
+        from ray._private.authentication.authentication_token_generator import generate_new_authentication_token
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:  # another process wrote it meanwhile: tightened below
+            pass
+        else:
+            with os.fdopen(fd, "w") as file:
+                file.write(generate_new_authentication_token())
+    mode = path.stat().st_mode & 0o777
+    if mode & 0o077:
+        os.chmod(path, 0o600)
+        print(f"sliderl: Ray's token file {path} was readable by other users (mode {mode:o}); set it to 600",
+              flush=True)
+    return path
 
 
 def check_reachable(address: str) -> None:

@@ -269,6 +269,8 @@ def _apply_override(data: dict, override: str) -> None:
         value = yaml.safe_load(text)
     except yaml.YAMLError:
         raise ConfigError(f"override {override!r}: value {text!r} is not valid YAML") from None
+    if isinstance(value, dict) and not text.lstrip().startswith("{") and text.rstrip().endswith(":"):
+        value = text.strip()  # "prefix_sliding:" is YAML for {prefix_sliding: null}; a mapping is written {k: v}
     node = data
     for i, part in enumerate(parts[:-1]):
         child = node.setdefault(part, {})

@@ -16,6 +16,7 @@ from sliderl.cluster.config.base import ModelSource, Section, TinyModel, run_fol
 from sliderl.cluster.config.prompts import PromptSettings
 from sliderl.cluster.config.task import GENERATED_TASKS, ArithTaskConfig, TaskSource
 from sliderl.cluster.storage.data import check_source
+from sliderl.cluster.storage.data_files import DEFAULT_MAX_LINE_BYTES
 from sliderl.cluster.storage.root import check_location
 from sliderl.trainer.algorithms import SFTOptions
 from sliderl.trainer.learner_args import LearnerArgs
@@ -46,6 +47,12 @@ class SFTData(Section):
     held_out: int = Field(64, ge=1)
     """Examples kept out of training and scored at each check (task: the problems after the trained
     ones; files: the last rows)."""
+    skip_invalid: bool = False
+    """Leave out (counted and printed) rows without a prompt or completion (missing, null or blank) and
+    examples longer than the model's context, instead of stopping with an error naming the first one."""
+    max_line_bytes: int = Field(DEFAULT_MAX_LINE_BYTES, ge=1)
+    """Longest line of a local .jsonl/.json file, in bytes: a longer line is refused before anything is loaded
+    (loading a row takes hundreds of times its size in memory)."""
 
     @field_validator("source")
     @classmethod

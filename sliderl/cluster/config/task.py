@@ -10,11 +10,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Tag, field_validator
+from pydantic import Discriminator, Field, Tag, field_validator
 
 from sliderl.cluster.config.base import Section, base_record
 from sliderl.cluster.config.prompts import PromptSettings
 from sliderl.cluster.storage.data import check_source
+from sliderl.cluster.storage.data_files import DEFAULT_MAX_LINE_BYTES
 from sliderl.tasks.arith import ArithTask
 from sliderl.tasks.pasta import PastaTask
 from sliderl.tasks.regmachine import RegisterMachineTask
@@ -141,6 +142,9 @@ class DataConfig(PromptSettings):
     with an error naming the first such row."""
     shuffle: bool = True
     """Shuffle the prompt order (a new permutation each pass, from train.seed)."""
+    max_line_bytes: int = Field(DEFAULT_MAX_LINE_BYTES, ge=1)
+    """Longest line of a local .jsonl/.json file, in bytes: a longer line is refused before anything is loaded
+    (loading a row takes hundreds of times its size in memory)."""
 
     @field_validator("source", "eval_source")
     @classmethod

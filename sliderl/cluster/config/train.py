@@ -118,6 +118,15 @@ class LoopConfig(Section):
     """How often the driver checks that every rollout worker is alive and the same process."""
     max_learner_restarts: int = Field(1, ge=0)
     """Times a dead learner is recreated from the latest checkpoint (with fresh workers) before the run stops."""
+    max_stale_streak: int | None = Field(None, ge=1)
+    """Stop with an error once this many groups in a row arrived too stale to train (the run would spin,
+    generating only groups it drops); None: twice the groups that can wait at once (in flight, queued, a step's)."""
+
+    @property
+    def staleness_limit(self) -> int:
+        """The most versions a trained group may lag: max_staleness in async mode, 0 in sync mode (each step's
+        groups are generated with the newest weights)."""
+        return 0 if self.mode == "sync" else self.max_staleness
 
 
 class WeightSyncConfig(Section):
@@ -140,6 +149,9 @@ class CheckpointConfig(Section):
     """Save every this many steps (0: only at the end); the last step is always saved."""
     keep: int = Field(2, ge=1)
     """Complete checkpoints kept; older ones are deleted."""
+    on_error: Literal["stop", "continue"] = "stop"
+    """A checkpoint that cannot be written (a full or read-only disk): stop (exit 1, saying which write failed;
+    the previous checkpoint stays the one a resume picks) or continue the run without it (a warning)."""
 
 
 class RayConfig(Section):
@@ -258,6 +270,7 @@ class TrainConfig(Section):
         self._check_loop()
         self._check_task()
         self._check_reward()
+        self._check_algorithm()
         self._check_devices()
         self._resolve_learner()
         return self
@@ -323,6 +336,26 @@ class TrainConfig(Section):
             raise ValueError(f"reward.speedup is the critical path of a Pasta-Lang response as the Pasta runtime decodes "
                              f"it: it needs engine.kv=pasta, got engine.kv={self.engine.kv}")
 
+    def _check_algorithm(self) -> None:
+        """Settings the learner would refuse only at its first step, inside its actor."""
+        algo, components = self.learner.algo, [t for t in RewardSpec.TERMS if getattr(self.reward, t) is not None]
+        if algo.type in ("grpo", "bonbon") and self.rollout.group_size < 2:
+            why = ("GRPO's advantage is a sample's reward minus its group's mean" if algo.type == "grpo"
+                   else "BoNBoN pairs the best and the worst sample of a group")
+            raise ValueError(f"rollout.group_size=1 with learner.algo.type={algo.type}: {why}, so a group of one "
+                             "never trains; use rollout.group_size >= 2 (the recipes use 8)")
+        if algo.type == "bonbon":
+            for key in ("speedup_key", "quality_key"):
+                name = getattr(algo, key)
+                if name is not None and name not in components:
+                    fix = ("learner.algo.speedup_key=null to rank by quality alone, or add reward.speedup (Pasta's "
+                           "speedup, with engine.kv=pasta)") if key == "speedup_key" else "a term of the reward"
+                    raise ValueError(f"learner.algo.{key}={name!r}: BoNBoN ranks samples by the reward component "
+                                     f"{name!r}, but the reward has only {', '.join(components)}; set {fix}")
+        if self.engine.kv == "pasta" and self.learner.window_mode != "full":
+            raise ValueError(f"engine.kv=pasta trains on the whole trace only (its forks' keys and positions span it), "
+                             f"but learner.window_mode={self.learner.window_mode}; set learner.window_mode=full")
+
     def _check_devices(self) -> None:
         if self.rollout.num_gpus > 0 and not self.engine.device.startswith("cuda"):
             raise ValueError(f"rollout.num_gpus={self.rollout.num_gpus} reserves GPUs but engine.device is "
@@ -337,6 +370,12 @@ class TrainConfig(Section):
                 self.learner.device.startswith("cuda") and self.engine.device.startswith("cuda")):
             raise ValueError("weight_sync.backend=cuda_ipc shares GPU memory: it needs learner.device=cuda and "
                              "engine.device=cuda (use object_store or broadcast on CPU)")
+        cpu = [key for key, device in (("learner.device", self.learner.device), ("engine.device", self.engine.device))
+               if not device.startswith("cuda")]
+        if self.weight_sync.backend == "broadcast" and self.weight_sync.broadcast_backend == "nccl" and cpu:
+            raise ValueError(f"weight_sync.broadcast_backend=nccl moves GPU tensors between GPUs, but "
+                             f"{' and '.join(cpu)}=cpu; use weight_sync.broadcast_backend=gloo (or auto), or put "
+                             "learner and engine on cuda")
 
     # ---- the records the actors receive --------------------------------------------------------
     def learner_args(self) -> LearnerArgs:

@@ -322,7 +322,7 @@ def format_summary(run_dir: Path, history: dict[int, dict], total_steps: int, wa
         f"  visible KV       {_mean_text(history, KEYS.visible_kv, '{:.1f} tokens (mean over steps)')}",
         f"  rollout tok/s    {_mean_text(history, KEYS.rollout_tokens_per_s, '{:.1f} (mean over steps)')}",
         f"  learner step     {_mean_text(history, KEYS.learner_step_seconds, '{:.3f} s (mean)')}",
-        f"  stale dropped    {_total_text(history, KEYS.stale_groups_dropped, '{:g} groups')}",
+        f"  stale dropped    {_stale_text(history)}",
         f"  preempted        {_mean_text(history, KEYS.preempted_traces, '{:.1%} of the traces (mean over steps)')}",
         f"  traces           {_trace_count(storage_root or run_dir)}",
         f"  metrics          {f'{storage_root}/{METRICS_FILE}' if storage_root else run_dir / METRICS_FILE}",
@@ -370,9 +370,17 @@ def _mean_text(history: dict[int, dict], key: str, fmt: str) -> str:
     return fmt.format(sum(values) / len(values)) if values else "n/a"
 
 
-def _total_text(history: dict[int, dict], key: str, fmt: str) -> str:
-    _, values = _series(history, key)
-    return fmt.format(sum(values)) if values else "n/a"
+def _stale_text(history: dict[int, dict]) -> str:
+    """Groups dropped as stale, with their share of the groups that arrived (trained + dropped) when the
+    steps counted their trained groups."""
+    _, stale = _series(history, KEYS.stale_groups_dropped)
+    if not stale:
+        return "n/a"
+    _, trained = _series(history, KEYS.trained_groups)
+    if len(trained) < len(stale):  # rows written before steps counted them
+        return f"{sum(stale):g} groups"
+    arrived = sum(stale) + sum(trained)
+    return f"{sum(stale):g} of {arrived:g} arrived groups ({sum(stale) / arrived:.1%})" if arrived else "0 groups"
 
 
 def _trace_count(root: str | os.PathLike) -> str:

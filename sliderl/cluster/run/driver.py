@@ -16,8 +16,10 @@ has several nodes), after the warm start has run on its own actor. Checkpoints, 
 the trace log live under the run's storage root (``run_dir``: a local folder or a URI such as
 ``s3://bucket/run``), so a fresh driver on any node resumes from the root alone.
 
-Every group that leaves the queue is appended to the Parquet trace log at once. A rollout worker
-that dies is restarted by Ray, given the current weights, and its groups are re-issued; the books
+Every group that leaves the queue goes to the Parquet trace log, written as one part per checkpoint (or
+per ``trace_log.PART_ROWS`` traces) and when a session ends, so the log holds every group a checkpoint
+resolved. A rollout worker that dies is restarted by Ray, given the current weights, and its groups are
+re-issued; the books
 (``GroupLedger``) guarantee no group is trained twice. A learner that dies is recreated from the
 latest checkpoint (``train.max_learner_restarts`` times); a run that cannot continue raises
 ``RunError`` with its checkpoints and traces intact.
@@ -40,10 +42,13 @@ from sliderl.cluster.config.train import TrainConfig
 from sliderl.cluster.errors import RunError
 from sliderl.cluster.eval.evaluation import score
 from sliderl.cluster.observe.dashboard import job_metadata, warn_if_submitted_without_metadata
+from sliderl.cluster.observe.monitor import METRICS_FILE
 from sliderl.cluster.records import EvalResult, PromptGroup, RolloutGroup, StepReport
 from sliderl.cluster.run.checkpoints import Checkpoints, DriverState
+from sliderl.cluster.run.guards import StaleStreak, failed_save, stale_streak_limit, stale_streak_message
 from sliderl.cluster.run.ledger import GroupLedger
 from sliderl.cluster.run.plan import RunPlan, prepare
+from sliderl.cluster.run.resume import roll_back
 from sliderl.cluster.run.worker_pool import Health, WorkerPool
 from sliderl.cluster.storage.data import PromptStream
 from sliderl.cluster.storage.model_files import ModelFiles
@@ -66,7 +71,7 @@ class RunResult:
     eval_after: EvalResult | None
     summary: str
     stopped_early: bool = False
-    optimizer_steps: int = 0  # policy versions this session's learner gained (0: nothing was trained)
+    optimizer_steps: int = 0  # optimizer steps of the run, every session's (its learner's version; 0: none)
     skipped_groups: dict[str, float] = field(default_factory=dict)  # why groups gave no signal, summed over steps
 
     def nothing_trained(self) -> str | None:
@@ -81,17 +86,19 @@ class RunResult:
 StepHook = Callable[["Session", int, StepReport], "bool | None"]
 
 
-def train(cfg: TrainConfig, on_step: StepHook | None = None, config_path: str | None = None) -> RunResult:
+def train(cfg: TrainConfig, on_step: StepHook | None = None, config_path: str | None = None,
+          plan: RunPlan | None = None) -> RunResult:
     """Run the job ``cfg`` to ``train.steps`` (or until ``on_step`` returns False).
 
     ``on_step(session, step, report)`` is called after every step; returning False ends the run
     there, without a final checkpoint (as an interruption would). An existing ``ray.init`` in this
     process is used as it is; otherwise Ray is started (or joined), with the run's job metadata
     (``config_path``: the config file it came from, for that metadata), and shut down at the end.
+    ``plan``: ``prepare(cfg)`` when the caller ran it already (the CLI does, to report every user error first).
     """
     import ray
 
-    plan = prepare(cfg)
+    plan = prepare(cfg) if plan is None else plan
     if (note := cfg.stale_drop_warning()) is not None:
         print(f"sliderl: warning: {note}", file=sys.stderr, flush=True)
     pg, owns_ray = None, False
@@ -157,12 +164,8 @@ class Session:
                                    cfg.data.shuffle, cursor=self.state.cursor)
         self.backlog: list[PromptGroup] = [self.stream.group(n) for n in self.state.outstanding]
         self.trace_log = TraceLog(plan.storage)
-        if plan.resume is not None:  # the log holds exactly the groups the checkpoint resolved
-            ledger = plan.resume[1].ledger
-            dropped = self.trace_log.keep_groups(set(ledger.trained) | set(ledger.stale))
-            if dropped:
-                print(f"sliderl: rolled the trace log back to {plan.resume[0].name}: {dropped} traces of groups "
-                      "it had not resolved will be generated again", flush=True)
+        if plan.resume is not None:  # the records hold exactly the groups and steps of the checkpoint
+            roll_back(plan.resume, self.trace_log, plan.local_dir / METRICS_FILE)
         self.checkpoints = Checkpoints(plan.storage, cfg.checkpoint.keep)
         self.monitor = None
         self.queue = make_queue(cfg)
@@ -179,6 +182,11 @@ class Session:
         self._unlogged_eval_before: EvalResult | None = None  # goes into the next step's report
         self.eval_after: EvalResult | None = None
         self._warned_preemption = False
+        r = cfg.rollout
+        in_flight = r.num_workers * r.max_inflight_groups
+        self._stale_streak = StaleStreak(stale_streak_limit(cfg.train.max_stale_streak, in_flight, r.queue_size,
+                                                            cfg.train.groups_per_step))
+        self._step_seconds: list[float] = []
 
     # ---- the run -------------------------------------------------------------------------------
     def run(self) -> RunResult:
@@ -193,16 +201,17 @@ class Session:
             self._publish()  # workers start from the initial model: give them the checkpoint's weights
         if self.cfg.eval.before and self.state.step == 0:
             self.eval_before = self._unlogged_eval_before = self._evaluate("before")
-        start_version, stopped = self.state.version, False
+        stopped = False
         while self.state.step < self.cfg.train.steps and not stopped:
             report = self._step()
             stopped = self.on_step is not None and self.on_step(self, self.state.step, report) is False
         if not stopped and not self.checkpoints.is_complete(self.state.step):
             self._checkpoint()
+        self.trace_log.flush()
         self.checkpoints.write_state(self._snapshot())
         summary = self.monitor.finish()
         return RunResult(self.plan.run_dir, self._snapshot(), self.eval_before, self.eval_after, summary, stopped,
-                         self.state.version - start_version, dict(self._skipped))
+                         self.state.version, dict(self._skipped))
 
     def close(self) -> None:
         """Stop every actor of this session (the placement group stays for the next one)."""
@@ -210,6 +219,11 @@ class Session:
 
         if self.monitor is not None:
             self.monitor.finish(exit_code=1)
+        try:
+            self.trace_log.flush()  # what arrived stays on disk whatever ended the session
+        except Exception as err:  # a closing session must still stop its actors
+            print(f"sliderl: warning: {self.trace_log.pending} traces could not be written: {err}", file=sys.stderr,
+                  flush=True)
         self.pool.stop()
         for actor in (self.learner, self.queue.actor):
             try:
@@ -225,6 +239,7 @@ class Session:
         release = self.cfg.rollout.release_between_steps
         release_seconds = self.pool.release_memory() if release else None
         metrics = self._train(batch)
+        self._step_seconds.append(metrics.step_seconds)
         self.state.version = metrics.version
         for key in SKIP_REASONS:
             self._skipped[key] = self._skipped.get(key, 0.0) + metrics.algorithm.get(key, 0.0)
@@ -264,13 +279,15 @@ class Session:
 
     def _collect(self, n: int) -> list:
         """``n`` groups fit to train at the current version, dealing and waiting as needed."""
-        max_staleness = 0 if self.cfg.train.mode == "sync" else self.cfg.train.max_staleness
+        max_staleness = self.cfg.train.staleness_limit
         batch: list = []
         deadline = time.monotonic() + self.cfg.train.group_timeout_s
         while True:
             take = self.ledger.take(n - len(batch), self.state.version, max_staleness)
             batch += take.groups
             self._step_counters.stale += len(take.stale)
+            if self._stale_streak.observe(len(take.groups), [g.policy_version for g in take.stale]):
+                raise RunError(self._stale_streak_message())
             if len(batch) >= n:
                 return batch
             self._feed(n - len(batch))
@@ -279,6 +296,14 @@ class Session:
             elif time.monotonic() > deadline:
                 raise RunError(f"no rollout group arrived for {self.cfg.train.group_timeout_s:g} s "
                                f"(live workers: {sorted(self.pool.live())}); see the worker logs")
+
+    def _stale_streak_message(self) -> str:
+        r = self.cfg.rollout
+        in_flight = (f"{sum(self.ledger.held_by(w) for w in self.pool.live())} groups ({r.num_workers} workers x "
+                     f"rollout.max_inflight_groups={r.max_inflight_groups})")
+        mean = sum(self._step_seconds) / len(self._step_seconds) if self._step_seconds else None
+        return stale_streak_message(self._stale_streak, self.state.version, self.cfg.train.staleness_limit,
+                                    in_flight, mean)
 
     def _train(self, batch: list) -> dict:
         """One learner step; in async mode the queue keeps being drained for the next step meanwhile."""
@@ -347,7 +372,7 @@ class Session:
         if more > 0:
             items += self.queue.get_nowait_batch(more)
         for group in items:
-            self.trace_log.append(group.traces)
+            self.trace_log.add(group.traces)
             self._step_counters.tokens += group.num_tokens
             self.ledger.receive(group)
         return len(items)
@@ -378,11 +403,20 @@ class Session:
         return report.seconds
 
     # ---- checkpoints, eval, metrics ------------------------------------------------------------
-    def _checkpoint(self) -> PurePath:
+    def _checkpoint(self) -> PurePath | None:
         """The learner writes its part to the storage root from its own node, then the driver its state and
-        the marker; metrics.jsonl follows to a remote root."""
-        path = self.checkpoints.save(self.state.step, self._snapshot(),
-                                     lambda where: self._learner_call(self.learner.save_checkpoint.remote(where)))
+        the marker; metrics.jsonl follows to a remote root. A save that fails (a full or read-only disk) leaves
+        no marker, so a resume picks the checkpoint before it; checkpoint.on_error says whether the run stops."""
+        from ray.exceptions import RayTaskError
+
+        step = self.state.step
+        try:
+            self.trace_log.flush()  # every group the checkpoint resolves is in the log
+            path = self.checkpoints.save(step, self._snapshot(),
+                                         lambda where: self._learner_call(self.learner.save_checkpoint.remote(where)))
+        except (OSError, RayTaskError) as err:
+            failed_save(self.checkpoints, step, err, self.cfg.checkpoint.on_error, self.plan.run_dir)
+            return None
         self.plan.push_driver_files()
         return path
 
@@ -425,6 +459,7 @@ class Session:
             preempted_traces=_mean(float(t.num_preemptions > 0) for t in traces),
             prompt_tokens=_mean(len(t.prompt_token_ids) for t in traces),
             speedup=_geomean(t.reward_components.get("speedup") for t in traces),
+            trained_groups=len(batch),
             rollout_tokens_per_s=counters.tokens / max(time.monotonic() - counters.since, 1e-9),
             stale_groups_dropped=counters.stale,
             staleness_mean=_mean(ages),

@@ -50,20 +50,78 @@ def stage_pairs(stage: SFTStage, task) -> tuple[list[tuple[Prompt, str]], list[t
                               f"{', '.join(k for k in rows[0] if k.startswith('solution'))}")
         pairs = [(r["prompt"], r[d.task_solution]) for r in rows]
         return pairs[:n], pairs[n:]
-    table = open_dataset(d.source, "train")
-    if d.messages_field in table.column_names:
-        pairs = [conversation_pair(m, row, d.source) for row, m in enumerate(table[d.messages_field])]
-    else:
+    table = open_dataset(d.source, "train", d.max_line_bytes)
+    chat = d.messages_field in table.column_names
+    if not chat:
         missing = [f for f in (d.prompt_field, d.completion_field) if f not in table.column_names]
         if missing:
             raise ConfigError(f"SFT data {d.source!r} has no field {missing[0]!r}; its fields are "
                               f"{', '.join(table.column_names)}; set data.prompt_field / data.completion_field "
                               f"(or data.messages_field for chat conversations)")
-        pairs = [(str(p), str(c)) for p, c in zip(table[d.prompt_field], table[d.completion_field])]
+    columns = [table[d.messages_field]] if chat else [table[d.prompt_field], table[d.completion_field]]
+    pairs, left_out = [], []
+    for row, values in enumerate(zip(*columns)):
+        try:
+            pairs.append(conversation_pair(values[0], row, d.source) if chat else text_pair(*values, row, d.source))
+        except ConfigError as err:
+            if not d.skip_invalid:
+                raise ConfigError(f"{err}; fix the row, or set data.skip_invalid=true to leave such rows out") from None
+            left_out.append(row)
+    if left_out:
+        print(f"sliderl: left out {len(left_out)} rows of SFT data {d.source!r} without a prompt or completion "
+              f"(first: row {left_out[0]})", flush=True)
     if len(pairs) <= d.held_out:
         raise ConfigError(f"SFT data {d.source!r} has {len(pairs)} rows; data.held_out={d.held_out} leaves none "
                           "to train on")
     return pairs[:-d.held_out], pairs[-d.held_out:]
+
+
+def text_pair(prompt, completion, row: int, source: str) -> tuple[str, str]:
+    """One row of prompt/completion columns; ConfigError naming the row when either is missing, null or blank (a
+    null completion would otherwise be trained as the text "None")."""
+    for name, value in (("prompt", prompt), ("completion", completion)):
+        if value is None or (isinstance(value, str) and not value.strip()):
+            raise ConfigError(f"SFT data {source!r} row {row} has no {name} (got {value!r})")
+        if not isinstance(value, str):
+            raise ConfigError(f"SFT data {source!r} row {row}: the {name} must be text, got {type(value).__name__} "
+                              f"{str(value)[:60]!r}")
+    return prompt, completion
+
+
+def keep_fitting_examples(parts: tuple[list[SFTExample], list[SFTExample]], tokenizer, context: int,
+                          skip_invalid: bool, source: str) -> tuple[list[SFTExample], list[SFTExample]]:
+    """(train, held-out) without the examples whose prompt + completion + eos (tokenized as ``trainer.sft``
+    does) is longer than ``context`` tokens: a ConfigError naming the first one, or with ``skip_invalid`` left
+    out and counted. Examples are numbered in file order (train, then held-out)."""
+    examples = [e for part in parts for e in part]
+    kept: tuple[list[SFTExample], list[SFTExample]] = ([], [])
+    too_long: list[tuple[int, int]] = []
+    for index, example in enumerate(examples):
+        length = _token_bound(example)
+        if length > context:  # only an example that may not fit is tokenized
+            prompt = example.prompt_token_ids or tokenizer(example.prompt).input_ids
+            length = len(prompt) + len(tokenizer(example.completion, add_special_tokens=False).input_ids) + 1
+        if length <= context:
+            kept[index >= len(parts[0])].append(example)
+        elif not skip_invalid:
+            raise ConfigError(f"SFT data {source!r} row {index}: prompt + completion is {length} tokens, longer "
+                              f"than the model's context of {context}; shorten it, or set data.skip_invalid=true "
+                              "to leave such rows out")
+        else:
+            too_long.append((index, length))
+    if too_long:
+        print(f"sliderl: left out {len(too_long)} SFT examples of {source!r} longer than the context of {context} "
+              f"tokens (first: row {too_long[0][0]}, {too_long[0][1]} tokens)", flush=True)
+    if not kept[0]:
+        raise ConfigError(f"no SFT example of {source!r} to train on fits the model's context of {context} tokens")
+    return kept
+
+
+def _token_bound(example: SFTExample, specials: int = 16) -> int:
+    """At least the example's tokens: a token covers at least one byte of text (byte-level BPE, SentencePiece with
+    byte fallback), plus ``specials`` for the BOS and markers a tokenizer adds and the eos."""
+    prompt = len(example.prompt_token_ids) if example.prompt_token_ids is not None else len(example.prompt.encode())
+    return prompt + len(example.completion.encode()) + specials
 
 
 def conversation_pair(messages, row: int, source: str) -> tuple[list[dict], str]:

@@ -16,21 +16,23 @@ from pathlib import Path
 
 from sliderl.cluster.errors import ConfigError
 from sliderl.cluster.records import Problem, PromptGroup
+from sliderl.cluster.storage.data_files import DEFAULT_MAX_LINE_BYTES, check_data_files
 
 FILE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
 
 def load_problems(source: str, split: str, prompt_field: str, answer_field: str,
-                  id_field: str | None = None, limit: int | None = None, skip_invalid: bool = False) -> list[Problem]:
+                  id_field: str | None = None, limit: int | None = None, skip_invalid: bool = False,
+                  max_line_bytes: int = DEFAULT_MAX_LINE_BYTES) -> list[Problem]:
     """Rows of ``source`` (a local file/folder or a hub name) as Problems whose prompt is the problem text,
     fields checked first.
 
     Raises ConfigError naming the source when it cannot be read or lacks ``prompt_field`` or
     ``answer_field`` (listing the fields it has), and naming the row and field of the first row whose
     prompt or answer is missing (null or empty) — unless ``skip_invalid``, which drops such rows and
-    prints how many.
+    prints how many. A local file is checked first (``check_data_files``, lines up to ``max_line_bytes``).
     """
-    table = open_dataset(source, split)
+    table = open_dataset(source, split, max_line_bytes)
     columns = list(table.column_names)
     missing = [f for f in (prompt_field, answer_field) if f not in columns]
     if missing:
@@ -95,9 +97,9 @@ def _missing(source: str) -> str:
             "or a hub dataset name)")
 
 
-def open_dataset(source: str, split: str):
+def open_dataset(source: str, split: str, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES):
     """``source`` (a data file, a folder of them, or a hub name) as a ``datasets.Dataset``; ConfigError when
-    it cannot be read."""
+    it cannot be read. Local files are checked first (``check_data_files``): a bad one is named with its line."""
     import datasets
 
     datasets.disable_progress_bars()
@@ -107,10 +109,12 @@ def open_dataset(source: str, split: str):
             kind = FILE_FORMATS.get(path.suffix)
             if kind is None:
                 raise ConfigError(f"dataset file {source!r} has an unknown suffix; valid: {', '.join(FILE_FORMATS)}")
+            check_data_files(source, max_line_bytes)
             return datasets.load_dataset(kind, data_files=str(path), split=split)
         if is_local(source):
             if not path.exists():
                 raise ConfigError(_missing(source))
+            check_data_files(source, max_line_bytes)
             return datasets.load_dataset(str(path), split=split)
         return datasets.load_dataset(source, split=split)
     except ConfigError:
@@ -176,4 +180,5 @@ def data_sources(cfg, run_dir: str | Path) -> tuple[tuple[str, str], tuple[str, 
 def load_split(cfg, source: tuple[str, str], limit: int | None = None) -> list[Problem]:
     """``load_problems`` with the field names of ``cfg.data`` (prompts are the problem texts, not formatted yet)."""
     d = cfg.data
-    return load_problems(source[0], source[1], d.prompt_field, d.answer_field, d.id_field, limit, d.skip_invalid)
+    return load_problems(source[0], source[1], d.prompt_field, d.answer_field, d.id_field, limit, d.skip_invalid,
+                         d.max_line_bytes)

@@ -54,6 +54,27 @@ def check_location(location: str) -> str:
     return location
 
 
+def check_writable_folder(folder: str | os.PathLike, key: str) -> Path:
+    """``folder`` as a local path, once it (or, when missing, the nearest folder above it, where it would be
+    created) is a folder a probe file can be written to and removed from; a ConfigError naming ``key`` otherwise
+    (a file, a path under a file, a read-only or full disk). Creates nothing."""
+    from sliderl.cluster.errors import ConfigError
+
+    path = Path(folder).expanduser().absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        where = "is a file" if existing == path else f"lies under the file {existing}"
+        raise ConfigError(f"{key}={str(folder)!r} {where}, not a folder; choose a folder (it is created when missing)")
+    probe = existing / f".sliderl-write-check-{os.getpid()}"
+    try:
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as err:
+        raise ConfigError(f"{key}={str(folder)!r} cannot be written ({err.strerror or err} in {existing}); choose a "
+                          "writable folder") from None
+    return path
+
+
 class Storage:
     """Files under one root, local or remote, through ``pyarrow.fs``."""
 

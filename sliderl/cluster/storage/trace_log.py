@@ -3,7 +3,10 @@
 The log is the durable record of what was sampled. ``run_dir`` is a storage root
 (``cluster.storage.root``): a local folder or a URI such as ``s3://bucket/run``. Each ``append`` writes one
 new, complete part file ``part-NNNNNN.parquet`` (one row per trace, ``core.trace.TRACE_SCHEMA``).
-In a local folder:
+``add`` gathers traces in memory instead and ``flush`` writes them as one part (``add`` flushes by itself
+once ``part_rows`` traces wait), so a run writes a few large parts rather than one small part per group;
+the driver flushes before every checkpoint and when a session ends, so the log holds every group a
+checkpoint resolved. In a local folder:
 
     convert -> write ``.part-NNNNNN.parquet.tmp-PID`` -> fsync -> link to its final name -> fsync dir
 
@@ -30,19 +33,39 @@ from sliderl.cluster.storage.root import Storage
 from sliderl.core.trace import TRACE_SCHEMA, Trace, traces_to_table
 
 PART_NAME = "part-{:06d}.parquet"
+PART_ROWS = 2048  # traces ``add`` gathers before it writes a part by itself
 _PART_RE = re.compile(r"part-(\d+)\.parquet")
 
 
 class TraceLog:
     """Append-only Parquet log of ``Trace`` records under ``run_dir/traces/``."""
 
-    def __init__(self, run_dir: str | os.PathLike | Storage):
+    def __init__(self, run_dir: str | os.PathLike | Storage, part_rows: int = PART_ROWS):
         self.storage = run_dir if isinstance(run_dir, Storage) else Storage(run_dir)
         self.dir = self.storage.path("traces")
         self.storage.make_dir(self.dir)
         self._rows: dict[str, int] = {}  # part name -> rows; parts are immutable once named
         parts = self.parts()
         self._next = _part_number(parts[-1]) + 1 if parts else 0
+        self.part_rows = part_rows
+        self._pending: list[Trace] = []  # added, not yet written
+
+    def add(self, traces: list[Trace]) -> PurePath | None:
+        """Gather ``traces`` for the next part; once ``part_rows`` wait, write them (the part's path, else None)."""
+        self._pending.extend(traces)
+        return self.flush() if len(self._pending) >= self.part_rows else None
+
+    def flush(self) -> PurePath | None:
+        """Write every gathered trace as one part (``append``); its path, or None when none waited. A failed
+        write keeps them gathered."""
+        path = self.append(self._pending)
+        self._pending = []
+        return path
+
+    @property
+    def pending(self) -> int:
+        """Traces gathered and not yet written."""
+        return len(self._pending)
 
     def append(self, traces: list[Trace]) -> PurePath | None:
         """Write ``traces`` as one new part file; returns its path (None for an empty list).

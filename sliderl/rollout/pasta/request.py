@@ -47,9 +47,14 @@ class PastaPool:
         tokens, starting a fresh block at each promise that forks and at each ``<sync/>`` that joins (at most
         ``2 * max_forks`` part-filled blocks), and each fork its own blocks of at most ``max_tokens`` sampled
         tokens plus ``<async>`` and ``</async>``; the shared prefix counts once."""
-        end = kv_positions(prompt_len, max_tokens, self.max_model_len)
-        fork = -(-min(max_tokens + 2, self.max_model_len) // self.block_size)
-        return -(-end // self.block_size) + self.max_forks * (2 + fork)
+        return pasta_block_bound(prompt_len, max_tokens, self.max_model_len, self.block_size, self.max_forks)
+
+
+def pasta_block_bound(prompt_len: int, max_tokens: int, max_model_len: int, block_size: int, max_forks: int) -> int:
+    """``PastaPool.block_bound`` from the sizes alone."""
+    end = kv_positions(prompt_len, max_tokens, max_model_len)
+    fork = -(-min(max_tokens + 2, max_model_len) // block_size)
+    return -(-end // block_size) + max_forks * (2 + fork)
 
 
 @dataclass
