@@ -70,7 +70,8 @@ def policies_batch(model: str, seed: int) -> list[list[Trace]]:
          trace(s + 3, 22, "prefix_sliding:8", 0.5)],
         [trace(s + 11, 30, "sliding_window:8", 0.2), trace(s + 12, 50, "streaming:2:8", 0.9)],
         [trace(s + 21, 33, "full", 0.0), trace(s + 22, 28, "h2o:4", 1.0, deaths=[(8, 12, 20), (14, 16, 30)])],
-        [trace(s + 31, 45, "registers:3", 1.0, registers=regs), trace(s + 32, 20, "registers:3", 0.0, registers=regs[:2])],
+        [trace(s + 31, 45, "registers:3", 1.0, registers=regs),
+         trace(s + 32, 20, "registers:3", 0.0, registers=regs[:2])],
     ]
 
 

@@ -132,14 +132,14 @@ def test_two_ranks_take_the_step_one_rank_takes(name, model, ranks_out):
     # catches every way two ranks' step can differ from one rank's on the same groups (GRPO over every KV policy
     # with truncated windows, chunked windows with per-trace means, Dr.GRPO's constant with the sharded
     # reference and activation checkpointing, BoNBoN pairs, SFT): the loss and its normaliser (planted: the
-    # totals of a rank's own units, token_mean's loss and gradients double), the sum of the ranks' gradients
-    # (planted: FSDP2's default mean, the gradients halve; rank 1's loss scaled by 0, its share missing), the
-    # clipping by the global norm (planted: each rank's own norm, the clipped gradients differ; every GRPO case
-    # clips at 0.05), the split (planted: balanced_partition dropping a unit, a window is missing from
-    # num_windows and the loss), BoNBoN's pairs (planted: each trace its own unit, a pair's halves on two ranks:
-    # bonbon_loss gets chosen rows without their rejected ones and raises). Checked: the step's metrics, the
-    # clipped gradients after step 1 (Adam's first steps are nearly scale-free, so weights alone would miss a
-    # scale), and the weights after two steps.
+    # totals of a rank's own units), the sum of the ranks' gradients (planted: a gradient divide factor of 2,
+    # FSDP2's default mean; rank 1's loss scaled by 0, its share missing), the clipping by the global norm
+    # (planted: the norm of each rank's local shards; every GRPO case clips at 0.05), the split (planted:
+    # balanced_partition dropping a unit: a window is missing from num_windows and the loss), BoNBoN's pairs
+    # (planted: each trace its own unit, so a pair's halves land on two ranks: bonbon_loss gets chosen rows
+    # without their rejected ones and the ranks fail). Each planted bug fails these cases. Checked: the
+    # step's metrics, the clipped gradients after step 1 (Adam's first steps are nearly scale-free, so the
+    # weights alone would miss a scale), and the weights after two steps.
     got, ref = torch.load(ranks_out / f"{name}.pt"), one_rank(name, model)
     for mine, theirs in zip(got["metrics"], ref["metrics"]):
         assert {k: mine[k] for k in COUNTS} == {k: theirs[k] for k in COUNTS}
@@ -152,11 +152,10 @@ def test_two_ranks_take_the_step_one_rank_takes(name, model, ranks_out):
 
 @pytest.mark.slow
 def test_master_weights_are_the_sharded_float32_parameters(model, ranks_out):
-    # catches: a sharded bf16 learner without float32 masters (planted: storage_dtype bf16 under master_weights:
-    # AdamW's 1e-4 steps round away on weights above ~0.05 and the masters lag by ~1e-4) and masters that the
-    # compute does not use (the gradients then differ by more than bf16 accumulation). bf16 compute: the one-rank
+    # catches: a sharded bf16 learner without float32 masters (planted: storage_dtype bf16 under master_weights;
+    # the ranks' run then fails outright) and masters the compute does not follow. bf16 compute: the one-rank
     # learner accumulates its micro-batches' gradients in bf16, FSDP2 reduces them in float32, so the bounds
-    # are bf16's: gradient norms within 1%, masters within a tenth of lr on average
+    # are bf16's: gradient norms within 1%, the float32 masters after step 1 within a tenth of lr on average
     got, ref = torch.load(ranks_out / "masters.pt"), one_rank("masters", model)
     assert got["metrics"][0]["grad_norm"] == pytest.approx(ref["metrics"][0]["grad_norm"], rel=1e-2)
     masters = torch.load(ranks_out / "resume_masters.pt")["saved"]["params"]  # after step 1 of the same learner
@@ -197,10 +196,10 @@ def test_a_checkpoint_of_two_ranks_resumes_at_one_with_its_optimizer_state(dtype
 @pytest.mark.parametrize("dtype", ["fp32", "masters"])
 def test_a_checkpoint_of_one_rank_resumes_at_two_with_its_optimizer_state(dtype, model, ranks_out):
     # catches: a one-rank checkpoint (optimizer state keyed by index, MasterAdamW's masters beside it) that
-    # two ranks cannot shard, or shard onto the wrong parameters (planted: by_name keying the state by
-    # reversed names: shapes differ, set_optimizer_state_dict raises; masters not passed to set_full_state:
-    # the sharded float32 parameters are the bf16 weights). The two ranks' state right after loading must
-    # be the one-rank learner's after its step 1; their next step the one-rank learner's step 2 (fp32).
+    # two ranks cannot shard, or shard without its masters (planted: masters not passed to set_full_state, the
+    # sharded float32 parameters are the bf16 weights of the checkpoint's HF files). The two ranks' state right
+    # after loading must be the one-rank learner's after its step 1; their next step the one-rank learner's
+    # step 2 (fp32).
     name = f"from1_{dtype}"
     got, ref = torch.load(ranks_out / f"{name}.pt"), one_rank(name, model)
     args, batches = scenario(name, str(model))

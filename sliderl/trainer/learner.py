@@ -201,7 +201,8 @@ class Learner:
         total = dict(parts[0][0])
         for other, _ in parts[1:]:
             for key, value in other.items():
-                total[key] = max(total.get(key, value), value) if key == "logprob_diff_max" else total.get(key, 0.0) + value
+                largest = key == "logprob_diff_max"
+                total[key] = max(total.get(key, value), value) if largest else total.get(key, 0.0) + value
         failed = next((error for _, error in parts if error is not None), None)
         if failed is not None:
             self.optimizer.zero_grad(set_to_none=True)

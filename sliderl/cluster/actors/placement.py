@@ -190,8 +190,8 @@ def _amount(section, key: str) -> float:
 def _lower_hint(key: str) -> str:
     if key in ("CPU", "GPU"):
         name = f"num_{key.lower()}s"
-        return (f"lower learner.{name}, learner.num_ranks, rollout.{name} or rollout.num_workers, or give the cluster more "
-                f"(ray.{name} for a local instance)")
+        return (f"lower learner.{name}, learner.num_ranks, rollout.{name} or rollout.num_workers, or give the "
+                f"cluster more (ray.{name} for a local instance)")
     return (f"lower learner.resources.{key} or rollout.resources.{key}, or start nodes with more "
             f"(ray start --resources='{{\"{key}\": N}}')")
 
