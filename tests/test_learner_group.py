@@ -65,7 +65,7 @@ def test_a_sharded_learner_set_wrong_is_one_line_before_ray(overrides, message, 
 
 def test_each_rank_gets_a_bundle_before_the_workers(model_dir, tmp_path):
     # catches: ranks sharing one bundle (two ranks' GPUs reserved as one), workers placed in a learner rank's
-    # bundle (planted: worker_bundle returning 1 + worker_id, worker 0 lands in rank 1's bundle), and
+    # bundle (planted: worker_bundle returning 1 + worker_id, worker 0 lands in rank 1's bundle: this fails), and
     # rank_resources not reaching their rank
     cfg = load_config(TrainConfig, None, [*tiny_overrides(model_dir, tmp_path), "learner.num_ranks=3",
                                           "learner.resources={gpu_node: 1}", "rollout.num_workers=2",
@@ -150,10 +150,9 @@ def killed_rank_run(ray_session, model_dir, tmp_path_factory):
 @pytest.mark.timeout(900)
 def test_a_killed_learner_rank_restarts_the_group_from_its_checkpoint(killed_rank_run):
     # catches: a run that hangs (rank 0 waiting forever in a collective with the dead rank) or ends when one
-    # rank dies; a group restarted without the dead rank (planted: LearnerGroup.kill skipping ranks > 0, the
-    # new session's rank 1 cannot take the bundle and the run stalls until its timeout), a step half applied
-    # or a group trained twice (the step after the kill is redone from the step-1 checkpoint), and a restart
-    # the summary does not count (planted: StepReport.learner_restarts not filled, the summary says 0)
+    # rank dies, a step half applied or a group trained twice (the step after the kill is redone from the
+    # step-1 checkpoint by a new group of two ranks), and a restart the summary does not count (planted: the
+    # driver's StepReport without learner_restarts, the summary says 0)
     result, kills, pids = killed_rank_run
     assert len(kills) == 1 and result.state.step == 3 and result.state.learner_restarts == 1
     assert kills[0] not in pids[-1] and len(pids[-1]) == 2  # both ranks of the last step are new processes
