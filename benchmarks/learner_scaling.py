@@ -82,6 +82,8 @@ def build_model(shape: str, root: Path, device: str) -> Path:
     model.save_pretrained(out)
     build_tokenizer().save_pretrained(str(out))
     del model
+    if device == "cuda":
+        torch.cuda.empty_cache()  # the rows' processes need the GPU
     return out
 
 
