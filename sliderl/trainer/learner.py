@@ -327,11 +327,12 @@ class Learner:
     def _accumulate(self, batch: MicroBatch, totals: Totals, sums: dict[str, float]) -> None:
         """Forward, loss share, backward for one micro-batch; adds token-weighted metrics to ``sums``."""
         backend = self.args.attention
-        for row, lp in zip(batch.rows, batch.packed.split(packed_logprobs(self.model, batch.packed, backend))):
+        logprobs = packed_logprobs(self.model, batch.packed, backend, device=self.device)
+        for row, lp in zip(batch.rows, batch.packed.split(logprobs)):
             row.logprobs = lp
         if self.reference is not None:
             with torch.no_grad():
-                ref = packed_logprobs(self.reference, batch.packed, backend)
+                ref = packed_logprobs(self.reference, batch.packed, backend, device=self.device)
             for row, lp in zip(batch.rows, batch.packed.split(ref)):
                 row.ref_logprobs = lp
         for row in batch.rows:
@@ -352,10 +353,10 @@ class Learner:
         if self._padding is None:
             self._padding = pack_windows([window_input([0], [0], self._bind("full"), 1.0)])
         backend = self.args.attention  # the collectives of _accumulate, in its order: forward, reference, backward
-        logprobs = packed_logprobs(self.model, self._padding, backend)
+        logprobs = packed_logprobs(self.model, self._padding, backend, device=self.device)
         if self.reference is not None:
             with torch.no_grad():
-                packed_logprobs(self.reference, self._padding, backend)
+                packed_logprobs(self.reference, self._padding, backend, device=self.device)
         (logprobs.sum() * 0.0).backward()
 
     def _add_metrics(self, batch: MicroBatch, loss_metrics: dict[str, float], sums: dict[str, float]) -> None:
@@ -410,7 +411,7 @@ class Learner:
         self.model.eval()
         try:
             for batch in self._micro_batches(rows, inputs):
-                logits = packed_logits(self.model, batch.packed, self.args.attention)  # [M, V]
+                logits = packed_logits(self.model, batch.packed, self.args.attention, self.device)  # [M, V]
                 targets = batch.packed.target_ids.to(logits.device)
                 mask = torch.cat([r.loss_mask for r in batch.rows]).to(logits.device)
                 nll -= float(logits.log_softmax(-1).gather(1, targets[:, None])[:, 0][mask].sum())
