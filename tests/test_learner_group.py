@@ -41,7 +41,7 @@ def weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
     (["learner.num_ranks=2", "learner.device=cuda", "learner.num_gpus=0"],
      "learner.num_gpus=0: each rank of a sharded learner (learner.num_ranks=2, NCCL) needs a GPU of its own"),
     (["learner.num_ranks=2", "learner.device=cuda:1", "learner.num_gpus=1"],
-     "learner.device=cuda:1 pins one GPU, but each rank of a sharded learner"),
+     "learner.device=cuda:1 pins one GPU, but each of learner.num_ranks=2 ranks uses the GPU Ray gives it"),
     (["learner.offload=cpu"], "offload must be 'none' with device 'cpu'"),
     (["learner.num_ranks=2", "learner.rank_resources=[{node_a: 1}]"],
      "rank_resources must list one entry per rank (num_ranks=2) or none, got 1"),

@@ -368,12 +368,13 @@ class TrainConfig(Section):
                              "engine.device=cuda (use object_store or broadcast on CPU)")
 
     def _check_learner_ranks(self) -> None:
+        """Ranks on CUDA each need a GPU of their own (NCCL runs one rank per GPU); one rank may share its GPU."""
         learner = self.learner
-        if not learner.sharded or not learner.device.startswith("cuda"):
+        if learner.num_ranks == 1 or not learner.device.startswith("cuda"):
             return
         if learner.device != "cuda":
-            raise ValueError(f"learner.device={learner.device} pins one GPU, but each rank of a sharded learner "
-                             f"(learner.num_ranks={learner.num_ranks}) uses the GPU Ray gives it: set learner.device=cuda")
+            raise ValueError(f"learner.device={learner.device} pins one GPU, but each of learner.num_ranks="
+                             f"{learner.num_ranks} ranks uses the GPU Ray gives it: set learner.device=cuda")
         if learner.num_gpus != 1:
             raise ValueError(f"learner.num_gpus={learner.num_gpus:g}: each rank of a sharded learner "
                              f"(learner.num_ranks={learner.num_ranks}, NCCL) needs a GPU of its own, so "
