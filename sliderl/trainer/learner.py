@@ -123,7 +123,7 @@ class Learner:
 
     def _make_optimizer(self) -> torch.optim.Optimizer:
         return make_optimizer(self.model.parameters(), self.args.lr, self.args.weight_decay, self.args.adam_betas,
-                              self.args.master_weights)
+                              self.args.master_weights, self.parallel.optimizer_foreach)
 
     def _bind(self, spec: str) -> KVPolicy:
         """The parsed policy bound to the tokenizer's ids; grows the vocabulary (and optimizer) if it must."""
@@ -472,6 +472,8 @@ class Learner:
         state = load_trainer_state(path)
         learner = cls(str(path), args or LearnerArgs.from_dict(state["args"]), parallel=parallel)
         learner.parallel.load_training_state(Path(path), state, learner.model, learner.optimizer)
+        for group in learner.optimizer.param_groups:  # the saved groups bring the saving learner's choice
+            group["foreach"] = learner.parallel.optimizer_foreach
         learner.version = int(state["version"])
         rngs = state.get("rank_rng") or [state["rng"]]
         set_rng_state(rngs[learner.parallel.rank] if learner.parallel.rank < len(rngs) else state["rng"])

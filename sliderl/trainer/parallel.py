@@ -81,6 +81,7 @@ class Parallel:
     rank: int = 0
     world_size: int = 1
     sharded: bool = False
+    optimizer_foreach: bool | None = None  # AdamW's foreach kernels: torch's choice
 
     def storage_dtype(self, dtype: str, master_weights: bool) -> torch.dtype:
         """The dtype the model's parameters are loaded in."""
@@ -145,6 +146,9 @@ class FSDPParallel(Parallel):
     """Rank ``rank`` of a process group of ``world_size`` learner ranks, training an FSDP2-sharded model."""
 
     sharded = True
+    # AdamW one parameter at a time: its foreach kernels hold a temporary as large as all the moments (4 bytes
+    # per parameter: 28 GiB for a 7B model on one GPU, where the state alone is 113 GiB)
+    optimizer_foreach = False
 
     def __init__(self, mesh, rank: int, world_size: int):
         self.mesh, self.rank, self.world_size = mesh, rank, world_size
