@@ -312,7 +312,8 @@ def main(argv: list[str] | None = None) -> None:
         args.seq = args.seq[0]
         return rank_main(args)
     args.out.mkdir(parents=True, exist_ok=True)
-    model = build_model(args.shape, args.out, "cpu" if args.cpu_smoke else "cuda")
+    # the 7B is initialised on the CPU: this process then holds no GPU memory while the rows run
+    model = build_model(args.shape, args.out, "cpu" if args.cpu_smoke or args.shape == "7b" else "cuda")
     rows = add_rates([run_row(args, model, ranks, seq, args.out) for seq in args.seq for ranks in args.ranks], model)
     with (args.out / "results.jsonl").open("a") as f:
         for row in rows:
