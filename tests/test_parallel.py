@@ -56,6 +56,9 @@ def model(tiny_model_factory) -> Path:
     return tiny_model_factory("qwen3", tie_word_embeddings=False, dtype=torch.bfloat16)
 
 
+FIRST: dict[str, dict] = {}  # from1_*: the one-rank learner's state after step 1, which it checkpointed
+
+
 @pytest.fixture(scope="module")
 def ranks_out(model, tmp_path_factory) -> Path:
     """Every scenario run by two ranks; before that, the one-rank checkpoints after step 1 that ``from1_*`` resume."""
@@ -65,15 +68,21 @@ def ranks_out(model, tmp_path_factory) -> Path:
         learner = Learner(str(model), args)
         learner.step(batches[0])
         learner.save_checkpoint(out / f"{name}.from")
+        FIRST[name] = one_rank_state(learner)
     procs, _store = start_ranks(model, out, [*SCENARIOS, *RESUMES])
     results = finish(procs, timeout_s=600)
     assert [code for code, _ in results] == [0] * WORLD, "\n".join(out[-6000:] for _, out in results)
     return out
 
 
-@functools.cache
 def one_rank(name: str, model: Path) -> dict:
-    """The one-process learner's record of scenario ``name``, as learner_ranks.run records the ranks'."""
+    """The one-process learner's record of scenario ``name`` (a resume: of its base scenario, uninterrupted), as
+    learner_ranks.run records the ranks'."""
+    return _one_rank(RESUMES.get(name, name), model)
+
+
+@functools.cache
+def _one_rank(name: str, model: Path) -> dict:
     args, batches = scenario(name, str(model))
     learner = Learner(str(model), args)
     record = {"metrics": [learner.step(batches[0]).as_dict()],
@@ -160,9 +169,7 @@ def test_master_weights_are_the_sharded_float32_parameters(model, ranks_out):
     assert got["metrics"][0]["grad_norm"] == pytest.approx(ref["metrics"][0]["grad_norm"], rel=1e-2)
     masters = torch.load(ranks_out / "resume_masters.pt")["saved"]["params"]  # after step 1 of the same learner
     assert all(m.dtype == torch.float32 for m in masters.values())
-    first = Learner(str(model), scenario("masters", str(model))[0])
-    first.step(scenario("masters", str(model))[1][0])
-    d = differences(masters, one_rank_state(first)["params"])
+    d = differences(masters, FIRST["from1_masters"]["params"])  # the one-rank masters after that step
     assert d.mean() < 1e-5, d.mean().item()
 
 
@@ -202,10 +209,7 @@ def test_a_checkpoint_of_one_rank_resumes_at_two_with_its_optimizer_state(dtype,
     # step 2 (fp32).
     name = f"from1_{dtype}"
     got, ref = torch.load(ranks_out / f"{name}.pt"), one_rank(name, model)
-    args, batches = scenario(name, str(model))
-    first = Learner(str(model), args)
-    first.step(batches[0])
-    state = one_rank_state(first)
+    state = FIRST[name]
     assert differences(got["loaded"]["params"], state["params"]).max() == 0
     for key in ("step", "exp_avg", "exp_avg_sq"):
         assert differences({n: s[key] for n, s in got["loaded"]["adamw"].items()},
