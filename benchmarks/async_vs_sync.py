@@ -79,7 +79,7 @@ def time_sync(args, model_dir: Path, backend: str, group: str, device: str) -> d
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    from sliderl.cluster.actors.learner import make_learner
+    from sliderl.cluster.actors.learner_group import make_learner
     from sliderl.cluster.actors.placement import make_queue
     from sliderl.cluster.actors.rollout_worker import make_worker
     from sliderl.cluster.actors.weight_sync import WeightSync
@@ -108,7 +108,8 @@ def time_sync(args, model_dir: Path, backend: str, group: str, device: str) -> d
         sync = WeightSync(backend, group, device, timeout_s=600)
         seconds = [sync.publish(0, learner, workers).seconds for _ in range(args.repeats + 1)][1:]
     finally:
-        for actor in [learner, queue.actor, *workers.values()]:
+        learner.kill()
+        for actor in [queue.actor, *workers.values()]:
             ray.kill(actor, no_restart=True)
         remove_placement_group(pg)
     return {"backend": backend if backend != "broadcast" else f"broadcast ({group})", "device": device,

@@ -55,7 +55,7 @@ def time_sync(args, model_dir: Path, backend: str) -> dict:
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    from sliderl.cluster.actors.learner import make_learner
+    from sliderl.cluster.actors.learner_group import make_learner
     from sliderl.cluster.actors.placement import make_queue
     from sliderl.cluster.actors.rollout_worker import make_worker
     from sliderl.cluster.actors.weight_sync import WeightSync
@@ -76,7 +76,8 @@ def time_sync(args, model_dir: Path, backend: str) -> dict:
         sync = WeightSync(backend, "gloo" if args.cpu_smoke else "nccl", device, timeout_s=600)
         seconds = [sync.publish(0, learner, workers).seconds for _ in range(args.repeats + 1)][1:]  # the learner holds version 0
     finally:
-        for actor in [learner, queue.actor, *workers.values()]:
+        learner.kill()
+        for actor in [queue.actor, *workers.values()]:
             ray.kill(actor, no_restart=True)
         remove_placement_group(pg)
     return {"backend": backend, "median_s": statistics.median(seconds), "min_s": min(seconds), "max_s": max(seconds)}

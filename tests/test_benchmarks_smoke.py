@@ -332,3 +332,25 @@ def test_regress_flags_a_drop_beyond_the_tolerance_either_way_round():
     assert value_of(batch1, rows) == 453.8  # the row whose fields all match, not the first row
     with pytest.raises(SystemExit):
         main(["--only", "no-such-headline"])
+
+
+# ---------------------------------------------------------------------------- benchmarks/learner_scaling.py
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_learner_scaling_smoke_has_a_row_per_rank_count_at_the_same_global_batch(tmp_path):
+    # catches: the benchmark's rank processes, its sync receiver or its rates failing on the CPU (the GPU batch
+    # would then fail on the device instead), a global batch that shrinks with the ranks, where both rows must
+    # feed the model 8 traces x 63 inputs = 504
+    # per step (16 prompt + 48 generated tokens, each but the last an input: the Learner's num_tokens), a sync
+    # never timed (sync_s missing or 0), and scaling not taken over the 1-rank row
+    out = subprocess.run([sys.executable, "benchmarks/learner_scaling.py", "--cpu-smoke", "--sync", "--out",
+                          str(tmp_path)], capture_output=True, text=True, timeout=500)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert [(r["ranks"], r["seq"], r["status"]) for r in rows] == [(1, 64, "ok"), (2, 64, "ok")], rows
+    for r in rows:
+        assert r["num_tokens"] == 8 * 63 and r["tok_s"] == pytest.approx(504 / r["step_s"]) and r["sync_s"] > 0
+        assert 0 < r["mfu"] < 1
+    assert rows[0]["scaling"] == 1.0 and rows[1]["scaling"] == pytest.approx(rows[1]["tok_s"] / rows[0]["tok_s"])

@@ -68,7 +68,7 @@ def sync_run(ray_session, model_dir, tmp_path_factory):
             seen["worker_version"] = ray_session.get(session.pool.handles[0].status.remote()).version
             seen["learner_args"] = ray_session.get(session.learner.args.remote())
             seen["engine_args"] = ray_session.get(session.pool.handles[0].engine_args.remote())
-            handles = {"learner": session.learner, "rollout-0": session.pool.handles[0],
+            handles = {"learner": session.learner.actors[0], "rollout-0": session.pool.handles[0],
                        "trace-queue": session.queue.actor}
             seen["named"] = {role: ray_session.get_actor(expected_actor_name(run_dir, role))._actor_id
                              == handle._actor_id for role, handle in handles.items()}

@@ -162,7 +162,7 @@ def test_a_failed_broadcast_is_published_again(ray_session, model_dir, tmp_path)
     # and worker 1 stays fenced.
     import time
 
-    from sliderl.cluster.actors.learner import make_learner
+    from sliderl.cluster.actors.learner_group import make_learner
     from sliderl.cluster.actors.placement import make_queue, release, reserve
     from sliderl.cluster.actors.rollout_worker import make_worker
     from sliderl.cluster.actors.weight_sync import WeightSync
@@ -192,7 +192,8 @@ def test_a_failed_broadcast_is_published_again(ray_session, model_dir, tmp_path)
         learner_weight = ray_session.get(learner.parameter.remote(WEIGHT))
         assert all(ray_session.get(w.parameter.remote(WEIGHT)) == learner_weight for w in workers.values())
     finally:
-        for actor in [learner, queue.actor, *workers.values()]:
+        learner.kill()
+        for actor in [queue.actor, *workers.values()]:
             ray_session.kill(actor, no_restart=True)
         release(pg)
 

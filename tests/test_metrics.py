@@ -222,7 +222,8 @@ def test_monitor_config_documents_and_checks_every_key():
 # metrics.jsonl keys that tests, benchmarks and users' dashboards read
 JSONL_KEYS = {"reward", "accuracy", "visible_kv", "peak_visible_kv", "completion_tokens", "rollout_tokens_per_s",
               "stale_groups_dropped", "staleness_mean", "staleness_max", "queue_depth", "version",
-              "worker_restarts", "duplicate_groups", "reissued_groups", "learner_step_seconds", "preempted_traces"}
+              "worker_restarts", "duplicate_groups", "reissued_groups", "learner_step_seconds", "preempted_traces",
+              "learner_restarts"}
 
 
 def step_report(**overrides) -> StepReport:
@@ -273,7 +274,8 @@ def test_summary_reads_the_step_reports_metrics(tmp_path):
     monitor = Monitor(tmp_path, MonitorConfig(wandb=WandbConfig(mode="disabled")), total_steps=2)
     monitor.log(1, step_report().as_dict())
     monitor.log(2, step_report(reward=0.75, visible_kv=50.0, stale_groups_dropped=0,
-                               learner_step_seconds=0.75, preempted_traces=0.5).as_dict())
+                               learner_step_seconds=0.75, preempted_traces=0.5, learner_restarts=1,
+                               worker_restarts=2).as_dict())
     summary = monitor.finish()
     assert "0.5000 (step 1) -> 0.7500 (step 2)" in summary  # reward
     assert "0.2500 (step 1) -> 0.2500 (step 2)" in summary  # accuracy
@@ -282,6 +284,9 @@ def test_summary_reads_the_step_reports_metrics(tmp_path):
     assert "1.000 s" in summary  # learner step (1.25 + 0.75) / 2
     assert "stale dropped    3 groups" in summary  # 3 + 0
     assert "preempted        25.0% of the traces" in summary  # (0 + 0.5) / 2
+    # catches: restarts missing from the summary (issue 36: a learner rank that died is restarted and counted);
+    # both counts are running totals, so the last step's: 1 learner, 2 rollout worker (not the sums 1, 2 + 0)
+    assert "restarts         1 learner, 2 rollout worker" in summary
     assert (tmp_path / "reward.png").is_file() and (tmp_path / "visible_kv.png").is_file()
     with pytest.raises(AttributeError, match="no metric 'visible_kv_tokens'"):
         KEYS.visible_kv_tokens

@@ -2,6 +2,8 @@
 on 127.0.0.1, the real pyarrow S3 client; every check reads the bucket with boto3 and pyarrow, not
 through sliderl), and a run on a real two-node Ray cluster that writes its checkpoints, traces and
 driver state there, loses every local folder, and is resumed by a fresh driver from the bucket alone.
+Its learner has two ranks, one on each node (issue 36): gradients, checkpoint shards and the weight
+sync cross the node boundary.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BUCKET = "sliderl"
 CKPT_FILES = {"config.json", "model.safetensors", "trainer_state.pt", "tokenizer.json", "driver_state.json",
               "manifest.json", "COMPLETE"}
+SHARD_FILES = {".metadata", "__0_0.distcp", "__1_0.distcp"}  # a learner of two ranks: its optimizer's shard set
 
 
 # ------------------------------------------------------------------------------ the S3 server
@@ -308,12 +311,15 @@ def namespaces_work() -> bool:
 
 
 def job(model: Path, steps: int, *extra: str) -> list[str]:
-    """The tiny job on the cluster: sync GRPO with learner and workers pinned to node b, a 3-step warm
-    start pinned to the head (node a), run_dir and the warm start's cache in the bucket."""
+    """The tiny job on the cluster: sync GRPO with a learner of two ranks, rank 0 pinned to node a and rank 1 to
+    node b (so its gradients, its checkpoint shards and the weight sync cross the node boundary), the worker
+    pinned to node b, a 3-step warm start pinned to the head (node a), run_dir and the warm start's cache in
+    the bucket."""
     return [*tiny_overrides(model, RUN), "train.mode=sync", f"train.steps={steps}", "checkpoint.every=1",
             "warmstart.enabled=true", f"warmstart.cache_dir=s3://{BUCKET}/warmstart", "warmstart.sft.steps=3",
             "warmstart.sft.batch_size=4", "warmstart.sft.log_every=1", "warmstart.data.held_out=2",
-            "warmstart.num_cpus=1", "warmstart.resources={node_a: 1}", "learner.resources={node_b: 1}",
+            "warmstart.num_cpus=1", "warmstart.resources={node_a: 1}", "learner.num_ranks=2",
+            "learner.num_cpus=0.5", "learner.rank_resources=[{node_a: 1}, {node_b: 1}]",
             "rollout.resources={node_b: 1}",
             *extra]
 
@@ -360,10 +366,13 @@ def test_a_run_on_two_nodes_writes_checkpoints_traces_and_state_to_the_bucket(tw
     # put it. Each node's TMPDIR is a tmpfs only that node's processes see. Planted: RolloutWorker
     # building its engine from ``model.path`` (the warm start's folder, on the head) instead of
     # local_folder(model), run 1 fails on node b (FileNotFoundError: model path .../a/tmp/...);
-    # the warm start run in the driver process, the head has no copy of its checkpoint.
+    # the warm start run in the driver process, the head has no copy of its checkpoint. And (issue 36) a
+    # learner whose rank 1 runs on node b: each rank uploads its own shard of the optimizer state from its
+    # node, and the manifest lists every rank's. Planted: LearnerActor.save_checkpoint uploading on rank 0
+    # only, the checkpoints lack __1_0.distcp, fail their manifest check, and run 2 finds none to resume.
     out, _ = two_runs
     ckpt = bucket_file(out, 1, "run/checkpoints/step_000002")
-    assert CKPT_FILES <= {p.name for p in ckpt.iterdir()}
+    assert CKPT_FILES | SHARD_FILES <= {p.name for p in ckpt.iterdir()}
     for name, entry in json.loads((ckpt / "manifest.json").read_text())["files"].items():
         assert hashlib.sha256((ckpt / name).read_bytes()).hexdigest() == entry["sha256"], name
     state = json.loads(bucket_file(out, 1, "run/driver_state.json").read_text())

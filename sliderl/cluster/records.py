@@ -137,6 +137,8 @@ class StepReport:
     preempted_traces: float = 0.0
     """fraction of the trained traces the engine preempted at least once (its blocks taken back, recomputed
     later): more was in flight than the KV pool holds (``full`` attention's KV grows with the trace)"""
+    learner_restarts: int = 0
+    """learner (group) restarts from a checkpoint so far in the run"""
     prompt_tokens: float | None = None
     """mean prompt tokens of the trained traces (the reference line of visible_kv.png)"""
     speedup: float | None = None

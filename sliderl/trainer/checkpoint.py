@@ -49,12 +49,14 @@ def read_hf_source(source_dir: str | Path) -> tuple[Any, str | None]:
             generation.read_text() if generation.is_file() else None)
 
 
-def save_hf_model(model: DecoderLM, tokenizer, source: tuple[Any, str | None], out_dir: str | Path) -> Manifest:
+def save_hf_model(model: DecoderLM, tokenizer, source: tuple[Any, str | None], out_dir: str | Path,
+                  weights: dict[str, torch.Tensor] | None = None) -> Manifest:
     """Write ``model`` (its current vocabulary size) with ``tokenizer`` to ``out_dir`` in HF layout.
 
     ``source``: ``read_hf_source`` of the directory the model was loaded from; its config is reused
     with ``vocab_size`` updated. Tied embeddings are stored once, as transformers stores them.
-    Returns the entries of the files written.
+    ``weights``: the tensors to write by HF name (a sharded model's gathered weights); default the
+    model's parameters. Returns the entries of the files written.
     """
     config, generation_text = copy.deepcopy(source[0]), source[1]
     out = Path(out_dir)
@@ -66,7 +68,7 @@ def save_hf_model(model: DecoderLM, tokenizer, source: tuple[Any, str | None], o
         (out / GENERATION_CONFIG).write_text(generation_text)
         small.append(out / GENERATION_CONFIG)
     manifest = Manifest({f.name: hash_file(f) for f in small if f.is_file()})
-    weights = dict(model.named_parameters())
+    weights = dict(model.named_parameters()) if weights is None else weights
     manifest.add(MODEL_FILE, write_safetensors(out / MODEL_FILE, weights, metadata={"format": "pt"}))
     return manifest
 

@@ -7,6 +7,11 @@ micro-batches of about ``micro_batch_tokens`` input tokens -> per micro-batch: r
 
 Every micro-batch loss is that micro-batch's share of the step's loss (see ``trainer.algorithms``),
 so the accumulated gradient is the gradient of one loss over the whole step, whatever the packing.
+
+The same class trains at one rank and at N (``trainer.parallel``): every rank selects over all of the
+step's groups (so the totals that normalise the loss are global), takes its own units of the token-balanced
+split, and runs as many micro-batches as the busiest rank (padding with zero-weight ones); FSDP2 sums the
+gradients over ranks and clipping uses their global norm.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 
 import torch
 
@@ -21,7 +27,7 @@ from sliderl.core.kv_policy import KVPolicy, register_tokens
 from sliderl.core.loader import DTYPES, load_model, load_tokenizer
 from sliderl.core.pasta import PastaLayout, PastaTokenIds
 from sliderl.core.trace import Trace
-from sliderl.core.vocab import bind_policy_vocab
+from sliderl.core.vocab import bind_policy_vocab, policy_tokens
 from sliderl.trainer.algorithms import Algorithm, Row, Selection, Totals, make_algorithm
 from sliderl.trainer.checkpoint import (
     TRAINER_STATE,
@@ -40,10 +46,12 @@ from sliderl.trainer.logprobs import (
     pack_windows,
     packed_logits,
     packed_logprobs,
+    window_input,
 )
 from sliderl.trainer.manifest import Manifest, check_intact
 from sliderl.trainer.metrics import Evaluation, StepMetrics
 from sliderl.trainer.optimizer import make_optimizer
+from sliderl.trainer.parallel import Parallel
 from sliderl.trainer.windows import training_windows
 
 WINDOWED_KINDS = ("prefix_sliding", "sliding_window", "streaming")
@@ -67,40 +75,55 @@ class Learner:
     ``args.vocab_policy`` (e.g. ``registers:N``) adds that policy's tokens before the first step and
     weight sync (a registers trace can also grow the vocabulary lazily, but only before step 1).
     The optimizer is AdamW over every parameter at ``args.lr_at(version)``, in the model's dtype or, with
-    ``args.master_weights``, over float32 master copies (``trainer.optimizer``).
+    ``args.master_weights``, over float32 master copies (``trainer.optimizer``; sharded: FSDP2's float32
+    sharded parameters). ``parallel``: this rank of a sharded learner (``trainer.parallel.FSDPParallel``);
+    default one process and the plain model.
     """
 
-    def __init__(self, model_path: str, args: LearnerArgs | None = None, **kwargs):
+    def __init__(self, model_path: str, args: LearnerArgs | None = None, parallel: Parallel | None = None, **kwargs):
         args = LearnerArgs(**kwargs) if args is None else replace(args, **kwargs)
         self.algorithm: Algorithm = make_algorithm(args.algo)
         if self.algorithm.needs_reference and args.reference_model_path is None:
             args = replace(args, reference_model_path=str(model_path))  # checkpoints keep the initial model
         self.args = args
+        self.parallel = parallel or Parallel()
         torch.manual_seed(args.seed)
         self.model_path = str(model_path)
         self.device = torch.device(args.device)
-        self.model = load_model(model_path, dtype=DTYPES[args.dtype], device=self.device).train()
+        self.model = load_model(model_path, dtype=self.parallel.storage_dtype(args.dtype, args.master_weights),
+                                device=self.parallel.load_device(self.device)).train()
         self.model.gradient_checkpointing = args.gradient_checkpointing
         self.tokenizer = load_tokenizer(model_path)
         self._hf_source = read_hf_source(model_path)  # model_path may be a checkpoint that gets pruned
         self.reference = self._load_reference() if self.algorithm.needs_reference else None
-        self.optimizer = self._make_optimizer()
+        self.optimizer: torch.optim.Optimizer | None = None  # made once the vocabulary is complete
         self.version = 0
         self._policies: dict[str, KVPolicy] = {}
         self._pasta_tags: PastaTokenIds | None = None  # looked up at the first pasta trace
         self.vocab_policy = self._bind(args.vocab_policy) if args.vocab_policy else None
         self._bind("full")  # grows the model when the tokenizer already has more tokens, as the engine does
+        self._parallelize()
+        self.optimizer = self._make_optimizer()
+        self._padding: PackedWindows | None = None  # a zero-weight micro-batch, built on first use
 
     # ---- set-up -------------------------------------------------------------------------------
     def _load_reference(self):
-        reference = load_model(self.args.reference_model_path, dtype=DTYPES[self.args.dtype], device=self.device)
+        reference = load_model(self.args.reference_model_path, dtype=DTYPES[self.args.dtype],
+                               device=self.parallel.load_device(self.device))
         if len(self.tokenizer) > reference.config.vocab_size:
             reference.resize_vocab(len(self.tokenizer))
         return reference.eval().requires_grad_(False)
 
+    def _parallelize(self) -> None:
+        """Wrap the model (and the frozen reference) for this learner's ranks; one process: nothing to do."""
+        a = self.args
+        self.model = self.parallel.parallelize(self.model, a.dtype, a.master_weights, a.reduce_dtype, a.offload)
+        if self.reference is not None:
+            self.reference = self.parallel.parallelize(self.reference, a.dtype, False, a.reduce_dtype, a.offload)
+
     def _make_optimizer(self) -> torch.optim.Optimizer:
         return make_optimizer(self.model.parameters(), self.args.lr, self.args.weight_decay, self.args.adam_betas,
-                              self.args.master_weights)
+                              self.args.master_weights, self.parallel.optimizer_foreach)
 
     def _bind(self, spec: str) -> KVPolicy:
         """The parsed policy bound to the tokenizer's ids; grows the vocabulary (and optimizer) if it must."""
@@ -113,12 +136,16 @@ class Learner:
             raise ValueError(f"a {spec} trace needs <reg_i> tokens this learner's vocabulary lacks, and growing it "
                              f"after {self.version} steps would reset the optimizer; build the Learner with "
                              f"vocab_policy={spec!r}")
+        if self.parallel.sharded and self.optimizer is not None and any(t not in vocab for t in policy_tokens(policy)):
+            raise ValueError(f"a {spec} trace needs tokens this learner's vocabulary lacks, and a sharded learner's "
+                             f"vocabulary is fixed when it is built; build the Learner with vocab_policy={spec!r}")
         before = self.model.config.vocab_size
         bound = bind_policy_vocab(policy, self.tokenizer, self.model)
         if self.model.config.vocab_size != before:
             if self.reference is not None:
                 self.reference.resize_vocab(self.model.config.vocab_size)
-            self.optimizer = self._make_optimizer()
+            if self.optimizer is not None:
+                self.optimizer = self._make_optimizer()
         self._policies[spec] = bound
         return bound
 
@@ -138,27 +165,49 @@ class Learner:
         units, inputs, skipped = self._units(selection)
         lr = self.args.lr_at(self.version)
         self.optimizer.zero_grad(set_to_none=True)
-        if not units:
+        if not units:  # the same on every rank: all of them see every group
+            peak, peaks = self._peak_memory_gib()
             return StepMetrics(0.0, 0.0, None, None, None, 0, 0, 0, 0, 0, skipped, time.perf_counter() - start,
-                               self.version, False, lr, dict(selection.metrics), self._peak_memory_gib())
+                               self.version, False, lr, dict(selection.metrics), peak, peaks)
         totals = self._totals(units)
-        batches = self._micro_batches(units, inputs)
+        batches, most, num_batches = self._split_micro_batches(units, inputs)
         sums: dict[str, float] = {}
+        self._nonfinite: str | None = None
         for batch in batches:
             self._accumulate(batch, totals, sums)
+        for _ in range(most - len(batches)):  # FSDP2's collectives need as many forwards/backwards on every rank
+            self._accumulate_padding()
+        sums = self._reduce(sums)
         grad_norm = self._clip_and_step(lr)
         n, m = totals.num_loss_tokens, sums.get("_mismatch_tokens", 0.0)
         mean = lambda key: sums[key] / m if m else None  # noqa: E731
         weighted = {k.split("/", 1)[1]: v / n for k, v in sums.items() if k.startswith("_weighted/")}
+        peak, peaks = self._peak_memory_gib()
         return StepMetrics(sums["loss"], grad_norm, mean("kl_mismatch"), mean("kl_mismatch_k1"),
                            sums.get("logprob_diff_max"), int(sums["num_tokens"]), n, totals.num_traces,
-                           sum(len(u) for u in units), len(batches), skipped, time.perf_counter() - start,
-                           self.version, True, lr, {**selection.metrics, **weighted}, self._peak_memory_gib())
+                           sum(len(u) for u in units), num_batches, skipped, time.perf_counter() - start,
+                           self.version, True, lr, {**selection.metrics, **weighted}, peak, peaks)
 
-    def _peak_memory_gib(self) -> float | None:
-        if self.device.type != "cuda":
-            return None
-        return torch.cuda.max_memory_allocated(self.device) / 2**30
+    def _peak_memory_gib(self) -> tuple[float | None, tuple[float, ...] | None]:
+        """CUDA: the most any rank allocated during the step, and each rank's (in rank order); CPU: None."""
+        mine = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else None
+        peaks = self.parallel.gather(mine)
+        return (None, None) if mine is None else (max(peaks), tuple(peaks))
+
+    def _reduce(self, sums: dict[str, float]) -> dict[str, float]:
+        """Every rank's metric sums added up (the largest logprob difference: the largest); a non-finite loss
+        on any rank raises FloatingPointError on all of them, before the step."""
+        parts = self.parallel.gather((sums, self._nonfinite))
+        total = dict(parts[0][0])
+        for other, _ in parts[1:]:
+            for key, value in other.items():
+                largest = key == "logprob_diff_max"
+                total[key] = max(total.get(key, value), value) if largest else total.get(key, 0.0) + value
+        failed = next((error for _, error in parts if error is not None), None)
+        if failed is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+            raise FloatingPointError(failed)
+        return total
 
     def _check_groups(self, groups: list[list[Trace]]) -> None:
         for trace in (t for group in groups for t in group):
@@ -251,7 +300,19 @@ class Learner:
             per_trace[row.trace_index] = per_trace.get(row.trace_index, 0) + int(row.loss_mask.sum())
         return Totals(sum(per_trace.values()), len(per_trace), len(units), per_trace)
 
+    def _split_micro_batches(self, units: list[list[Row]],
+                             inputs: dict[int, WindowInput]) -> tuple[list[MicroBatch], int, int]:
+        """This rank's micro-batches from its share of the units (``Parallel.split``, by input tokens), the
+        most micro-batches any rank has, and all ranks' total. Every rank works out every rank's packing."""
+        sizes = [sum(inputs[id(r)].window.num_inputs for r in unit) for unit in units]
+        shares = [self._pack([units[i] for i in part], inputs) for part in self.parallel.split(sizes)]
+        mine = [MicroBatch(rows, pack_windows([inputs[id(r)] for r in rows])) for rows in shares[self.parallel.rank]]
+        return mine, max(len(share) for share in shares), sum(len(share) for share in shares)
+
     def _micro_batches(self, units: list[list[Row]], inputs: dict[int, WindowInput]) -> list[MicroBatch]:
+        return [MicroBatch(rows, pack_windows([inputs[id(r)] for r in rows])) for rows in self._pack(units, inputs)]
+
+    def _pack(self, units: list[list[Row]], inputs: dict[int, WindowInput]) -> list[list[Row]]:
         """Greedy packing in order; a unit never splits, and one larger than the budget goes alone."""
         batches, current, size = [], [], 0
         for unit in units:
@@ -261,29 +322,42 @@ class Learner:
                 current, size = [], 0
             current += unit
             size += tokens
-        batches.append(current)
-        return [MicroBatch(rows, pack_windows([inputs[id(r)] for r in rows])) for rows in batches]
+        return batches + ([current] if current else [])
 
     def _accumulate(self, batch: MicroBatch, totals: Totals, sums: dict[str, float]) -> None:
         """Forward, loss share, backward for one micro-batch; adds token-weighted metrics to ``sums``."""
         backend = self.args.attention
-        for row, lp in zip(batch.rows, batch.packed.split(packed_logprobs(self.model, batch.packed, backend))):
+        logprobs = packed_logprobs(self.model, batch.packed, backend, device=self.device)
+        for row, lp in zip(batch.rows, batch.packed.split(logprobs)):
             row.logprobs = lp
         if self.reference is not None:
             with torch.no_grad():
-                ref = packed_logprobs(self.reference, batch.packed, backend)
+                ref = packed_logprobs(self.reference, batch.packed, backend, device=self.device)
             for row, lp in zip(batch.rows, batch.packed.split(ref)):
                 row.ref_logprobs = lp
         for row in batch.rows:
             row.behaviour = row.behaviour.to(self.device) if row.behaviour is not None else None
             row.loss_mask = row.loss_mask.to(self.device)
         out = self.algorithm.loss(batch.rows, totals)
-        if not torch.isfinite(out.loss):
-            self.optimizer.zero_grad(set_to_none=True)
-            raise FloatingPointError(f"non-finite loss {out.loss.item()} in a micro-batch of {len(batch.rows)} "
-                                     f"windows (traces {sorted({r.trace_index for r in batch.rows})})")
+        if not torch.isfinite(out.loss):  # raised after the last micro-batch (_reduce), when every rank is there
+            self._nonfinite = self._nonfinite or (
+                f"non-finite loss {out.loss.item()} in a micro-batch of {len(batch.rows)} windows (traces "
+                f"{sorted({r.trace_index for r in batch.rows})})")
+            (sum(row.logprobs.sum() for row in batch.rows) * 0.0).backward()
+            return
         out.loss.backward()
         self._add_metrics(batch, out.metrics, sums)
+
+    def _accumulate_padding(self) -> None:
+        """A micro-batch of weight 0 (one token), so that this rank's collectives line up with a busier rank's."""
+        if self._padding is None:
+            self._padding = pack_windows([window_input([0], [0], self._bind("full"), 1.0)])
+        backend = self.args.attention  # the collectives of _accumulate, in its order: forward, reference, backward
+        logprobs = packed_logprobs(self.model, self._padding, backend, device=self.device)
+        if self.reference is not None:
+            with torch.no_grad():
+                packed_logprobs(self.reference, self._padding, backend, device=self.device)
+        (logprobs.sum() * 0.0).backward()
 
     def _add_metrics(self, batch: MicroBatch, loss_metrics: dict[str, float], sums: dict[str, float]) -> None:
         add = lambda key, value: sums.__setitem__(key, sums.get(key, 0.0) + value)  # noqa: E731
@@ -306,7 +380,7 @@ class Learner:
         sums["logprob_diff_max"] = max(sums.get("logprob_diff_max", 0.0), mismatch.max_abs)
 
     def _clip_and_step(self, lr: float) -> float:
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.args.max_grad_norm))
+        grad_norm = self.parallel.clip_grad_norm(self.model.parameters(), self.args.max_grad_norm)
         if not math.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)
             raise FloatingPointError(f"gradient norm is {grad_norm}; the step was not taken")
@@ -337,7 +411,7 @@ class Learner:
         self.model.eval()
         try:
             for batch in self._micro_batches(rows, inputs):
-                logits = packed_logits(self.model, batch.packed, self.args.attention)  # [M, V]
+                logits = packed_logits(self.model, batch.packed, self.args.attention, self.device)  # [M, V]
                 targets = batch.packed.target_ids.to(logits.device)
                 mask = torch.cat([r.loss_mask for r in batch.rows]).to(logits.device)
                 nll -= float(logits.log_softmax(-1).gather(1, targets[:, None])[:, 0][mask].sum())
@@ -355,23 +429,39 @@ class Learner:
     # ---- weights and checkpoints ----------------------------------------------------------------
     def state_dict(self, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
         """HF-named weights copied to ``device`` (tied ``lm_head.weight`` omitted: ``DecoderLM.load_weights``
-        skips it anyway)."""
-        return {name: p.detach().to(device, copy=True) for name, p in self.model.named_parameters()}
+        skips it anyway). Sharded: a collective, every rank gets them."""
+        return {name: t.to(device, copy=True) for segment in self.weight_segments() for name, t in segment.items()}
+
+    def weight_segments(self):
+        """The full weights by HF name in segments (sharded: one unit all-gathered at a time, a collective);
+        a segment's tensors are valid until the next is asked for."""
+        return self.parallel.weight_segments(self.model)
 
     def save_checkpoint(self, path) -> Manifest:
         """The model in HF layout in ``path`` plus ``trainer_state.pt`` (optimizer, version, RNG, settings),
         and ``manifest.json`` listing each file's size and sha256; returns that manifest (a run's
-        checkpoint adds its own files to it)."""
-        manifest = save_hf_model(self.model, self.tokenizer, self._hf_source, path)
+        checkpoint adds its own files to it). Sharded: every rank calls it with the same folder (or one of
+        its own, the files then gathered in one place); rank 0 writes the consolidated weights, the state
+        and the manifest, and every rank its shards of the optimizer state (DCP; other ranks return an empty
+        manifest)."""
+        Path(path).mkdir(parents=True, exist_ok=True)
+        weights = self.parallel.gather_weights(self.model)
+        training, shards = self.parallel.save_training_state(Path(path), self.model, self.optimizer)
+        if self.parallel.rank != 0:
+            return Manifest({})
+        manifest = save_hf_model(self.model, self.tokenizer, self._hf_source, path, weights)
+        for name, entry in shards.items():
+            manifest.add(name, entry)
         manifest.add(TRAINER_STATE, save_trainer_state(path, {
-            "version": self.version, "optimizer": self.optimizer.state_dict(), "rng": rng_state(),
-            "args": asdict(self.args)}))
+            "version": self.version, **training, "rng": rng_state(), "args": asdict(self.args)}))
         manifest.write(path)
         return manifest
 
     @classmethod
-    def from_checkpoint(cls, path, args: LearnerArgs | None = None, verify: bool = True) -> Learner:
-        """Resume from ``save_checkpoint(path)``: weights, optimizer, version (so the lr schedule), RNG.
+    def from_checkpoint(cls, path, args: LearnerArgs | None = None, verify: bool = True,
+                        parallel: Parallel | None = None) -> Learner:
+        """Resume from ``save_checkpoint(path)``: weights, optimizer, version (so the lr schedule), RNG, whatever
+        number of ranks saved it and ``parallel`` has.
 
         ``args``: the settings to continue with; default: the ones saved in the checkpoint.
         ``verify``: check the files against the checkpoint's manifest first (ValueError naming a damaged
@@ -380,10 +470,13 @@ class Learner:
         if verify:
             check_intact(path)
         state = load_trainer_state(path)
-        learner = cls(str(path), args or LearnerArgs.from_dict(state["args"]))
-        learner.optimizer.load_state_dict(state["optimizer"])
+        learner = cls(str(path), args or LearnerArgs.from_dict(state["args"]), parallel=parallel)
+        learner.parallel.load_training_state(Path(path), state, learner.model, learner.optimizer)
+        for group in learner.optimizer.param_groups:  # the saved groups bring the saving learner's choice
+            group["foreach"] = learner.parallel.optimizer_foreach
         learner.version = int(state["version"])
-        set_rng_state(state["rng"])
+        rngs = state.get("rank_rng") or [state["rng"]]
+        set_rng_state(rngs[learner.parallel.rank] if learner.parallel.rank < len(rngs) else state["rng"])
         return learner
 
 

@@ -19,6 +19,8 @@ from sliderl.trainer.attention import ATTENTION_BACKENDS
 from sliderl.trainer.windows import WINDOW_MODES
 
 LR_SCHEDULES = ("constant", "cosine")
+OFFLOADS = ("none", "cpu")
+REDUCE_DTYPES = ("float32", "bfloat16")
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 
 
@@ -66,6 +68,12 @@ class LearnerArgs:
     bf16 spacing is lost (lr 1e-6 never moves a weight of 0.02). +12 bytes per parameter."""
     gradient_checkpointing: bool = False
     """Recompute each layer's activations in backward to save memory."""
+    offload: Literal["none", "cpu"] = "none"
+    """Sharded learner (FSDP2): cpu keeps the sharded parameters (float32 masters), their gradients and AdamW's
+    state in CPU memory and steps there (FSDP2's CPUOffloadPolicy; each layer is copied to the GPU for its
+    forward and backward): the GPU then holds only activations and one layer at a time. Needs a CUDA device."""
+    reduce_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Sharded learner: the dtype gradients are summed over ranks in (bfloat16 halves that traffic)."""
     seed: int = 0
     """torch seed set when the learner starts."""
     reference_model_path: str | None = None
@@ -96,6 +104,11 @@ class LearnerArgs:
         require_field(self, "attention", self.attention in ATTENTION_BACKENDS, f"one of {', '.join(ATTENTION_BACKENDS)}")
         require_field(self, "device", bool(_DEVICE.fullmatch(self.device)), "cpu, cuda or cuda:N")
         require_field(self, "dtype", self.dtype in DTYPES, f"one of {', '.join(DTYPES)}")
+        require_field(self, "offload", self.offload in OFFLOADS, f"one of {', '.join(OFFLOADS)}")
+        if self.offload != "none" and not self.device.startswith("cuda"):
+            raise ValueError(f"offload must be 'none' with device {self.device!r} (it moves GPU state to the "
+                             f"CPU; the learner is on the CPU already), got {self.offload!r}")
+        require_field(self, "reduce_dtype", self.reduce_dtype in REDUCE_DTYPES, f"one of {', '.join(REDUCE_DTYPES)}")
         if self.vocab_policy is not None:
             object.__setattr__(self, "vocab_policy", KVPolicy.parse(self.vocab_policy).spec)
         if self.algo.type == "bonbon" and self.window_mode == "chunked":

@@ -121,9 +121,11 @@ def pack_windows(windows: Sequence[WindowInput]) -> PackedWindows:
                          torch.cat(predictors), torch.cat(targets).long(), torch.cat(temps), tuple(offsets))
 
 
-def packed_logits(model: DecoderLM, packed: PackedWindows, backend: str = "auto") -> Tensor:
-    """The logits that score every target: float32 ``[M, V]``, with grad when enabled."""
-    device = next(model.parameters()).device
+def packed_logits(model: DecoderLM, packed: PackedWindows, backend: str = "auto",
+                  device: torch.device | None = None) -> Tensor:
+    """The logits that score every target: float32 ``[M, V]``, with grad when enabled. ``device``: where the
+    model computes (default: where its parameters are; a CPU-offloaded sharded model computes on the GPU)."""
+    device = device or next(model.parameters()).device
     packed = packed.to(device)
     attn = training_attention(packed.visibility, device, backend)
     hidden = model(packed.input_ids, packed.positions, attn)  # [N, hidden]
@@ -134,7 +136,7 @@ LOGIT_CHUNK_ELEMENTS = 2**27  # float32 logits materialised at once by packed_lo
 
 
 def packed_logprobs(model: DecoderLM, packed: PackedWindows, backend: str = "auto",
-                    chunk_rows: int | None = None) -> Tensor:
+                    chunk_rows: int | None = None, device: torch.device | None = None) -> Tensor:
     """Logprob of every target under the sampler's convention: float32 ``[M]``, with grad when enabled.
 
     The ``[M, V]`` float32 logits are never held whole: targets go through the LM head in chunks of
@@ -143,7 +145,7 @@ def packed_logprobs(model: DecoderLM, packed: PackedWindows, backend: str = "aut
     time. Memory for the loss is then flat in the number of targets instead of M x V x 4 bytes
     (13.9 GiB at M = 23K of a 152K vocabulary).
     """
-    device = next(model.parameters()).device
+    device = device or next(model.parameters()).device  # as packed_logits
     packed = packed.to(device)
     attn = training_attention(packed.visibility, device, backend)
     hidden = model(packed.input_ids, packed.positions, attn)[packed.predictor_index]  # [M, hidden]

@@ -32,12 +32,16 @@ class StepMetrics:
     lr: float  # the learning rate of this step
     algorithm: dict[str, float] = field(default_factory=dict)  # selection counts, token-weighted loss metrics
     peak_memory_gib: float | None = None  # CUDA: max_memory_allocated during the step (weights, optimizer state
-                                          # and activations); None on CPU
+                                          # and activations), the most of any rank; None on CPU
+    rank_peak_memory_gib: tuple[float, ...] | None = None  # CUDA: each rank's peak, in rank order; None on CPU
 
     def as_dict(self) -> dict[str, float]:
-        """Flat floats, the algorithm's entries merged in, bools as 0/1, absent (None) fields left out."""
-        out = {k: float(v) for k, v in asdict(self).items() if k != "algorithm" and v is not None}
-        return {**out, **self.algorithm}
+        """Flat floats, the algorithm's entries merged in, bools as 0/1, absent (None) fields left out; each
+        rank's peak memory as ``peak_memory_gib/rank<i>``."""
+        out = {k: float(v) for k, v in asdict(self).items()
+               if k not in ("algorithm", "rank_peak_memory_gib") and v is not None}
+        ranks = {f"peak_memory_gib/rank{i}": float(v) for i, v in enumerate(self.rank_peak_memory_gib or ())}
+        return {**out, **ranks, **self.algorithm}
 
 
 @dataclass(frozen=True)

@@ -63,10 +63,12 @@ class MasterAdamW(torch.optim.AdamW):
 
 
 def make_optimizer(params, lr: float, weight_decay: float, betas: tuple[float, float],
-                   master_weights: bool) -> torch.optim.Optimizer:
-    """AdamW over ``params``; ``MasterAdamW`` when ``master_weights`` and they are not float32 already."""
+                   master_weights: bool, foreach: bool | None = None) -> torch.optim.Optimizer:
+    """AdamW over ``params``; ``MasterAdamW`` when ``master_weights`` and they are not float32 already.
+    ``foreach``: torch's choice (None), or False to step one parameter at a time (no temporary the size of
+    all the moments: 4 bytes per parameter less at the step's peak)."""
     params = list(params)
-    adamw = dict(lr=lr, weight_decay=weight_decay, betas=betas)
+    adamw = dict(lr=lr, weight_decay=weight_decay, betas=betas, foreach=foreach)
     if master_weights and params and params[0].dtype != torch.float32:
         return MasterAdamW(params, **adamw)
     return torch.optim.AdamW(params, **adamw)

@@ -19,7 +19,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from sliderl.cluster.actors.placement import actor_options, bundles, torch_threads
+from sliderl.cluster.actors.placement import actor_options, bundles, torch_threads, worker_bundle
 from sliderl.cluster.config.train import TrainConfig
 from sliderl.cluster.errors import ConfigError
 from sliderl.cluster.observe.dashboard import BASELINE
@@ -126,5 +126,5 @@ def make_baseline_task(cfg: TrainConfig):
     import ray
 
 
-    request = bundles(cfg)[1]
+    request = bundles(cfg)[worker_bundle(cfg, 0)]
     return ray.remote(greedy_lengths).options(max_retries=0, **actor_options(cfg, BASELINE, request)), torch_threads(cfg.rollout.num_cpus)

@@ -2,8 +2,9 @@
 
 The one place where resources from the config become Ray options: ``connect`` starts or joins a
 cluster, ``check_resources`` compares the request with what the cluster has (a clear error before
-any actor starts), ``reserve`` places one bundle for the learner and one per rollout worker, and
-``make_learner`` / ``make_worker`` / ``make_queue`` create the actors inside those bundles.
+any actor starts), ``reserve`` places one bundle per learner rank and one per rollout worker, and
+``make_learner`` (``cluster.actors.learner_group``) / ``make_worker`` / ``make_queue`` create the actors
+inside those bundles.
 ``make_warm_start`` creates the warm start's actor before that, with its own resources. Every actor
 is named ``<run label>/<role>`` (``cluster.observe.dashboard``) and the job carries the run's metadata, so
 the Ray dashboard's Actors and Jobs pages show the run. Custom
@@ -165,10 +166,22 @@ def check_reachable(address: str) -> None:
 
 
 def bundles(cfg: TrainConfig) -> list[dict[str, float]]:
-    """Placement-group bundles: the learner's first, then one per rollout worker."""
-    learner = _bundle(cfg.learner.num_cpus, cfg.learner.num_gpus, cfg.learner.resources)
+    """Placement-group bundles: one per learner rank first, then one per rollout worker."""
     worker = _bundle(cfg.rollout.num_cpus, cfg.rollout.num_gpus, cfg.rollout.resources)
-    return [learner] + [dict(worker) for _ in range(cfg.rollout.num_workers)]
+    return learner_bundles(cfg) + [dict(worker) for _ in range(cfg.rollout.num_workers)]
+
+
+def learner_bundles(cfg: TrainConfig) -> list[dict[str, float]]:
+    """One bundle per learner rank: ``learner.num_cpus/num_gpus/resources``, plus rank r's own
+    ``learner.rank_resources[r]`` when given."""
+    learner = cfg.learner
+    extra = learner.rank_resources or [{}] * learner.num_ranks
+    return [_bundle(learner.num_cpus, learner.num_gpus, {**learner.resources, **own}) for own in extra]
+
+
+def worker_bundle(cfg: TrainConfig, worker_id: int) -> int:
+    """The bundle index of rollout worker ``worker_id`` (after the learner ranks')."""
+    return cfg.learner.num_ranks + worker_id
 
 
 def _bundle(cpus: float, gpus: float, custom: dict[str, float]) -> dict[str, float]:
@@ -193,8 +206,9 @@ def check_resources(cfg: TrainConfig, total: dict[str, float], nodes: list[dict[
     for key, amount in need.items():
         have = total.get(key, 0.0)
         if amount > have + 1e-9:
+            ranks = f"{cfg.learner.num_ranks} learner ranks x " if cfg.learner.num_ranks > 1 else "learner "
             raise ResourceError(
-                f"the job asks for {amount:g} {key} (learner {_amount(cfg.learner, key):g} + "
+                f"the job asks for {amount:g} {key} ({ranks}{_amount(cfg.learner, key):g} + "
                 f"{cfg.rollout.num_workers} rollout workers x {_amount(cfg.rollout, key):g}) but the Ray cluster "
                 f"has {have:g}; {_lower_hint(key)}")
     alone = bundles(cfg) + ([warm_start_request(cfg)] if cfg.warmstart.enabled else [])
@@ -214,8 +228,8 @@ def _amount(section, key: str) -> float:
 def _lower_hint(key: str) -> str:
     if key in ("CPU", "GPU"):
         name = f"num_{key.lower()}s"
-        return (f"lower learner.{name}, rollout.{name} or rollout.num_workers, or give the cluster more "
-                f"(ray.{name} for a local instance)")
+        return (f"lower learner.{name}, learner.num_ranks, rollout.{name} or rollout.num_workers, or give the "
+                f"cluster more (ray.{name} for a local instance)")
     return (f"lower learner.resources.{key} or rollout.resources.{key}, or start nodes with more "
             f"(ray start --resources='{{\"{key}\": N}}')")
 

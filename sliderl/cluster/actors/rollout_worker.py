@@ -28,7 +28,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from sliderl.cluster.actors.placement import actor_options, bundles, torch_threads
+from sliderl.cluster.actors.placement import actor_options, bundles, torch_threads, worker_bundle
 from sliderl.cluster.actors.weight_sync import WeightPayload, WeightReceiver
 from sliderl.cluster.config.train import TrainConfig
 from sliderl.cluster.observe.dashboard import rollout_role
@@ -361,11 +361,12 @@ def _ray_metrics(worker_id: int):
 
 
 def make_worker(cfg: TrainConfig, pg, worker_id: int, model: ModelFiles | str, version: int, trace_queue):
-    """Rollout worker ``worker_id`` in bundle 1 + worker_id; Ray restarts it when its process dies."""
+    """Rollout worker ``worker_id`` in the bundle after the learner ranks'; Ray restarts it when its process dies."""
     import ray
 
 
-    options = actor_options(cfg, rollout_role(worker_id), bundles(cfg)[1 + worker_id], pg, 1 + worker_id)
+    index = worker_bundle(cfg, worker_id)
+    options = actor_options(cfg, rollout_role(worker_id), bundles(cfg)[index], pg, index)
     return ray.remote(RolloutWorker).options(
         max_restarts=cfg.rollout.max_restarts, max_task_retries=0, max_concurrency=WORKER_CONCURRENCY, **options,
     ).remote(worker_id, model, version, cfg.worker_engine_args(worker_id), cfg.sampling, cfg.reward,

@@ -10,10 +10,16 @@ One interface, three backends (``weight_sync.backend``):
   copy before they acknowledge, so a buffer is never read after it is replaced.
 - ``broadcast``: the learner (rank 0) and the workers (ranks 1..N) form a torch.distributed
   process group (``nccl`` on GPU, ``gloo`` on CPU; the rendezvous address travels through Ray)
-  and the flat buffers are broadcast from rank 0. The group is built from the classes directly
+  and the flat buffers are broadcast from rank 0, one segment at a time. The group is built from the classes directly
   (``TCPStore`` + ``ProcessGroupGloo``/``ProcessGroupNCCL``), so it never touches a default group
   the learner may use for itself. A worker that restarts cannot rejoin a live group: the driver
   rebuilds the group under a new name.
+
+The learner hands the sender its weights in *segments* (``Learner.weight_segments``): one for a
+one-process learner, one FSDP2 unit (a decoder layer, then the embeddings and head) for a sharded one,
+all-gathered only while it is copied out, so no learner rank holds a second full copy of the weights
+(``cuda_ipc`` excepted: rank 0 keeps the full flat buffers the workers map). Every learner rank takes
+part in the gathering; only rank 0 sends.
 
 ``WeightSender`` lives in the learner actor, ``WeightReceiver`` in each rollout worker (both plain
 torch); ``WeightSync`` is the driver's side, the only one here that talks to Ray.
@@ -24,6 +30,7 @@ from __future__ import annotations
 import datetime
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,19 +44,32 @@ BACKENDS = ("object_store", "cuda_ipc", "broadcast")
 
 @dataclass(frozen=True)
 class FlatLayout:
-    """Where each tensor sits in its dtype's flat buffer: ``entries[i] = (name, shape, dtype, offset)``."""
+    """Where each tensor sits in its dtype's flat buffer: ``entries[i] = (name, shape, dtype, offset)``, and the
+    ranges ``segments[j] = (dtype, start, end)`` of those buffers in the order they are sent."""
 
     entries: tuple[tuple[str, tuple[int, ...], str, int], ...]
     sizes: dict[str, int]  # dtype name -> numel of its buffer
+    segments: tuple[tuple[str, int, int], ...] = ()
 
     @classmethod
     def of(cls, state_dict: dict[str, torch.Tensor]) -> FlatLayout:
-        entries, sizes = [], {}
-        for name, tensor in state_dict.items():
-            dtype = str(tensor.dtype).removeprefix("torch.")
-            entries.append((name, tuple(tensor.shape), dtype, sizes.get(dtype, 0)))
-            sizes[dtype] = sizes.get(dtype, 0) + tensor.numel()
-        return cls(tuple(entries), sizes)
+        """One segment: each dtype's buffer is sent whole."""
+        return cls.of_segments([state_dict])
+
+    @classmethod
+    def of_segments(cls, segments: Iterable[dict[str, torch.Tensor]]) -> FlatLayout:
+        """The layout of ``segments`` (dicts of tensors by name) laid end to end; each segment's tensors of
+        one dtype form one contiguous range of that dtype's buffer."""
+        entries, sizes, ranges = [], {}, []
+        for segment in segments:
+            starts: dict[str, int] = {}
+            for name, tensor in segment.items():
+                dtype = str(tensor.dtype).removeprefix("torch.")
+                starts.setdefault(dtype, sizes.get(dtype, 0))
+                entries.append((name, tuple(tensor.shape), dtype, sizes.get(dtype, 0)))
+                sizes[dtype] = sizes.get(dtype, 0) + tensor.numel()
+            ranges += [(dtype, start, sizes[dtype]) for dtype, start in starts.items()]
+        return cls(tuple(entries), sizes, tuple(ranges))
 
     def empty(self, device: torch.device | str) -> dict[str, torch.Tensor]:
         """Uninitialised buffers to receive into."""
@@ -62,6 +82,22 @@ def flatten(state_dict: dict[str, torch.Tensor], layout: FlatLayout, device) -> 
     for name, shape, dtype, offset in layout.entries:
         tensor = state_dict[name]
         buffers[dtype][offset:offset + tensor.numel()].copy_(tensor.detach().reshape(-1))
+    return buffers
+
+
+def flatten_segment(segment: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]:
+    """One segment's tensors copied into one flat buffer per dtype (in order of first appearance) on ``device``."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for tensor in segment.values():
+        by_dtype.setdefault(tensor.dtype, []).append(tensor)
+    buffers = {}
+    for dtype, tensors in by_dtype.items():
+        buffer = torch.empty(sum(t.numel() for t in tensors), dtype=dtype, device=device)
+        offset = 0
+        for t in tensors:
+            buffer[offset:offset + t.numel()].copy_(t.detach().reshape(-1))
+            offset += t.numel()
+        buffers[str(dtype).removeprefix("torch.")] = buffer
     return buffers
 
 
@@ -160,26 +196,46 @@ class WeightSender:
         self._store = None
         self.layout: FlatLayout | None = None
 
-    def publish(self, version: int, state_dict: dict[str, torch.Tensor]) -> WeightPayload:
-        """object_store: a ``StateDictPayload`` of CPU tensors; cuda_ipc: an ``IpcPayload``; broadcast: broadcasts
-        the buffers to the group (blocking until every rank took them) and returns the notice."""
+    def publish(self, version: int, segments: Iterable[dict[str, torch.Tensor]] | dict[str, torch.Tensor],
+                sends: bool = True) -> WeightPayload | None:
+        """The weights by HF name, as one dict or as segments (``Learner.weight_segments``). object_store: a
+        ``StateDictPayload`` of CPU tensors; cuda_ipc: an ``IpcPayload``; broadcast: broadcasts each segment's
+        buffers to the group (blocking until every rank took them) and returns the notice. ``sends=False``
+        (a sharded learner's rank other than 0): only go through the segments (their gathering is a
+        collective), and return None."""
+        segments = [segments] if isinstance(segments, dict) else segments
+        if not sends:
+            for _ in segments:
+                pass
+            return None
         if self.backend == "object_store":
-            return StateDictPayload({name: t.detach().to("cpu", copy=True) for name, t in state_dict.items()})
-        self.layout = self.layout or FlatLayout.of(state_dict)
+            return StateDictPayload({name: t.detach().to("cpu", copy=True) for segment in segments
+                                     for name, t in segment.items()})
         if self.backend == "cuda_ipc":
-            return self._ipc(state_dict)
+            return self._ipc(segments)
         if self._group is None:
             raise RuntimeError("broadcast weight sync: the learner has not joined a process group")
-        for buffer in flatten(state_dict, self.layout, buffer_device(self._group.backend, self.device)).values():
-            self._group.broadcast(buffer)
+        specs = []
+        for segment in segments:
+            for buffer in flatten_segment(segment, buffer_device(self._group.backend, self.device)).values():
+                self._group.broadcast(buffer)
+            specs.append({name: torch.empty(t.shape, dtype=t.dtype, device="meta") for name, t in segment.items()})
+        self.layout = self.layout or FlatLayout.of_segments(specs)
         return BroadcastNotice(version, self.layout)
 
-    def _ipc(self, state_dict: dict[str, torch.Tensor]) -> IpcPayload:
+    def _ipc(self, segments: Iterable[dict[str, torch.Tensor]]) -> IpcPayload:
         from torch.multiprocessing.reductions import reduce_tensor
 
         if self.device.type != "cuda":
             raise RuntimeError("cuda_ipc weight sync needs the learner on a CUDA device")
-        self._kept = flatten(state_dict, self.layout, self.device)
+        pieces: dict[str, list[torch.Tensor]] = {}
+        specs = []
+        for segment in segments:
+            for dtype, buffer in flatten_segment(segment, self.device).items():
+                pieces.setdefault(dtype, []).append(buffer)
+            specs.append({name: torch.empty(t.shape, dtype=t.dtype, device="meta") for name, t in segment.items()})
+        self.layout = self.layout or FlatLayout.of_segments(specs)
+        self._kept = {d: p[0] if len(p) == 1 else torch.cat(p) for d, p in pieces.items()}
         torch.cuda.synchronize(self.device)
         uuid = str(torch.cuda.get_device_properties(self.device).uuid)
         return IpcPayload(self.layout, uuid, {d: reduce_tensor(b) for d, b in self._kept.items()})
@@ -228,8 +284,8 @@ class WeightReceiver:
         if self._group is None:
             raise RuntimeError("broadcast weight sync: this worker has not joined the process group")
         buffers = notice.layout.empty(buffer_device(self._group.backend, self.device))
-        for dtype in notice.layout.sizes:
-            self._group.broadcast(buffers[dtype])
+        for dtype, start, end in notice.layout.segments:
+            self._group.broadcast(buffers[dtype][start:end])
         return unflatten(buffers, notice.layout)
 
     def join(self, address: str, world_size: int, rank: int, name: str, backend: str, timeout_s: float) -> None:

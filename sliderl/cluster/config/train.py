@@ -73,15 +73,29 @@ class RolloutConfig(Section):
 
 @dataclasses.dataclass(frozen=True)
 class LearnerSection(LearnerArgs):
-    """The learner actor: ``trainer.LearnerArgs`` plus the resources its placement-group bundle reserves."""
+    """The learner actors: ``trainer.LearnerArgs`` plus how many ranks and the resources each rank's
+    placement-group bundle reserves."""
 
+    num_ranks: int = 1
+    """Learner ranks, one actor each (one GPU each on CUDA), forming one torch.distributed process group
+    (NCCL on GPU, gloo on CPU) that shards the model, gradients and AdamW state with FSDP2; 1: one process,
+    the plain model (unless fsdp=always or offload=cpu)."""
+    fsdp: Literal["auto", "always"] = "auto"
+    """auto: FSDP2 when num_ranks > 1 or offload=cpu; always: at one rank too (float32 masters are then the
+    sharded parameters: 16 bytes per parameter with AdamW, without the plain learner's float32 gradient copy)."""
+    collective_timeout_s: float = 600.0
+    """Longest any collective of the learner ranks may wait (> 0); a rank that died or hangs is then taken
+    as lost, and the group restarts from the latest checkpoint. Must exceed the longest step imbalance."""
     num_cpus: float = 1.0
-    """CPUs reserved for the learner (its placement-group bundle); also its torch thread count."""
+    """CPUs reserved per learner rank (its placement-group bundle); also its torch thread count."""
     num_gpus: float = 0.0
-    """GPUs reserved for the learner; > 0 needs learner.device=cuda."""
+    """GPUs reserved per learner rank; > 0 needs learner.device=cuda."""
     resources: dict[str, float] = dataclasses.field(default_factory=dict)
-    """Custom Ray resources of the learner's bundle, e.g. {node_b: 1} (a node started with
+    """Custom Ray resources of every learner rank's bundle, e.g. {node_b: 1} (a node started with
     ``ray start --resources='{"node_b": 4}'``)."""
+    rank_resources: list[dict[str, float]] = dataclasses.field(default_factory=list)
+    """Per-rank custom resources added to resources: entry r to rank r's bundle, e.g. [{node_a: 1}, {node_b: 1}]
+    puts rank 0 on node a and rank 1 on node b; empty: the placement group packs the ranks."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -90,6 +104,20 @@ class LearnerSection(LearnerArgs):
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if any(not amount >= 0 for amount in self.resources.values()):
             raise ValueError(f"resources must be >= 0, got {self.resources}")
+        if not (isinstance(self.num_ranks, int) and self.num_ranks >= 1):
+            raise ValueError(f"num_ranks must be an integer >= 1, got {self.num_ranks!r}")
+        if not self.collective_timeout_s > 0:
+            raise ValueError(f"collective_timeout_s must be > 0, got {self.collective_timeout_s}")
+        if self.rank_resources and len(self.rank_resources) != self.num_ranks:
+            raise ValueError(f"rank_resources must list one entry per rank (num_ranks={self.num_ranks}) or none, "
+                             f"got {len(self.rank_resources)}: {self.rank_resources}")
+        if any(not amount >= 0 for own in self.rank_resources for amount in own.values()):
+            raise ValueError(f"rank_resources must be >= 0, got {self.rank_resources}")
+
+    @property
+    def sharded(self) -> bool:
+        """The learner runs FSDP2 (a process group, even of one rank)."""
+        return self.num_ranks > 1 or self.fsdp == "always" or self.offload != "none"
 
     def args(self) -> LearnerArgs:
         """The ``LearnerArgs`` part."""
@@ -366,6 +394,7 @@ class TrainConfig(Section):
         if self.learner.num_gpus > 0 and not self.learner.device.startswith("cuda"):
             raise ValueError(f"learner.num_gpus={self.learner.num_gpus} reserves GPUs but learner.device is "
                              f"{self.learner.device!r}; set learner.device=cuda")
+        self._check_learner_ranks()
         if self.weight_sync.backend == "cuda_ipc" and not (
                 self.learner.device.startswith("cuda") and self.engine.device.startswith("cuda")):
             raise ValueError("weight_sync.backend=cuda_ipc shares GPU memory: it needs learner.device=cuda and "
@@ -376,6 +405,19 @@ class TrainConfig(Section):
             raise ValueError(f"weight_sync.broadcast_backend=nccl moves GPU tensors between GPUs, but "
                              f"{' and '.join(cpu)}=cpu; use weight_sync.broadcast_backend=gloo (or auto), or put "
                              "learner and engine on cuda")
+
+    def _check_learner_ranks(self) -> None:
+        """Ranks on CUDA each need a GPU of their own (NCCL runs one rank per GPU); one rank may share its GPU."""
+        learner = self.learner
+        if learner.num_ranks == 1 or not learner.device.startswith("cuda"):
+            return
+        if learner.device != "cuda":
+            raise ValueError(f"learner.device={learner.device} pins one GPU, but each of learner.num_ranks="
+                             f"{learner.num_ranks} ranks uses the GPU Ray gives it: set learner.device=cuda")
+        if learner.num_gpus != 1:
+            raise ValueError(f"learner.num_gpus={learner.num_gpus:g}: each rank of a sharded learner "
+                             f"(learner.num_ranks={learner.num_ranks}, NCCL) needs a GPU of its own, so "
+                             "learner.num_gpus must be 1 (or learner.device=cpu, gloo)")
 
     # ---- the records the actors receive --------------------------------------------------------
     def learner_args(self) -> LearnerArgs:

@@ -323,6 +323,7 @@ def format_summary(run_dir: Path, history: dict[int, dict], total_steps: int, wa
         f"  rollout tok/s    {_mean_text(history, KEYS.rollout_tokens_per_s, '{:.1f} (mean over steps)')}",
         f"  learner step     {_mean_text(history, KEYS.learner_step_seconds, '{:.3f} s (mean)')}",
         f"  stale dropped    {_stale_text(history)}",
+        f"  restarts         {_restarts_text(history)}",
         f"  preempted        {_mean_text(history, KEYS.preempted_traces, '{:.1%} of the traces (mean over steps)')}",
         f"  traces           {_trace_count(storage_root or run_dir)}",
         f"  metrics          {f'{storage_root}/{METRICS_FILE}' if storage_root else run_dir / METRICS_FILE}",
@@ -336,6 +337,14 @@ def format_summary(run_dir: Path, history: dict[int, dict], total_steps: int, wa
     if wandb_note:
         lines.append(f"  W&B              {wandb_note}")
     return "\n".join(lines) + "\n"
+
+
+def _restarts_text(history: dict[int, dict]) -> str:
+    """The run's restarts so far (both counts are running totals): rollout workers and the learner."""
+    if not history:
+        return "n/a"
+    row = history[max(history)]
+    return f"{row.get(KEYS.learner_restarts, 0):g} learner, {row.get(KEYS.worker_restarts, 0):g} rollout worker"
 
 
 def _first_last_text(history: dict[int, dict], key: str) -> str:

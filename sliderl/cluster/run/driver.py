@@ -35,7 +35,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePath
 
 from sliderl.cluster.actors.baseline import baseline_lengths
-from sliderl.cluster.actors.learner import make_learner
+from sliderl.cluster.actors.learner_group import make_learner
 from sliderl.cluster.actors.placement import check_resources, cluster_capacity, connect, make_queue, release, reserve
 from sliderl.cluster.actors.weight_sync import WeightSync
 from sliderl.cluster.config.train import TrainConfig
@@ -225,11 +225,11 @@ class Session:
             print(f"sliderl: warning: {self.trace_log.pending} traces could not be written: {err}", file=sys.stderr,
                   flush=True)
         self.pool.stop()
-        for actor in (self.learner, self.queue.actor):
-            try:
-                ray.kill(actor, no_restart=True)
-            except Exception:  # already gone
-                pass
+        self.learner.kill()  # every rank
+        try:
+            ray.kill(self.queue.actor, no_restart=True)
+        except Exception:  # already gone
+            pass
 
     # ---- one step ------------------------------------------------------------------------------
     def _step(self) -> StepReport:
@@ -467,6 +467,7 @@ class Session:
             queue_depth=self.queue.qsize(),
             version=self.state.version,
             worker_restarts=self.state.worker_restarts,
+            learner_restarts=self.state.learner_restarts,
             duplicate_groups=len(self.ledger.duplicates),
             reissued_groups=len(self.ledger.reissued),
             learner_step_seconds=learner.step_seconds,

@@ -259,3 +259,12 @@ def check_devices(cfg: TrainConfig) -> None:
     for key, device in (("engine.device", cfg.engine.device), ("learner.device", cfg.learner.device),
                         ("warmstart.learner.device", cfg.warmstart.learner.device if cfg.warmstart.enabled else "cpu")):
         check_device(device, key)
+    ranks = cfg.learner.num_ranks
+    if ranks > 1 and cfg.learner.device.startswith("cuda"):
+        import torch
+
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count < ranks:
+            raise ConfigError(f"learner.num_ranks={ranks} puts each rank on a GPU of its own (NCCL), but this machine "
+                              f"has {count} CUDA device(s); lower learner.num_ranks to at most {count} or set "
+                              "learner.device=cpu (gloo)")

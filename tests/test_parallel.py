@@ -1,0 +1,237 @@
+"""A learner over N ranks (issue 36) without Ray: two processes of one gloo process group train the tiny
+(untied, like the 7B) model with FSDP2 and are checked against the one-process learner on the same
+groups, a checkpoint saved at one rank count is resumed at the other, and a rank that never arrives at a
+collective is caught by the group's timeout. The ranks run ``tests/learner_ranks.py`` (one process each,
+started together for every scenario at once); the one-process references run here.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from learner_ranks import RESUMES, SCENARIOS, scenario
+
+from sliderl.trainer.learner import Learner
+from sliderl.trainer.parallel import balanced_partition, open_rendezvous
+
+ROOT = Path(__file__).resolve().parents[1]
+WORLD = 2
+COUNTS = ("num_tokens", "num_loss_tokens", "num_traces", "num_windows", "num_micro_batches", "stepped", "version")
+
+
+def start_ranks(model: Path, out: Path, names: list[str], **env: str) -> tuple[list[subprocess.Popen], object]:
+    store, address = open_rendezvous("127.0.0.1")  # served here, for as long as the ranks run
+    env = {**os.environ, "RANKS_MODEL": str(model), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **env}
+    procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "learner_ranks.py"), str(rank), str(WORLD),
+                               address, str(out), *names], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for rank in range(WORLD)]
+    return procs, store
+
+
+def finish(procs: list[subprocess.Popen], timeout_s: float) -> list[tuple[int, str]]:
+    """Each rank's (exit code, output); a rank still running after ``timeout_s`` is killed (-9)."""
+    deadline, results = time.monotonic() + timeout_s, []
+    for proc in procs:
+        try:
+            output, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            output, _ = proc.communicate()
+        results.append((proc.returncode, output))
+    return results
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_factory) -> Path:
+    """Untied, its weights stored in bf16 (as released checkpoints are): a bf16 learner with masters then starts
+    from the same float32 values at one rank (MasterAdamW's masters copy the bf16 parameters) and at N (FSDP2's
+    float32 parameters load the file; from a float32 file they would keep digits the one-rank learner rounds)."""
+    return tiny_model_factory("qwen3", tie_word_embeddings=False, dtype=torch.bfloat16)
+
+
+FIRST: dict[str, dict] = {}  # from1_*: the one-rank learner's state after step 1, which it checkpointed
+
+
+@pytest.fixture(scope="module")
+def ranks_out(model, tmp_path_factory) -> Path:
+    """Every scenario run by two ranks; before that, the one-rank checkpoints after step 1 that ``from1_*`` resume."""
+    out = tmp_path_factory.mktemp("ranks")
+    for name in (n for n in RESUMES if n.startswith("from1_")):
+        args, batches = scenario(name, str(model))
+        learner = Learner(str(model), args)
+        learner.step(batches[0])
+        learner.save_checkpoint(out / f"{name}.from")
+        FIRST[name] = one_rank_state(learner)
+    procs, _store = start_ranks(model, out, [*SCENARIOS, *RESUMES])
+    results = finish(procs, timeout_s=600)
+    assert [code for code, _ in results] == [0] * WORLD, "\n".join(out[-6000:] for _, out in results)
+    return out
+
+
+def one_rank(name: str, model: Path) -> dict:
+    """The one-process learner's record of scenario ``name`` (a resume: of its base scenario, uninterrupted), as
+    learner_ranks.run records the ranks'."""
+    return _one_rank(RESUMES.get(name, name), model)
+
+
+@functools.cache
+def _one_rank(name: str, model: Path) -> dict:
+    args, batches = scenario(name, str(model))
+    learner = Learner(str(model), args)
+    record = {"metrics": [learner.step(batches[0]).as_dict()],
+              "grads": {n: p.grad.detach().float().clone() for n, p in learner.model.named_parameters()}}
+    record["metrics"] += [learner.step(groups).as_dict() for groups in batches[1:]]
+    record["weights"], record["state"] = learner.state_dict(), one_rank_state(learner)
+    return record
+
+
+def one_rank_state(learner: Learner) -> dict:
+    """The one-process learner's parameters as AdamW steps them (float32 masters) and AdamW's state, by name."""
+    names = [n for n, _ in learner.model.named_parameters()]
+    optimizer = learner.optimizer
+    params = getattr(optimizer, "masters", None) or [p.detach() for p in learner.model.parameters()]
+    adamw = {names[i]: s for i, s in optimizer.state_dict()["state"].items()}
+    return {"params": dict(zip(names, params)), "adamw": adamw}
+
+
+def differences(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> torch.Tensor:
+    assert set(a) == set(b), set(a) ^ set(b)
+    return torch.cat([(a[n].float() - b[n].float()).abs().flatten() for n in a])
+
+
+def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    """The acceptance bound of issue 36: mean |dw| <= 1e-7 and 99.9% of weights within 1e-6 (no max: Adam may
+    turn a gradient that cancels to rounding noise into a full +-lr step)."""
+    d = differences(a, b)
+    assert d.mean() <= 1e-7 and (d <= 1e-6).float().mean() >= 0.999, (d.mean().item(), (d > 1e-6).sum().item())
+
+
+# ------------------------------------------------------------------------------------ the data split
+
+
+def test_balanced_partition_deals_every_unit_once_by_load():
+    # catches: a unit dropped or dealt twice by the split (planted: the last index left out of its part; an
+    # index appended to two parts), a split by count instead of tokens, and one that depends on the rank that
+    # computes it. By hand, sizes 9 5 4 4 3 1 over 2 parts, largest first onto the lighter part (ties: lower
+    # index, lower part): 9->0 (9|0), 5->1 (9|5), 4->1 (9|9), 4->0 (13|9), 3->1 (13|12), 1->1 (13|13)
+    assert balanced_partition([9, 5, 4, 4, 3, 1], 2) == [[0, 3], [1, 2, 4, 5]]
+    # more parts than units: the last parts are empty (their ranks run padding micro-batches only)
+    assert balanced_partition([2, 7], 3) == [[1], [0], []]
+    sizes = [(37 * i) % 23 + 1 for i in range(40)]
+    parts = balanced_partition(sizes, 3)
+    assert sorted(i for p in parts for i in p) == list(range(40))
+    loads = [sum(sizes[i] for i in p) for p in parts]
+    assert max(loads) - min(loads) <= max(sizes)
+
+
+# ------------------------------------------------------------------------- one rank's step at N ranks
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", [n for n in SCENARIOS if n != "masters"])
+def test_two_ranks_take_the_step_one_rank_takes(name, model, ranks_out):
+    # catches every way two ranks' step can differ from one rank's on the same groups (GRPO over every KV policy
+    # with truncated windows, chunked windows with per-trace means, Dr.GRPO's constant with the sharded
+    # reference and activation checkpointing, BoNBoN pairs, SFT): the loss and its normaliser (planted: the
+    # totals of a rank's own units), the sum of the ranks' gradients (planted: a gradient divide factor of 2,
+    # FSDP2's default mean; rank 1's loss scaled by 0, its share missing), the clipping by the global norm
+    # (planted: the norm of each rank's local shards; every GRPO case clips at 0.05), the split (planted:
+    # balanced_partition dropping a unit: a window is missing from num_windows and the loss), BoNBoN's pairs
+    # (planted: each trace its own unit, so a pair's halves land on two ranks: bonbon_loss gets chosen rows
+    # without their rejected ones and the ranks fail). Each planted bug fails these cases. Checked: the
+    # step's metrics, the clipped gradients after step 1 (Adam's first steps are nearly scale-free, so the
+    # weights alone would miss a scale), and the weights after two steps.
+    got, ref = torch.load(ranks_out / f"{name}.pt"), one_rank(name, model)
+    for mine, theirs in zip(got["metrics"], ref["metrics"]):
+        assert {k: mine[k] for k in COUNTS} == {k: theirs[k] for k in COUNTS}
+        assert mine["loss"] == pytest.approx(theirs["loss"], rel=1e-5)
+        assert mine["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-5)
+    for n, grad in ref["grads"].items():
+        assert torch.allclose(got["grads"][n], grad, rtol=1e-4, atol=1e-7), n
+    assert_same_weights(got["weights"], ref["weights"])
+
+
+@pytest.mark.slow
+def test_master_weights_are_the_sharded_float32_parameters(model, ranks_out):
+    # catches: a sharded bf16 learner without float32 masters (planted: storage_dtype bf16 under master_weights;
+    # the ranks' run then fails outright) and masters the compute does not follow. bf16 compute: the one-rank
+    # learner accumulates its micro-batches' gradients in bf16, FSDP2 reduces them in float32, so the bounds
+    # are bf16's: gradient norms within 1%, the float32 masters after step 1 within a tenth of lr on average
+    got, ref = torch.load(ranks_out / "masters.pt"), one_rank("masters", model)
+    assert got["metrics"][0]["grad_norm"] == pytest.approx(ref["metrics"][0]["grad_norm"], rel=1e-2)
+    masters = torch.load(ranks_out / "resume_masters.pt")["saved"]["params"]  # after step 1 of the same learner
+    assert all(m.dtype == torch.float32 for m in masters.values())
+    d = differences(masters, FIRST["from1_masters"]["params"])  # the one-rank masters after that step
+    assert d.mean() < 1e-5, d.mean().item()
+
+
+# ---------------------------------------------------------------------------- resume at another count
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["fp32", "masters"])
+def test_a_checkpoint_of_two_ranks_resumes_at_one_with_its_optimizer_state(dtype, model, ranks_out):
+    # catches: a sharded checkpoint that one process cannot read, or reads without AdamW's state or the float32
+    # masters (planted: Parallel.load_training_state skipping the shard set, step counts and moments restart
+    # at 0 and the masters are the bf16 weights). The loaded state must be the saved one exactly; the next
+    # step must be the step the two ranks took (fp32: the acceptance bound; without the moments it would be a
+    # fresh +-lr step).
+    name = f"resume_{dtype}"
+    got = torch.load(ranks_out / f"{name}.pt")
+    args, batches = scenario(name, str(model))
+    learner = Learner.from_checkpoint(ranks_out / f"{name}.ckpt", args=args)
+    state = one_rank_state(learner)
+    assert differences(state["params"], got["saved"]["params"]).max() == 0
+    for key in ("step", "exp_avg", "exp_avg_sq"):
+        assert differences({n: s[key] for n, s in state["adamw"].items()},
+                           {n: s[key] for n, s in got["saved"]["adamw"].items()}).max() == 0, key
+    assert learner.version == 1
+    learner.step(batches[1])
+    if dtype == "fp32":
+        assert_same_weights(learner.state_dict(), got["weights"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["fp32", "masters"])
+def test_a_checkpoint_of_one_rank_resumes_at_two_with_its_optimizer_state(dtype, model, ranks_out):
+    # catches: a one-rank checkpoint (optimizer state keyed by index, MasterAdamW's masters beside it) that
+    # two ranks cannot shard, or shard without its masters (planted: masters not passed to set_full_state, the
+    # sharded float32 parameters are the bf16 weights of the checkpoint's HF files). The two ranks' state right
+    # after loading must be the one-rank learner's after its step 1; their next step the one-rank learner's
+    # step 2 (fp32).
+    name = f"from1_{dtype}"
+    got, ref = torch.load(ranks_out / f"{name}.pt"), one_rank(name, model)
+    state = FIRST[name]
+    assert differences(got["loaded"]["params"], state["params"]).max() == 0
+    for key in ("step", "exp_avg", "exp_avg_sq"):
+        assert differences({n: s[key] for n, s in got["loaded"]["adamw"].items()},
+                           {n: s[key] for n, s in state["adamw"].items()}).max() == 0, key
+    if dtype == "fp32":
+        assert_same_weights(got["weights"], ref["weights"])
+
+
+# ------------------------------------------------------------------------------------ a hung rank
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_rank_that_never_arrives_is_caught_by_the_collective_timeout(model, tmp_path):
+    # catches: a learner rank left waiting forever for a peer that hangs (learner.collective_timeout_s not
+    # reaching the process group: planted by FSDPParallel.join without timeout=, gloo's default 30 min
+    # outlasts this test's deadline), and a rank whose collective failed staying alive with a broken group
+    # (planted: LearnerActor's collective wrapper re-raising instead of exiting: the exit code is 1 but the
+    # message is missing). Rank 1 sleeps; rank 0's step must end its process (after the 4 s timeout) long
+    # before this test's deadline.
+    procs, _store = start_ranks(model, tmp_path, ["hang"], RANKS_TIMEOUT_S="4")
+    (code0, out0), = finish(procs[:1], timeout_s=240)
+    finish(procs[1:], timeout_s=0)
+    assert code0 == 1 and "a collective failed in step; exiting" in out0, out0[-3000:]
+    assert "rank 0 steps" in out0 and "the step returned" not in out0
