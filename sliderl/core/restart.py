@@ -204,6 +204,26 @@ class SummaryTokens:
         return Restart(at, keep, tail, start, start + len(summary), forced)
 
 
+def written_restarts(policy: KVPolicy, prompt: Sequence[int], completion: Sequence[int],
+                     tokens: SummaryTokens | None = None) -> list[Restart]:
+    """The restarts of a written completion (a demonstration) under a restart policy, as the engine would make them
+    while generating it: last_k's cuts at N, N + (N - K), ...; summary's at the end of each tool call in it (a
+    complete ``open`` … ``close``; the written calls are the model's, never forced). None at the very end."""
+    out: list[Restart] = []
+    if policy.kind == "last_k":
+        n, k = policy.restart_at, policy.carry
+        return [last_k_restart(len(prompt), completion, at, k) for at in range(n, len(completion), n - k)]
+    start = None
+    for i, token in enumerate(completion):
+        if start is None and token == tokens.open_id:
+            start = i
+        elif start is not None and token == tokens.close_id and i + 1 - start > len(tokens.opening):
+            if i + 1 < len(completion):
+                out.append(tokens.restart(prompt, completion, start, i + 1, False))
+            start = None
+    return out
+
+
 def context_bound(policy: KVPolicy, prompt_len: int, tokens: SummaryTokens | None) -> int:
     """The most tokens a context of a restart policy holds: the prompt and N generated tokens, plus for summary
     the template and the longest summary (S less the call's opening and closing)."""
