@@ -23,11 +23,13 @@ operations are unknowable.
 
 With ``summary_lines`` > 0 a problem also carries ``solution_summary``, the demonstration for the ``summary:N:S``
 restart baseline (``core.restart``): the same lines in segments of at most ``summary_lines`` step lines, each
-segment but the last ending in a summary tool call that holds the current value and the steps left, e.g.
-``<tool_call>49 c..h</tool_call>``; each later segment starts its thinking afresh from that value (its context is
-the prompt with ``Context: 49 c..h`` inserted)::
+ending in a summary tool call that holds the current value and the steps left, e.g. ``<tool_call>49 c..h</tool_call>``
+(``<tool_call>53 done</tool_call>`` after the last step); each later segment starts its thinking afresh from that
+value (its context is the prompt with ``Context: 49 c..h`` inserted), and the last one only answers, so that the
+answer never needs more of a context than one value line::
 
-    <think>\n47\na+5=52\nb-3=49\n<tool_call>49 c..h</tool_call><think>\n49\nc+8=57\n ... </think>\nAnswer: ...
+    <think>\n47\na+5=52\nb-3=49\n<tool_call>49 c..h</tool_call><think>\n49\nc+8=57\n ... h+4=53\n
+    <tool_call>53 done</tool_call><think>\n53\n</think>\nAnswer: \\boxed{53}
 
 Every value stays in ``[min_value, max_value]``: each step's operand is drawn first, then its sign
 among those that keep the value in range. Train and eval problems come from separate random
@@ -138,24 +140,25 @@ def format_solution(start: int, ops: list[tuple[str, int]]) -> str:
 
 
 def step_summary(value: int, done: int, num_steps: int) -> str:
-    """The summary after ``done`` of ``num_steps`` steps: the current value and the steps left, ``49 c..h``."""
+    """The summary after ``done`` of ``num_steps`` steps: the current value and the steps left, ``49 c..h``
+    (``53 done`` when none is left)."""
+    if done == num_steps:
+        return f"{value} done"
     return f"{value} {STEP_LABELS[done]}..{STEP_LABELS[num_steps - 1]}"
 
 
 def format_summary_solution(start: int, ops: list[tuple[str, int]], lines_per_segment: int,
                             call: tuple[str, str] = ("<tool_call>", "</tool_call>")) -> str:
-    """``format_solution`` in segments of at most ``lines_per_segment`` step lines, each but the last closed by a
-    summary call ``call[0] + step_summary + call[1]``; each later segment restarts its thinking from the value."""
+    """``format_solution`` in segments of at most ``lines_per_segment`` step lines, each closed by a summary call
+    ``call[0] + step_summary + call[1]``; each later segment restarts its thinking from the value; the last answers."""
     values = run_chain(start, ops)
     lines = [f"{STEP_LABELS[i]}{sign}{operand}={values[i + 1]}\n" for i, (sign, operand) in enumerate(ops)]
-    cuts = list(range(0, len(ops), lines_per_segment))[1:]
-    out, done = "", 0
-    for end in [*cuts, len(ops)]:
+    out = ""
+    for done in range(0, len(ops), lines_per_segment):
+        end = min(done + lines_per_segment, len(ops))
         out += f"<think>\n{values[done]}\n" + "".join(lines[done:end])
-        if end < len(ops):
-            out += call[0] + step_summary(values[end], end, len(ops)) + call[1]
-        done = end
-    return f"{out}{END_THINK}\nAnswer: \\boxed{{{values[-1]}}}"
+        out += call[0] + step_summary(values[end], end, len(ops)) + call[1]
+    return f"{out}<think>\n{values[-1]}\n{END_THINK}\nAnswer: \\boxed{{{values[-1]}}}"
 
 
 def check_chain_bounds(max_operand: int, min_value: int, max_value: int) -> None:
