@@ -20,7 +20,7 @@ Written to ``--out``: ``rows.jsonl`` (every GRPO step of every arm, every evalua
 ``summary.md`` (mean ± sd over seeds), ``pareto.png`` (avg@k against thinking tokens and against wall seconds per
 trace, one line per mode, mean ± sd over seeds), ``setup.json``.
 
-    python benchmarks/restart_compare.py --out docs/results/restarts            # ~35 min on 2 busy cores
+    python benchmarks/restart_compare.py --out docs/results/restarts            # ~40 min on 2 busy cores
     python benchmarks/restart_compare.py --smoke --out /tmp/restart-compare    # seconds: the same pipeline
 """
 
@@ -46,24 +46,25 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 class Setup:
     """Everything one comparison depends on."""
 
-    num_steps: tuple[int, int] = (16, 20)  # chain steps: completions of ~135-180 byte tokens
-    budget: int = 48  # B: PS / SW window, the restarts' N
+    num_steps: tuple[int, int] = (10, 12)  # chain steps: completions of 96-110 byte tokens, ~3x the budget
+    budget: int = 36  # B: PS / SW window, the restarts' N
     keep: int = 8  # last_k's K: a step line and one token
     summary_len: int = 10  # summary's S: "<tool_call>49 c..h</tool_call>" is 9 tokens
-    summary_lines: int = 4  # step lines per segment in the summary demonstrations (5 + 4·7 = 33 <= B - S)
+    summary_lines: int = 3  # step lines per segment in the summary demonstrations: 5 + 3·7 = 26 <= B - S, and
+    # the answering segment "<think>\n53\n</think>\nAnswer: \boxed{53}" + eos is 26 tokens too
     hidden_size: int = 96
     intermediate_size: int = 384
-    sft_steps: int = 1500
+    sft_steps: int = 800
     sft_target: float = 0.5  # held-out greedy exact match (over the three policies' examples) that ends the SFT
     sft_lr: float = 0.01
-    grpo_steps: int = 30
+    grpo_steps: int = 20
     groups: int = 4
     group_size: int = 8
     lr: float = 3e-4
-    max_tokens: int = 320
+    max_tokens: int = 200
     eval_problems: int = 32
     k: int = 4
-    caps: tuple[int | None, ...] = (96, 144, None)  # thinking caps (budget forcing); None: no cap
+    caps: tuple[int | None, ...] = (64, 96, None)  # thinking caps (budget forcing); None: no cap
     seeds: tuple[int, ...] = (0, 1, 2)
     train_problems: int = 4096
 

@@ -149,13 +149,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--model", type=Path, default=None, help="a model folder (default: build the 1.7B config)")
-    parser.add_argument("--smoke", action="store_true", help="CPU, a tiny model, prefix_sliding:96 / last_k:96:8 / "
-                                                             "summary:96:56 (the JSON call fits), 300 tokens, batches 1, 4")
+    parser.add_argument("--smoke", action="store_true", help="CPU, a tiny model, prefix_sliding:48 / last_k:48:8 / "
+                                                             "summary:56:50 (the JSON call fits), 120 tokens, batch 2")
     parser.add_argument("--out", type=Path, default=Path("runs/restart-gpu"))
     args = parser.parse_args(argv)
     if args.smoke:
         args.device, args.dtype, args.kv_gb, args.bin = "cpu", "float32", 0.05, 16
-        args.policies, args.batches, args.tokens = ["prefix_sliding:96", "last_k:96:8", "summary:96:56"], [1, 4], 300
+        args.policies, args.batches, args.tokens = ["prefix_sliding:48", "last_k:48:8", "summary:56:50"], [2], 120
     with tempfile.TemporaryDirectory() as tmp:
         path = args.model or build_model(Path(tmp), args.smoke)
         rows = [bench(path, spec, batch, args.tokens, args) for batch in args.batches for spec in args.policies]
