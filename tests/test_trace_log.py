@@ -15,7 +15,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from sliderl.cluster.storage.trace_log import TraceLog
-from sliderl.core.trace import TRACE_SCHEMA, Int32, Trace, arrow_schema, traces_from_table
+from sliderl.core.restart import Restart
+from sliderl.core.trace import TRACE_SCHEMA, TRACE_SCHEMA_VERSION, Int32, Trace, arrow_schema, traces_from_table
 
 ROOT = Path(__file__).resolve().parents[1]
 FLOAT32_FIELDS = {"logprobs", "temperature"}  # float32 in TRACE_SCHEMA
@@ -182,6 +183,12 @@ PARQUET_COLUMNS = [
     ("mean_visible_kv", pa.float64()), ("decode_seconds", pa.float64()),
     ("kv_deaths", pa.list_(pa.int32())),  # added for h2o; parts written before it lack it
     ("num_preemptions", pa.int32()),  # added 2026-12-03; parts written before it lack it
+    # schema version 2 (restarts): parts written before lack these five
+    ("restarts", pa.list_(pa.struct([("at", pa.int32()), ("kept_prompt", pa.int32()),
+                                     ("context_tail", pa.list_(pa.int32())), ("carry_start", pa.int32()),
+                                     ("carry_end", pa.int32()), ("forced", pa.bool_())]))),
+    ("reencoded_tokens", pa.int32()), ("kv_token_steps", pa.int64()), ("max_token_seconds", pa.float64()),
+    ("schema_version", pa.int32()),
 ]
 
 
@@ -219,9 +226,10 @@ def test_keep_groups_rolls_the_log_back_part_by_part(tmp_path):
 
 
 def test_a_part_written_before_kv_deaths_still_reads(tmp_path):
-    # catches: the h2o column (or the preemption count, added later) made mandatory, so a log written before it
-    # fails to read or gives None where the learner expects a list or a number
-    added = ("kv_deaths", "num_preemptions")
+    # catches: the h2o column (or the preemption count, or schema version 2's restart columns, added later) made
+    # mandatory, so a log written before it fails to read or gives None where the learner expects a list or a number
+    added = ("kv_deaths", "num_preemptions", "restarts", "reencoded_tokens", "kv_token_steps", "max_token_seconds",
+             "schema_version")
     old = pa.schema([f for f in TRACE_SCHEMA if f.name not in added])
     rows = [{k: v for k, v in make_trace(0).to_row().items() if k not in added}]
     log = TraceLog(tmp_path)
@@ -265,3 +273,16 @@ def test_a_rollback_keeps_every_trace_of_the_groups_a_checkpoint_resolved(tmp_pa
     roll_back((tmp_path / "checkpoints" / "step_000002", state), log, tmp_path / "metrics.jsonl")
     kept = TraceLog(tmp_path).read().to_pylist()
     assert_rows_equal(kept, [make_trace(i, group_id=f"g{i // 2}") for i in range(6)])
+    assert trace.restarts == [] and trace.reencoded_tokens == 0 and trace.kv_token_steps == 0
+    assert trace.max_token_seconds == 0.0 and trace.schema_version == 1
+
+
+def test_restarts_round_trip_through_the_log_with_the_schema_version(tmp_path):
+    # catches: a restart record that loses a field (or comes back as a dict) on its way through Parquet
+    restart = Restart(at=12, kept_prompt=3, context_tail=[7, 8, 9], carry_start=5, carry_end=8, forced=False)
+    trace = make_trace(0)
+    trace.restarts, trace.reencoded_tokens = [restart], 3
+    log = TraceLog(tmp_path)
+    log.append([trace])
+    (back,) = traces_from_table(log.read())
+    assert back.restarts == [restart] and back.reencoded_tokens == 3 and back.schema_version == TRACE_SCHEMA_VERSION

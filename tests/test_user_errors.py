@@ -18,7 +18,7 @@ from sliderl.cluster.config.train import TrainConfig
 # Each case is one mistake from the list, with the words the one-line message must hold.
 USER_ERRORS = [
     # an unknown reward term: once surfaced as "rollout worker 0 did not start: The actor died"
-    (["reward.acc=1.0"], ["reward: unknown key 'acc'", "valid keys: correctness, kv_penalty, thinking_penalty, speedup"]),
+    (["reward.acc=1.0"], ["reward: unknown key 'acc'", "valid keys: correctness, kv_penalty, thinking_penalty, speedup, cost_penalty"]),
     # a misspelt option of a reward term
     (["reward.kv_penalty.budgt=64"], ["reward.kv_penalty: unknown key 'budgt'", "did you mean 'budget'", "weight"]),
     # an old config's second multiplier: refused with the new spelling (coef was folded into weight)

@@ -10,6 +10,7 @@ code 2 before anything starts; a training run that cannot continue prints why an
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import faulthandler
 import functools
 import json
@@ -221,6 +222,8 @@ def completion_record(prompt_index: int, sample_index: int, prompt: str, out: An
         "mean_visible_kv_tokens": out.kv.mean_visible_tokens,
         "peak_blocks": out.kv.peak_blocks,
         "kv_deaths": [list(r) for r in out.kv_deaths],
+        "kv_token_steps": out.kv.token_steps,
+        "restarts": [dataclasses.asdict(r) for r in getattr(out, "restarts", [])],  # last_k / summary
     }
 
 

@@ -145,6 +145,15 @@ class StepReport:
     """geometric mean of the trained traces' theoretical speedup (reward.speedup); None without that term"""
     trained_groups: int | None = None
     """groups trained at this step (the summary's share of arrived groups dropped as stale)"""
+    kv_token_steps: float | None = None
+    """mean over the trained traces of their KV-token-steps (the sum over generated tokens of the KV tokens their
+    query saw)"""
+    restarts: float | None = None
+    """mean restarts per trained trace (last_k, summary: the context restarted when its generated part reached N)"""
+    reencoded_tokens: float | None = None
+    """mean tokens per trained trace encoded again at its restarts (the kept tokens, the summary and its template)"""
+    max_token_seconds: float | None = None
+    """mean over the trained traces of their longest wait for one token (a restart's re-prefill spike)"""
     learner: StepMetrics | None = None
     """the learner's own metrics (loss, grad_norm, ...), logged as learner/<name> (its version is ``version``)"""
     eval_before: EvalResult | None = None

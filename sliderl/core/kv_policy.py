@@ -12,6 +12,8 @@ that can no longer see k. A query at position q sees key k exactly when ``k <= q
 | registers:N        | the position r of the register token that killed k's step   |
 | h2o:B              | never by itself; the position where the engine evicted k's page |
 | pasta              | never (``full``); Pasta threads add the thread rule (``core.pasta``) |
+| last_k:N:K         | never within a segment; segments restart (``core.restart``)  |
+| summary:N:S        | never within a segment; segments restart (``core.restart``)  |
 
 ``q - k < W`` is the window convention: a query sees W keys including itself.
 
@@ -20,6 +22,12 @@ so ``death_positions`` alone gives never; the engine records each evicted page a
 ``(start, end, death)`` (``RequestOutput.kv_deaths``, ``Trace.kv_deaths``) and ``death_positions(...,
 recorded=...)`` applies those ranges on top, so the trainer rebuilds the sampler's mask from the
 trace. The budget B counts tokens in whole pages; ``rollout.heavy_hitters`` says which pages stay.
+
+Restarts (the Prefix Sliding paper's baselines, its Appendix G): under ``last_k:N:K`` and ``summary:N:S`` the
+generated part of the context holds at most N tokens; then generation restarts from a new context (the prompt and
+the last K generated tokens, or the prompt with the model's summary inserted), whose tokens are encoded afresh at
+positions right after the prompt. Inside one context every key is visible (death never); a key of an old context is
+dead from the restart on. A trace is scored segment by segment, each under its own context (``core.restart``).
 
 Registers (TIP): a step starts at a generated ``<reg_i>`` token and runs until the next register
 token or the end-of-thinking token (exclusive). When ``<reg_i>`` is emitted at position r while an
@@ -38,9 +46,12 @@ import torch
 NEVER = 2**31 - 1  # death of a key that stays visible forever (fits int32 kernels)
 MAX_SPEC_ARG = 2**30  # a spec's W, S, N or B: position + W stays below NEVER for any position below it
 
-POLICY_KINDS = ("full", "prefix_sliding", "sliding_window", "streaming", "registers", "h2o", "pasta")
-SPEC_HELP = ("valid specs: full, prefix_sliding:W, sliding_window:W, streaming:S:W, registers:N, h2o:B, pasta "
-             "(W, N, B >= 1; S >= 0; the engine needs B >= 2 x block_size)")
+POLICY_KINDS = ("full", "prefix_sliding", "sliding_window", "streaming", "registers", "h2o", "pasta", "last_k",
+                "summary")
+RESTART_KINDS = ("last_k", "summary")
+SPEC_HELP = ("valid specs: full, prefix_sliding:W, sliding_window:W, streaming:S:W, registers:N, h2o:B, pasta, "
+             "last_k:N:K, summary:N:S (W, N, B >= 1; S >= 0; the engine needs B >= 2 x block_size; last_k: "
+             "1 <= K < N; summary: 2 <= S < N)")
 
 
 def register_tokens(num_registers: int) -> list[str]:
@@ -57,20 +68,23 @@ class KVPolicy:
     sinks: int = 0
     num_registers: int = 0
     budget: int = 0  # h2o: live KV tokens per request, in whole pages
+    restart_at: int = 0  # last_k / summary: N, the most generated tokens a context holds
+    carry: int = 0  # last_k: K, the generated tokens kept at a restart; summary: S, the most tokens of its tool call
     register_ids: tuple[int, ...] = field(default=(), compare=False)
     end_think_id: int | None = field(default=None, compare=False)
 
     @classmethod
     def parse(cls, spec: str | KVPolicy) -> KVPolicy:
-        """Parse ``full``, ``prefix_sliding:W``, ``sliding_window:W``, ``streaming:S:W``, ``registers:N``, ``h2o:B``
-        or ``pasta`` (``full`` plus Pasta-Lang threads: ``core.pasta``)."""
+        """Parse ``full``, ``prefix_sliding:W``, ``sliding_window:W``, ``streaming:S:W``, ``registers:N``, ``h2o:B``,
+        ``pasta`` (``full`` plus Pasta-Lang threads: ``core.pasta``), ``last_k:N:K`` or ``summary:N:S`` (restarts:
+        ``core.restart``)."""
         if isinstance(spec, KVPolicy):
             return spec
         if not isinstance(spec, str):
             raise ValueError(f"KV policy spec must be a string, got {spec!r}; {SPEC_HELP}")
         kind, *args = spec.strip().split(":")
         arity = {"full": 0, "prefix_sliding": 1, "sliding_window": 1, "streaming": 2, "registers": 1, "h2o": 1,
-                 "pasta": 0}
+                 "pasta": 0, "last_k": 2, "summary": 2}
         if kind not in arity:
             raise ValueError(f"unknown KV policy {kind!r} in spec {spec!r}; {SPEC_HELP}")
         if len(args) != arity[kind]:
@@ -81,6 +95,8 @@ class KVPolicy:
             if sinks < 0:
                 raise ValueError(f"streaming sinks must be >= 0, got {sinks} in {spec!r}; {SPEC_HELP}")
             return cls(kind, window=_positive(window, "window", spec), sinks=sinks)
+        if kind in RESTART_KINDS:
+            return cls._restart(kind, *values, spec)
         if kind == "registers":
             return cls(kind, num_registers=_positive(values[0], "number of registers", spec))
         if kind == "h2o":
@@ -88,6 +104,15 @@ class KVPolicy:
         if kind in ("full", "pasta"):
             return cls(kind)
         return cls(kind, window=_positive(values[0], "window", spec))
+
+    @classmethod
+    def _restart(cls, kind: str, n: int, carry: int, spec: str) -> KVPolicy:
+        """``last_k:N:K`` (1 <= K < N) or ``summary:N:S`` (2 <= S < N: the call's opening and closing tokens fit)."""
+        least = 1 if kind == "last_k" else 2
+        name = "K (tokens kept)" if kind == "last_k" else "S (most tokens of the summary call)"
+        if not least <= carry < n:
+            raise ValueError(f"{kind} needs {least} <= {name} < N, got N={n}, {carry} in {spec!r}; {SPEC_HELP}")
+        return cls(kind, restart_at=n, carry=carry)
 
     @property
     def spec(self) -> str:
@@ -100,6 +125,8 @@ class KVPolicy:
             "registers": f"registers:{self.num_registers}",
             "h2o": f"h2o:{self.budget}",
             "pasta": "pasta",
+            "last_k": f"last_k:{self.restart_at}:{self.carry}",
+            "summary": f"summary:{self.restart_at}:{self.carry}",
         }[self.kind]
 
     def bind(self, register_ids: list[int] | tuple[int, ...] = (), end_think_id: int | None = None) -> KVPolicy:
@@ -118,7 +145,13 @@ class KVPolicy:
     def admits_by_bound(self) -> bool:
         """A sequence's live blocks have a bound known at admission, so the scheduler reserves it and never
         preempts: the windowed policies, and h2o (its budget)."""
-        return self.bounded or self.kind == "h2o"
+        return self.bounded or self.kind == "h2o" or self.restarts
+
+    @property
+    def restarts(self) -> bool:
+        """Generation restarts from a new context whenever the generated part of the context reaches N tokens
+        (``last_k``, ``summary``: ``core.restart``)."""
+        return self.kind in RESTART_KINDS
 
     def budget_pages(self, block_size: int) -> tuple[int, int]:
         """h2o: (pages a decode step may hold, most recent pages always kept) for ``block_size``-token pages.

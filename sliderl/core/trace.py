@@ -2,8 +2,13 @@
 
 A trace crosses process boundaries (rollout worker -> queue -> learner) and is one row of the
 Parquet trace log. Visibility is a function of (kv_policy, prompt length, token ids) — plus, for a
-score-based policy (h2o), the death positions the engine recorded (``kv_deaths``) — so the record
-carries the policy spec string and those deaths rather than any mask.
+score-based policy (h2o), the death positions the engine recorded (``kv_deaths``), and for a restart policy
+(last_k, summary) the contexts it restarted from (``restarts``, ``core.restart``) — so the record carries the
+policy spec string, those deaths and those contexts rather than any mask.
+
+``TRACE_SCHEMA_VERSION`` numbers the Parquet schema; each row stores the version it was written with
+(``schema_version``). Version 1 (no such column) is every log written before restarts: its rows read with the
+columns added since at their defaults.
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Annotated
 
 import pyarrow as pa
+
+from sliderl.core.restart import Restart
 
 # Python type + the Arrow type of its Parquet column; every Trace field is declared with one of these
 String = Annotated[str, pa.string()]
@@ -24,6 +31,11 @@ Int32List = Annotated[list[int], pa.list_(pa.int32())]
 Float32List = Annotated[list[float], pa.list_(pa.float32())]
 BoolList = Annotated[list[bool], pa.list_(pa.bool_())]
 Float64Map = Annotated[dict[str, float], pa.map_(pa.string(), pa.float64())]  # stored as (key, value) pairs
+RestartList = Annotated[list[Restart], pa.list_(pa.struct([
+    ("at", pa.int32()), ("kept_prompt", pa.int32()), ("context_tail", pa.list_(pa.int32())),
+    ("carry_start", pa.int32()), ("carry_end", pa.int32()), ("forced", pa.bool_())]))]
+
+TRACE_SCHEMA_VERSION = 2  # 2: restarts and the cost columns; 1: logs written before them (no schema_version)
 
 
 @dataclass
@@ -51,6 +63,11 @@ class Trace:
     decode_seconds: Float64 = 0.0
     kv_deaths: Int32List = field(default_factory=list)  # h2o: evicted ranges, flat (start, end, death) triples
     num_preemptions: Int32 = 0  # times the engine took this request's blocks back and recomputed it (pool too small)
+    restarts: RestartList = field(default_factory=list)  # last_k / summary: each restart and its new context
+    reencoded_tokens: Int32 = 0  # tokens encoded again at restarts (sum of the restarts' context tails)
+    kv_token_steps: Int64 = 0  # sum over generated tokens of the KV tokens the query that chose it saw
+    max_token_seconds: Float64 = 0.0  # longest wait for one token after the first (a restart's re-prefill spike)
+    schema_version: Int32 = TRACE_SCHEMA_VERSION  # the Parquet schema this row was written with; old logs: 1
 
     @property
     def death_ranges(self) -> list[tuple[int, int, int]]:
@@ -77,6 +94,10 @@ class Trace:
         row["reward_components"] = dict(row.get("reward_components") or [])
         row["kv_deaths"] = list(row.get("kv_deaths") or [])  # absent from logs written before h2o
         row["num_preemptions"] = int(row.get("num_preemptions") or 0)  # logs older than this column lack it: read as 0
+        row["restarts"] = [r if isinstance(r, Restart) else Restart(**r) for r in row.get("restarts") or []]
+        for name, zero in (("reencoded_tokens", 0), ("kv_token_steps", 0), ("max_token_seconds", 0.0)):
+            row[name] = row.get(name) or zero  # version 1 logs lack these columns
+        row["schema_version"] = row.get("schema_version") or 1
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in row.items() if k in names})
 

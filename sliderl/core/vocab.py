@@ -7,14 +7,17 @@ from __future__ import annotations
 from sliderl.core.kv_policy import KVPolicy, register_tokens
 from sliderl.core.model import DecoderLM
 from sliderl.core.pasta import PASTA_TOKENS
+from sliderl.core.restart import RESTART_TOKENS
 
 END_THINK = "</think>"
 
 
 def policy_tokens(policy: KVPolicy | str) -> list[str]:
-    """The tokens ``policy`` adds to a vocabulary: registers:N's ``<reg_i>``, pasta's tags, none for the others."""
+    """The tokens ``policy`` adds to a vocabulary: registers:N's ``<reg_i>``, pasta's tags, summary's tool call
+    (``<tool_call>``, ``</tool_call>``), none for the others."""
     policy = KVPolicy.parse(policy)
-    return {"registers": register_tokens(policy.num_registers), "pasta": list(PASTA_TOKENS)}.get(policy.kind, [])
+    return {"registers": register_tokens(policy.num_registers), "pasta": list(PASTA_TOKENS),
+            "summary": list(RESTART_TOKENS)}.get(policy.kind, [])
 
 
 def bind_policy_vocab(policy: KVPolicy | str, tokenizer, model: DecoderLM | None = None) -> KVPolicy:
@@ -22,7 +25,8 @@ def bind_policy_vocab(policy: KVPolicy | str, tokenizer, model: DecoderLM | None
 
     Every policy gets the end-of-thinking id (``</think>``, None when the tokenizer lacks it). The
     registers policy adds missing ``<reg_0> … <reg_{N-1}>`` to the tokenizer as special tokens, in
-    order, and binds their ids; the pasta policy adds the missing Pasta-Lang tags (``PASTA_TOKENS``).
+    order, and binds their ids; the pasta policy adds the missing Pasta-Lang tags (``PASTA_TOKENS``), the summary
+    policy its tool call's tokens (``core.restart.RESTART_TOKENS``).
     Then, when the tokenizer has outgrown ``model``'s vocabulary, the model grows with
     ``DecoderLM.resize_vocab`` (new rows = mean row, deterministic).
     """

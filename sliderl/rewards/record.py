@@ -18,6 +18,9 @@ class RewardInput:
     prompt_token_ids, completion_token_ids, forced: the engine's prompt, completion (under ``kv=pasta`` the
         flattened response) and forced flags, for terms that read tokens (Pasta's speedup).
     baseline_tokens: Baseline-SFT's response length for this prompt (Pasta's speedup), else None.
+    kv_token_steps, reencoded_tokens, num_restarts: the trace's cost (engine stats): the sum over generated tokens
+        of the KV tokens their query saw, the tokens encoded again at restarts, the restarts (``last_k``, ``summary``;
+        0 under every other policy).
     """
 
     completion_text: str
@@ -28,6 +31,9 @@ class RewardInput:
     completion_token_ids: Sequence[int] | None = None
     forced: Sequence[bool] | None = None
     baseline_tokens: int | None = None
+    kv_token_steps: int | None = None
+    reencoded_tokens: int | None = None
+    num_restarts: int | None = None
 
 
 @dataclass(frozen=True)

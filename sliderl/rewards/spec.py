@@ -17,7 +17,7 @@ from sliderl.rewards.arith import ArithVerifier
 from sliderl.rewards.composite import CompositeReward
 from sliderl.rewards.math import MathReward
 from sliderl.rewards.record import Reward
-from sliderl.rewards.terms import KVPenalty, SpeedupReward, ThinkingPenalty
+from sliderl.rewards.terms import CostPenalty, KVPenalty, SpeedupReward, ThinkingPenalty
 
 _CONFIG = {"extra": "forbid", "use_attribute_docstrings": True}
 RENAMED_COEF = ("weight: a term has one multiplier now; coef was folded into weight, so write weight = your "
@@ -73,6 +73,28 @@ class KVPenaltyTerm:
 
     def build(self, task: str, tokenizer=None) -> Reward:
         return KVPenalty(self.budget)
+
+
+@dataclass(frozen=True)
+class CostPenaltyTerm:
+    """Penalty on a trace's compute over a budget, same form as the KV penalty (``rewards.terms.CostPenalty``)."""
+
+    __pydantic_config__: ClassVar[dict] = _CONFIG
+
+    measure: str = "kv_token_steps"
+    """kv_token_steps (sum over generated tokens of the KV tokens their query saw), reencoded_tokens (tokens encoded
+    again at last_k / summary restarts) or num_restarts."""
+    budget: float = 65536.0
+    """The measure allowed without penalty (> 0)."""
+    weight: float = 1.0
+    """Weight of the term in the total reward: the penalty at twice the budget is -weight."""
+
+    def __post_init__(self) -> None:
+        _check_weight(self.weight, "cost_penalty")
+        CostPenalty(self.measure, self.budget)  # its own checks name the bad value
+
+    def build(self, task: str, tokenizer=None) -> Reward:
+        return CostPenalty(self.measure, self.budget)
 
 
 @dataclass(frozen=True)
@@ -144,8 +166,10 @@ class RewardSpec:
     """Penalty on thinking tokens over a budget."""
     speedup: SpeedupTerm | None = None
     """Pasta's theoretical speedup: Baseline-SFT's length for the prompt / the response's critical path."""
+    cost_penalty: CostPenaltyTerm | None = None
+    """Penalty on a trace's compute over a budget: KV-token-steps, tokens re-encoded at restarts, or restarts."""
 
-    TERMS: ClassVar[tuple[str, ...]] = ("correctness", "kv_penalty", "thinking_penalty", "speedup")
+    TERMS: ClassVar[tuple[str, ...]] = ("correctness", "kv_penalty", "thinking_penalty", "speedup", "cost_penalty")
 
     def __post_init__(self) -> None:
         if all(getattr(self, name) is None for name in self.TERMS):

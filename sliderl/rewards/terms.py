@@ -1,4 +1,5 @@
-"""Cost-side reward terms: TIP's KV-cache penalty, a thinking-length penalty and Pasta's theoretical speedup.
+"""Cost-side reward terms: TIP's KV-cache penalty, a thinking-length penalty, a penalty on a trace's compute
+(KV-token-steps, tokens re-encoded at restarts, restarts) and Pasta's theoretical speedup.
 
 The two penalties share one form, a relative overshoot of a budget:
 ``-max(0, x - budget) / budget`` (0 within budget, -1 at twice the budget); the term's ``weight`` in the
@@ -48,6 +49,33 @@ class KVPenalty:
         if sample.mean_visible_kv is None:
             raise ValueError("KVPenalty needs the trace's mean visible KV tokens; RewardInput.mean_visible_kv is None")
         return self(sample.mean_visible_kv)
+
+
+COST_MEASURES = ("kv_token_steps", "reencoded_tokens", "num_restarts")
+
+
+class CostPenalty:
+    """Penalty on one of a trace's costs over ``budget``, same form as ``KVPenalty``: ``measure`` is
+    ``kv_token_steps`` (the sum over generated tokens of the KV tokens their query saw), ``reencoded_tokens``
+    (tokens encoded again at restarts) or ``num_restarts`` (``RewardInput``'s fields of those names)."""
+
+    name = "cost_penalty"
+
+    def __init__(self, measure: str, budget: float):
+        if measure not in COST_MEASURES:
+            raise ValueError(f"unknown cost measure {measure!r}; valid: {', '.join(COST_MEASURES)}")
+        _check_budget(budget, "CostPenalty")
+        self.measure, self.budget = measure, float(budget)
+
+    def __call__(self, value: float) -> RewardRecord:
+        total = budget_overshoot_penalty(value, self.budget)
+        return RewardRecord(total, {self.name: total}, info={self.measure: float(value)})
+
+    def score(self, sample: RewardInput) -> RewardRecord:
+        value = getattr(sample, self.measure)
+        if value is None:
+            raise ValueError(f"CostPenalty needs the trace's {self.measure}; RewardInput.{self.measure} is None")
+        return self(value)
 
 
 class ThinkingPenalty:

@@ -14,6 +14,7 @@ from typing import ClassVar
 
 from sliderl.core.kv_policy import KVPolicy
 from sliderl.core.loader import DTYPES
+from sliderl.core.restart import SummaryTool
 
 DEVICE_PATTERN = r"cpu|cuda(:\d+)?"
 
@@ -25,7 +26,7 @@ class EngineArgs:
     __pydantic_config__: ClassVar[dict] = {"extra": "forbid", "use_attribute_docstrings": True}
 
     kv: str = "full"
-    """KV retention policy: full, prefix_sliding:W, sliding_window:W, streaming:S:W, registers:N, h2o:B (B >= 2 x block_size) or pasta (canonicalised)."""
+    """KV retention policy: full, prefix_sliding:W, sliding_window:W, streaming:S:W, registers:N, h2o:B (B >= 2 x block_size), pasta, or a restart baseline (canonicalised): last_k:N:K (the generated part of the context holds at most N tokens; then it restarts from the prompt and the last K generated tokens, 1 <= K < N) or summary:N:S (the model summarises its reasoning in a tool call of at most S tokens, forced when S tokens are left, then restarts from the prompt with the summary inserted; 2 <= S < N)."""
     device: str = "cpu"
     """Where the engine runs: cpu, cuda or cuda:N."""
     dtype: str = "float32"
@@ -55,8 +56,15 @@ class EngineArgs:
     pasta_max_forks: int = 8
     """kv=pasta: most forks per request (>= 0); a promise past it is plain text. Each fork may hold max_tokens + 2 tokens of KV, which the request's block bound counts."""
 
+    summary_tool: SummaryTool = SummaryTool()
+    """kv=summary:N:S: the summary tool call (its tokens, name, JSON wrapping) and the template that inserts the summary into the prompt; the paper's defaults (its Figures 16-17)."""
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "kv", KVPolicy.parse(self.kv).spec)
+        if isinstance(self.summary_tool, dict):
+            object.__setattr__(self, "summary_tool", SummaryTool(**self.summary_tool))
+        if not isinstance(self.summary_tool, SummaryTool):
+            raise ValueError(f"summary_tool must be a SummaryTool, got {self.summary_tool!r}")
         if not isinstance(self.device, str) or not re.fullmatch(DEVICE_PATTERN, self.device):
             raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
         if self.dtype not in DTYPES:

@@ -112,4 +112,5 @@ class DecodingMode:
         """The record of a finished request: text decoded without a final eos, cut at a stop string."""
         return RequestOutput(seq.request_id, seq.prompt_token_ids, seq.output_token_ids, seq.logprobs,
                              post.text(seq, seq.output_token_ids), seq.finish_reason, seq.kv, seq.forced,
-                             seq.num_preemptions, seq.finished_at - seq.arrival, list(seq.kv_deaths))
+                             seq.num_preemptions, seq.finished_at - seq.arrival, list(seq.kv_deaths),
+                             [t - seq.arrival for t in seq.token_times])

@@ -114,6 +114,7 @@ class Postprocessor:
         self.scheduler.finish(seq)
         n = max(seq.num_output, 1)
         seq.kv.mean_visible_tokens = seq.visible_sum / n
+        seq.kv.token_steps = seq.visible_sum
         seq.finished_at = time.perf_counter()
 
     def output(self, seq: Sequence) -> RequestOutput:

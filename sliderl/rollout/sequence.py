@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import heapq
+import time
 from dataclasses import dataclass, field
 from enum import Enum, auto
 
@@ -27,6 +28,7 @@ class KVUsage:
     peak_visible_tokens: int = 0
     mean_visible_tokens: float = 0.0
     peak_blocks: int = 0
+    token_steps: int = 0  # KV-token-steps: the sum over generated tokens of the keys their query saw
 
 
 @dataclass
@@ -47,6 +49,13 @@ class RequestOutput:
     num_preemptions: int = 0
     seconds: float = 0.0
     kv_deaths: list[tuple[int, int, int]] = field(default_factory=list)  # h2o: evicted (start, end, death) ranges
+    token_seconds: list[float] = field(default_factory=list)  # when each token was taken, seconds after arrival
+
+    @property
+    def max_token_seconds(self) -> float:
+        """The longest wait for one token after the first (per-token latency's worst case: a restart's spike)."""
+        times = self.token_seconds
+        return max((b - a for a, b in zip(times, times[1:])), default=0.0)
 
 
 class Sequence:
@@ -84,6 +93,7 @@ class Sequence:
         self._free_heap: list[tuple[int, int]] = []  # (max death, logical block) of complete blocks
         self.logprobs: list[float] = []
         self.forced: list[bool] = []
+        self.token_times: list[float] = []  # perf_counter when each generated token was taken
         self.pending_forced: list[int] = []
         self.thinking_done = False
         self.finish_reason: str | None = None
@@ -238,6 +248,7 @@ class Sequence:
         self.token_ids.append(token)
         self.logprobs.append(logprob)
         self.forced.append(forced)
+        self.token_times.append(time.perf_counter())
         return self.tracker.append(pos, token)
 
     def block_completed(self, j: int) -> None:

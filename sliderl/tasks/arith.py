@@ -21,6 +21,16 @@ number of steps. Under ``prefix_sliding:W`` the prompt stays visible and the cha
 under ``sliding_window:W`` the prompt leaves the window after the first few lines and the remaining
 operations are unknowable.
 
+With ``summary_lines`` > 0 a problem also carries ``solution_summary``, the demonstration for the ``summary:N:S``
+restart baseline (``core.restart``): the same lines in segments of at most ``summary_lines`` step lines, each
+ending in a summary tool call that holds the current value and the steps left, e.g. ``<tool_call>49 c..h</tool_call>``
+(``<tool_call>53 done</tool_call>`` after the last step); each later segment starts its thinking afresh from that
+value (its context is the prompt with ``Context: 49 c..h`` inserted), and the last one only answers, so that the
+answer never needs more of a context than one value line::
+
+    <think>\n47\na+5=52\nb-3=49\n<tool_call>49 c..h</tool_call><think>\n49\nc+8=57\n ... h+4=53\n
+    <tool_call>53 done</tool_call><think>\n53\n</think>\nAnswer: \\boxed{53}
+
 Every value stays in ``[min_value, max_value]``: each step's operand is drawn first, then its sign
 among those that keep the value in range. Train and eval problems come from separate random
 streams and a problem belongs to the eval split exactly when a hash of its prompt says so, so the
@@ -60,6 +70,12 @@ class ArithTask:
     """See min_value; max_value - min_value must be at least max_operand."""
     seed: int = 0
     """Problems are a pure function of (settings, seed, split, index)."""
+    summary_lines: int = 0
+    """> 0: problems also carry ``solution_summary``, a summary tool call after every this many step lines (the
+    ``summary:N:S`` demonstration); 0: no such solution."""
+    summary_call: tuple[str, str] = ("<tool_call>", "</tool_call>")
+    """The text before and after the summary in ``solution_summary``'s calls: the engine's summary_tool call
+    (its open token and call prefix; its call suffix and close token)."""
 
     def __post_init__(self) -> None:
         lo, hi = self.num_steps
@@ -67,6 +83,12 @@ class ArithTask:
             raise ValueError(f"num_steps must be (a, b) with 1 <= a <= b <= {len(STEP_LABELS)}, got {self.num_steps}")
         check_chain_bounds(self.max_operand, self.min_value, self.max_value)
         object.__setattr__(self, "num_steps", (int(lo), int(hi)))
+        if isinstance(self.summary_lines, bool) or not isinstance(self.summary_lines, int) or self.summary_lines < 0:
+            raise ValueError(f"summary_lines must be an integer >= 0, got {self.summary_lines!r}")
+        object.__setattr__(self, "summary_call", tuple(self.summary_call))
+        if len(self.summary_call) != 2 or not all(isinstance(t, str) and t for t in self.summary_call):
+            raise ValueError(f"summary_call must be two non-empty texts (before, after the summary), "
+                             f"got {self.summary_call!r}")
 
     def problems(self, n: int, split: str = "train") -> list[dict]:
         """The first ``n`` problems of ``split``: dicts ``{prompt_id, prompt, answer, solution}``.
@@ -81,8 +103,12 @@ class ArithTask:
             prompt = format_prompt(start, ops)
             if is_eval_prompt(prompt) == (split == "eval"):
                 values = run_chain(start, ops)
-                records.append({"prompt_id": f"arith-{split}-{len(records):06d}", "prompt": prompt,
-                                "answer": str(values[-1]), "solution": format_solution(start, ops)})
+                record = {"prompt_id": f"arith-{split}-{len(records):06d}", "prompt": prompt,
+                          "answer": str(values[-1]), "solution": format_solution(start, ops)}
+                if self.summary_lines:
+                    record["solution_summary"] = format_summary_solution(start, ops, self.summary_lines,
+                                                                         self.summary_call)
+                records.append(record)
         return records
 
     def max_completion_chars(self) -> int:
@@ -111,6 +137,28 @@ def format_solution(start: int, ops: list[tuple[str, int]]) -> str:
     lines = [str(start)] + [f"{STEP_LABELS[i]}{sign}{operand}={values[i + 1]}" for i, (sign, operand) in enumerate(ops)]
     body = "".join(line + "\n" for line in lines)
     return f"<think>\n{body}{END_THINK}\nAnswer: \\boxed{{{values[-1]}}}"
+
+
+def step_summary(value: int, done: int, num_steps: int) -> str:
+    """The summary after ``done`` of ``num_steps`` steps: the current value and the steps left, ``49 c..h``
+    (``53 done`` when none is left)."""
+    if done == num_steps:
+        return f"{value} done"
+    return f"{value} {STEP_LABELS[done]}..{STEP_LABELS[num_steps - 1]}"
+
+
+def format_summary_solution(start: int, ops: list[tuple[str, int]], lines_per_segment: int,
+                            call: tuple[str, str] = ("<tool_call>", "</tool_call>")) -> str:
+    """``format_solution`` in segments of at most ``lines_per_segment`` step lines, each closed by a summary call
+    ``call[0] + step_summary + call[1]``; each later segment restarts its thinking from the value; the last answers."""
+    values = run_chain(start, ops)
+    lines = [f"{STEP_LABELS[i]}{sign}{operand}={values[i + 1]}\n" for i, (sign, operand) in enumerate(ops)]
+    out = ""
+    for done in range(0, len(ops), lines_per_segment):
+        end = min(done + lines_per_segment, len(ops))
+        out += f"<think>\n{values[done]}\n" + "".join(lines[done:end])
+        out += call[0] + step_summary(values[end], end, len(ops)) + call[1]
+    return f"{out}<think>\n{values[-1]}\n{END_THINK}\nAnswer: \\boxed{{{values[-1]}}}"
 
 
 def check_chain_bounds(max_operand: int, min_value: int, max_value: int) -> None:

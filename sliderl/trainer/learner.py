@@ -26,6 +26,7 @@ import torch
 from sliderl.core.kv_policy import KVPolicy, register_tokens
 from sliderl.core.loader import DTYPES, load_model, load_tokenizer
 from sliderl.core.pasta import PastaLayout, PastaTokenIds
+from sliderl.core.restart import segments
 from sliderl.core.trace import Trace
 from sliderl.core.vocab import bind_policy_vocab, policy_tokens
 from sliderl.trainer.algorithms import Algorithm, Row, Selection, Totals, make_algorithm
@@ -52,6 +53,7 @@ from sliderl.trainer.manifest import Manifest, check_intact
 from sliderl.trainer.metrics import Evaluation, StepMetrics
 from sliderl.trainer.optimizer import make_optimizer
 from sliderl.trainer.parallel import Parallel
+from sliderl.trainer.restarts import segment_windows
 from sliderl.trainer.windows import training_windows
 
 WINDOWED_KINDS = ("prefix_sliding", "sliding_window", "streaming")
@@ -71,7 +73,8 @@ class Learner:
     model directory. Each trace trains under its own ``kv_policy``; W is that policy's window, or
     ``args.window`` when given; policies without one (full, registers) train on the whole trace.
     A ``pasta`` trace trains whole under its threads (``core.pasta.PastaLayout``: mask, position
-    ids, each token predicted within its thread) and needs ``window_mode='full'``.
+    ids, each token predicted within its thread) and needs ``window_mode='full'``. A restart trace (``last_k``,
+    ``summary``) trains segment by segment, each under the context it was sampled in (``trainer.restarts``).
     ``args.vocab_policy`` (e.g. ``registers:N``) adds that policy's tokens before the first step and
     weight sync (a registers trace can also grow the vocabulary lazily, but only before step 1).
     The optimizer is AdamW over every parameter at ``args.lr_at(version)``, in the model's dtype or, with
@@ -234,23 +237,33 @@ class Learner:
                     group_size: int = 0) -> list[tuple[Row, WindowInput]]:
         """The trace's training windows under its own policy, those with a loss token, as (row, input)."""
         policy = self._trace_policy(trace)
-        prompt_len, num_generated = len(trace.prompt_token_ids), len(trace.completion_token_ids)
-        if num_generated == 0:
+        if not trace.completion_token_ids:
             return []
+        forced = trace.forced or [False] * len(trace.completion_token_ids)
+        sampler = torch.tensor(trace.logprobs, dtype=torch.float32) if trace.logprobs else None
+        out = []
+        for item, offset in self._windows(trace, policy):
+            w = item.window
+            mask = item.loss_mask(forced[offset:offset + w.num_generated])
+            if mask.any():
+                behaviour = sampler[offset + w.target_start:offset + w.target_end] if sampler is not None else None
+                out.append((Row(index, advantage, role, mask, behaviour, group_size=group_size), item))
+        return out
+
+    def _windows(self, trace: Trace, policy: KVPolicy) -> list[tuple[WindowInput, int]]:
+        """The trace's windows, each with the completion index of its window's first generated token: the whole
+        trace's windows (offset 0), or one per segment of a restart trace (``trainer.restarts``)."""
+        prompt_len, num_generated = len(trace.prompt_token_ids), len(trace.completion_token_ids)
+        if policy.restarts:
+            tail = self.args.window if self.args.window_mode == "truncated" else None
+            return [(w.item, w.offset) for w in segment_windows(trace.prompt_token_ids, trace.completion_token_ids,
+                                                                trace.restarts, trace.temperature, tail)]
         layout = self._pasta_layout(trace) if policy.kind == "pasta" else None
         window = self.args.window or (policy.window if policy.kind in WINDOWED_KINDS else None)
         windows = training_windows(self.args.window_mode, prompt_len, num_generated, window, self.args.multiplier)
         ids = torch.tensor([*trace.prompt_token_ids, *trace.completion_token_ids], dtype=torch.int64)
         death = policy.death_positions(prompt_len, ids, trace.death_ranges)  # h2o: the engine's evictions too
-        sampler = torch.tensor(trace.logprobs, dtype=torch.float32) if trace.logprobs else None
-        out = []
-        for w in windows:
-            item = WindowInput(ids, death, w, trace.temperature, layout)
-            mask = item.loss_mask(trace.forced)
-            if mask.any():
-                behaviour = sampler[w.target_start:w.target_end] if sampler is not None else None
-                out.append((Row(index, advantage, role, mask, behaviour, group_size=group_size), item))
-        return out
+        return [(WindowInput(ids, death, w, trace.temperature, layout), 0) for w in windows]
 
     def _pasta_layout(self, trace: Trace) -> PastaLayout:
         """The threads of a pasta trace; they span the whole trace, so it trains only with window_mode 'full'."""
@@ -271,6 +284,7 @@ class Learner:
 
     def _check_trace(self, trace: Trace) -> None:
         name, n = f"trace {trace.trace_id!r}", len(trace.completion_token_ids)
+        self._check_restarts(name, trace)
         if not trace.prompt_token_ids:
             raise ValueError(f"{name} has an empty prompt; a trace needs at least one prompt token")
         sft_data = not trace.logprobs and not self.algorithm.needs_sampler_logprobs
@@ -288,11 +302,29 @@ class Learner:
         if not all(math.isfinite(x) for x in trace.logprobs):
             raise ValueError(f"{name} has non-finite sampler logprobs")
         vocab = self.model.config.vocab_size
-        bad = [t for t in (*trace.prompt_token_ids, *trace.completion_token_ids) if not 0 <= t < vocab]
+        tails = [t for r in trace.restarts for t in r.context_tail]
+        bad = [t for t in (*trace.prompt_token_ids, *trace.completion_token_ids, *tails) if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"{name} has token id {bad[0]} outside the vocabulary [0, {vocab})")
         if not (trace.temperature >= 0 and math.isfinite(trace.temperature)):
             raise ValueError(f"{name} has temperature {trace.temperature}; it must be a finite number >= 0")
+
+    def _check_restarts(self, name: str, trace: Trace) -> None:
+        """A restart trace's restarts fit it (in order, inside it, keeping at most its prompt); no other has any."""
+        if not self._trace_policy(trace).restarts:
+            if trace.restarts:
+                raise ValueError(f"{name} has {len(trace.restarts)} restarts but KV policy {trace.kv_policy!r}, "
+                                 "which never restarts (only last_k and summary do)")
+            return
+        try:
+            segments(trace.prompt_token_ids, len(trace.completion_token_ids), trace.restarts)
+        except ValueError as err:
+            raise ValueError(f"{name}: {err}") from None
+        for r in trace.restarts:
+            if not 0 <= r.kept_prompt <= len(trace.prompt_token_ids) or not r.kept_prompt + len(r.context_tail):
+                raise ValueError(f"{name} has a restart at {r.at} keeping {r.kept_prompt} prompt tokens and "
+                                 f"{len(r.context_tail)} more: it must keep 0..{len(trace.prompt_token_ids)} of the "
+                                 "prompt and leave a non-empty context")
 
     def _totals(self, units: list[list[Row]]) -> Totals:
         per_trace: dict[int, int] = {}

@@ -194,7 +194,11 @@ def window_input(prompt_ids: Sequence[int], completion_ids: Sequence[int], polic
                  layout: PastaLayout | None = None) -> WindowInput:
     """A ``WindowInput`` with deaths computed over the whole trace (the policy's, then the recorded
     ``kv_deaths`` ranges on top); checks the window fits the trace. ``layout``: given exactly for a
-    ``pasta`` policy (``PastaLayout.parse`` of the trace)."""
+    ``pasta`` policy (``PastaLayout.parse`` of the trace). A restart policy's trace is scored segment by segment
+    (``trainer.restarts``), not here."""
+    if policy.restarts:
+        raise ValueError(f"a {policy.spec} trace is scored segment by segment, each under its own context: use "
+                         "sliderl.trainer.restarts.restart_logprobs (or segment_windows) with the trace's restarts")
     if (policy.kind == "pasta") != (layout is not None):
         raise ValueError(f"a PastaLayout is required for the pasta policy and only for it, got policy "
                          f"{policy.spec!r} with layout {'given' if layout is not None else 'None'}; parse one with "

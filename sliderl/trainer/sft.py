@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from sliderl.core.kv_policy import KVPolicy
+from sliderl.core.restart import SummaryTool, written_restarts
 from sliderl.core.trace import Trace
 from sliderl.core.vocab import policy_tokens
 from sliderl.trainer.algorithms import RECORD_CONFIG, require_field
@@ -74,6 +75,9 @@ class SFTArgs:
     max_seconds: float = 0.0
     """Stop at the first step boundary this many wall seconds after the stage started (>= 0; 0: no limit); write
     the checkpoint as at the end; a time-boxed stage (the lr schedule still spans ``steps``)."""
+    summary_tool: SummaryTool = SummaryTool()
+    """kv=summary:N:S: the tool call the completions write (``core.restart.SummaryTool``, the engine's
+    ``summary_tool``): each call in a completion restarts its context there, as the engine does."""
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "check_every"):
@@ -81,6 +85,8 @@ class SFTArgs:
         require_field(self, "target_accuracy", 0 <= self.target_accuracy <= 1, "in [0, 1] (0: train all steps)")
         require_field(self, "log_every", self.log_every >= 0, ">= 0")
         require_field(self, "max_seconds", self.max_seconds >= 0, ">= 0 (0: no limit)")
+        if isinstance(self.summary_tool, dict):
+            object.__setattr__(self, "summary_tool", SummaryTool(**self.summary_tool))
 
 
 @dataclass(frozen=True)
@@ -103,12 +109,18 @@ class SFTResult:
                 f"{self.seconds:.0f} s ({self.cpu_seconds:.0f} cpu-s)")
 
 
-def sft_trace(tokenizer, example: SFTExample, kv_policy: str, index: int) -> Trace:
-    """``example`` as a Trace under ``kv_policy``: completion + eos, no sampler logprobs."""
+def sft_trace(tokenizer, example: SFTExample, kv_policy: str, index: int,
+              summary_tool: SummaryTool = SummaryTool()) -> Trace:
+    """``example`` as a Trace under ``kv_policy``: completion + eos, no sampler logprobs; under a restart policy
+    with the restarts the engine would make generating it (``core.restart.written_restarts``)."""
     prompt = tokenizer(example.prompt).input_ids if example.prompt_token_ids is None else list(example.prompt_token_ids)
     # the completion continues the prompt: no BOS of its own, whatever the tokenizer adds to a text
     completion = tokenizer(example.completion, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
-    return Trace(f"sft-{index}", f"sft-{index}", str(index), -1, 0, kv_policy, prompt, completion, [], "stop")
+    policy = KVPolicy.parse(kv_policy)
+    tokens = summary_tool.bind(tokenizer) if policy.kind == "summary" else None
+    restarts = written_restarts(policy, prompt, completion, tokens) if policy.restarts else []
+    return Trace(f"sft-{index}", f"sft-{index}", str(index), -1, 0, kv_policy, prompt, completion, [], "stop",
+                 restarts=restarts)
 
 
 def policy_specs(kv_policy: str | Sequence[str]) -> list[str]:
@@ -161,8 +173,9 @@ def run_sft(model_path: str | Path, out_dir: str | Path, train_examples: list[SF
     # tokenized, so "<reg_3>" in a completion is one token, the one the engine acts on
     learner = Learner(str(model_path), learner_args if learner_args.vocab_policy else
                       dataclasses.replace(learner_args, vocab_policy=vocab_spec(specs)))
-    train = [sft_trace(learner.tokenizer, e, specs[i % len(specs)], i) for i, e in enumerate(train_examples)]
-    held_out = [sft_trace(learner.tokenizer, e, specs[i % len(specs)], -1 - i)
+    tool = sft_args.summary_tool
+    train = [sft_trace(learner.tokenizer, e, specs[i % len(specs)], i, tool) for i, e in enumerate(train_examples)]
+    held_out = [sft_trace(learner.tokenizer, e, specs[i % len(specs)], -1 - i, tool)
                 for i, e in enumerate(held_out_examples)]
     losses, checks = [], []
     for step in range(1, sft_args.steps + 1):
@@ -233,14 +246,18 @@ def publish(staging: Path, path: Path) -> None:
 
 def fingerprint(model_path: str | Path, train_examples: list[SFTExample], held_out_examples: list[SFTExample],
                 kv_policy: str | Sequence[str], learner_args: LearnerArgs, sft_args: SFTArgs) -> str:
-    """12 hex digits over everything that changes the trained weights (``log_every`` does not)."""
+    """12 hex digits over everything that changes the trained weights (``log_every`` does not, nor the summary tool
+    without a summary policy)."""
+    sft = {**dataclasses.asdict(sft_args), "log_every": None}
+    if not any(KVPolicy.parse(spec).kind == "summary" for spec in policy_specs(kv_policy)):
+        del sft["summary_tool"]
     blob = json.dumps({
         "model": model_fingerprint(model_path),
         "train": [example_key(e) for e in train_examples],
         "held_out": [example_key(e) for e in held_out_examples],
         "kv_policy": policy_record(policy_specs(kv_policy)),
         "learner_args": dataclasses.asdict(learner_args),
-        "sft_args": {**dataclasses.asdict(sft_args), "log_every": None},
+        "sft_args": sft,
     }, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 

@@ -37,6 +37,7 @@ from sliderl.cluster.storage.model_files import ModelFiles, local_folder
 from sliderl.core.trace import Trace
 from sliderl.rewards import RewardInput, RewardRecord, RewardSpec
 from sliderl.rollout.engine_args import EngineArgs
+from sliderl.rollout.restart.records import RestartRequestOutput
 from sliderl.rollout.sampling import SamplingParams
 from sliderl.rollout.sequence import RequestOutput
 
@@ -294,6 +295,7 @@ class RolloutWorker:
         problem: Problem = job.group.problem
         trace_id = f"{job.group.group_id}-{j}-w{self.worker_id}.{self.incarnation}"
         record = self._reward(trace_id, out, problem)
+        restarts = restarts_of(out)
         return Trace(
             trace_id=trace_id,
             group_id=job.group.group_id, prompt_id=problem.prompt_id, worker_id=self.worker_id,
@@ -306,6 +308,8 @@ class RolloutWorker:
             completion_text=out.text, num_tokens=len(out.token_ids), peak_visible_kv=out.kv.peak_visible_tokens,
             mean_visible_kv=float(out.kv.mean_visible_tokens), decode_seconds=float(out.seconds),
             kv_deaths=Trace.flat_deaths(out.kv_deaths), num_preemptions=int(out.num_preemptions),
+            restarts=restarts, reencoded_tokens=sum(len(r.context_tail) for r in restarts),
+            kv_token_steps=int(out.kv.token_steps), max_token_seconds=float(out.max_token_seconds),
         )
 
     def _reward(self, trace_id: str, out, problem: Problem) -> RewardRecord:
@@ -314,7 +318,9 @@ class RolloutWorker:
         try:
             return self.reward.score(RewardInput(
                 out.text, problem.answer, out.kv.mean_visible_tokens, prompt_token_ids=out.prompt_token_ids,
-                completion_token_ids=out.token_ids, forced=out.forced, baseline_tokens=problem.baseline_tokens))
+                completion_token_ids=out.token_ids, forced=out.forced, baseline_tokens=problem.baseline_tokens,
+                kv_token_steps=out.kv.token_steps, num_restarts=len(restarts_of(out)),
+                reencoded_tokens=sum(len(r.context_tail) for r in restarts_of(out))))
         except Exception as err:  # any term's failure: the run goes on, the group is not trained
             print(f"rollout worker {self.worker_id}: the reward failed on trace {trace_id}, its group will be "
                   f"skipped: {type(err).__name__}: {' '.join(str(err).split())}", file=sys.stderr, flush=True)
@@ -371,3 +377,8 @@ def make_worker(cfg: TrainConfig, pg, worker_id: int, model: ModelFiles | str, v
         max_restarts=cfg.rollout.max_restarts, max_task_retries=0, max_concurrency=WORKER_CONCURRENCY, **options,
     ).remote(worker_id, model, version, cfg.worker_engine_args(worker_id), cfg.sampling, cfg.reward,
              cfg.task.type, trace_queue, torch_threads(cfg.rollout.num_cpus), cfg.rollout.backend)
+
+
+def restarts_of(out: RequestOutput) -> list:
+    """The restarts of an output (``core.restart.Restart``; none outside ``last_k`` / ``summary``)."""
+    return list(out.restarts) if isinstance(out, RestartRequestOutput) else []

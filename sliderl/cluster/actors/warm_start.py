@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from sliderl.cluster.actors.placement import actor_options, torch_threads, warm_start_request
@@ -115,8 +115,9 @@ def warm_start(cfg: TrainConfig, model: ModelFiles, examples: tuple[list[SFTExam
           f"{stage.cache_dir})", flush=True)
     actor = make_warm_start(cfg)
     try:
+        sft = replace(stage.sft, summary_tool=cfg.engine.summary_tool)  # the calls the engine reads
         done_ref, files = actor.run.options(num_returns=2).remote(model, stage.cache_dir, *examples, cfg.engine.kv,
-                                                                  stage.learner, stage.sft, multi_node)
+                                                                  stage.learner, sft, multi_node)
         done: WarmStarted = ray.get(done_ref)
     except (RayActorError, RayTaskError) as err:
         raise RunError(f"the warm start failed: {' '.join(str(err).split())[:2000]}") from None

@@ -250,7 +250,7 @@ class TrainConfig(Section):
     gets the group's seed + j, from train.seed)."""
     reward: RewardSpec = Field(default_factory=RewardSpec)
     """Reward terms and weights (``rewards.RewardSpec``): correctness is the task's verifier; kv_penalty,
-    thinking_penalty and speedup are cost terms. A number is a term's weight: {correctness: 1.0}."""
+    thinking_penalty, cost_penalty and speedup are cost terms. A number is a term's weight: {correctness: 1.0}."""
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     """Rollout workers and the trace queue."""
     learner: LearnerSection = Field(default_factory=LearnerSection)

@@ -233,6 +233,7 @@ class PastaRuntime(DecodingMode):
             if request.done:
                 self.scheduler.finish(request.main)
                 request.main.kv.mean_visible_tokens = request.visible_sum / max(request.num_queries, 1)
+                request.main.kv.token_steps = request.visible_sum
                 request.main.finished_at = time.perf_counter()
                 finished.append(request.main)
         return finished
