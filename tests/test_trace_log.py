@@ -236,6 +236,8 @@ def test_a_part_written_before_kv_deaths_still_reads(tmp_path):
     pq.write_table(pa.Table.from_pylist(rows, schema=old), log.dir / "part-000000.parquet")
     (trace,) = traces_from_table(log.read())
     assert trace.kv_deaths == [] and trace.num_preemptions == 0 and trace.trace_id == make_trace(0).trace_id
+    assert trace.restarts == [] and trace.reencoded_tokens == 0 and trace.kv_token_steps == 0
+    assert trace.max_token_seconds == 0.0 and trace.schema_version == 1
 
 
 def test_added_traces_are_written_as_one_part_when_flushed_or_when_enough_wait(tmp_path):
@@ -273,8 +275,6 @@ def test_a_rollback_keeps_every_trace_of_the_groups_a_checkpoint_resolved(tmp_pa
     roll_back((tmp_path / "checkpoints" / "step_000002", state), log, tmp_path / "metrics.jsonl")
     kept = TraceLog(tmp_path).read().to_pylist()
     assert_rows_equal(kept, [make_trace(i, group_id=f"g{i // 2}") for i in range(6)])
-    assert trace.restarts == [] and trace.reencoded_tokens == 0 and trace.kv_token_steps == 0
-    assert trace.max_token_seconds == 0.0 and trace.schema_version == 1
 
 
 def test_restarts_round_trip_through_the_log_with_the_schema_version(tmp_path):

@@ -43,17 +43,6 @@ def block_bound(policy: KVPolicy, prompt_len: int, max_tokens: int, max_model_le
     return max(prefill, _phase_peak(live, prompt_len, end, 1, block_size))
 
 
-def request_block_bound(args, prompt_len: int, max_tokens: int, max_model_len: int) -> int:
-    """The blocks an engine built from ``args`` (``EngineArgs``) reserves for one request: its decoding mode's bound
-    (``rollout.modes``: Pasta's threads under kv=pasta, else ``block_bound``), without building the engine."""
-    policy = KVPolicy.parse(args.kv)
-    if policy.kind == "pasta":
-        from sliderl.rollout.pasta.request import pasta_block_bound
-
-        return pasta_block_bound(prompt_len, max_tokens, max_model_len, args.block_size, args.pasta_max_forks)
-    return block_bound(policy, prompt_len, max_tokens, max_model_len, args.block_size, args.max_num_batched_tokens)
-
-
 def kv_positions(prompt_len: int, max_tokens: int, max_model_len: int) -> int:
     """How many positions may get their K/V written: the prompt and every generated token.
 

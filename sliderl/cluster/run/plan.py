@@ -220,7 +220,7 @@ def engine_prompts(cfg: TrainConfig, model_path: str, prompts: PromptFormat, tra
 def check_pool(cfg: TrainConfig, max_model_len: int, uses: list[tuple[list[Problem], int, str]]) -> None:
     """A ConfigError when ``engine.num_blocks`` cannot hold one request of the longest prompt of each use (problems,
     max_tokens, what): the engine would refuse it inside a rollout worker. A pool sized from memory is not known yet."""
-    from sliderl.rollout.block_bound import request_block_bound
+    from sliderl.rollout.modes import request_block_bound
 
     engine = cfg.engine
     for problems, max_tokens, what in uses:
