@@ -113,8 +113,15 @@ def rank_main(args: argparse.Namespace) -> None:
     vocab = learner.model.config.vocab_size
     groups = [make_traces(args.prompt, args.seq - args.prompt, args.window, min(vocab, 256 * 256))[:args.group]
               for _ in range(args.groups)]
+    started = time.perf_counter()
+    progress = lambda what: print(f"rank {args.rank}: {what} at {time.perf_counter() - started:.0f} s", flush=True)  # noqa: E731
+    progress("model loaded and sharded")
     learner.step(groups)  # warm-up: compiles
-    metrics = [learner.step(groups) for _ in range(args.steps)]
+    progress("warm-up step done")
+    metrics = []
+    for i in range(args.steps):
+        metrics.append(learner.step(groups))
+        progress(f"step {i + 1} of {args.steps} done ({metrics[-1].step_seconds:.1f} s)")
     row = {"step_s": statistics.median(m.step_seconds for m in metrics), "num_tokens": metrics[-1].num_tokens,
            "num_loss_tokens": metrics[-1].num_loss_tokens, "peak_gib": _peaks(metrics)}
     if args.sync:
