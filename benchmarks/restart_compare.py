@@ -195,8 +195,10 @@ def train_arm(s: Setup, warm: Path, name: str, seed: int, out: Path) -> list[dic
 
 
 # ---- 3. evaluation ----------------------------------------------------------------------------------------
-def evaluate(s: Setup, model: Path, name: str, cap: int | None, seed: int, label: dict) -> dict:
-    """avg@k of ``model`` under mode ``name`` at thinking cap ``cap`` on the first eval problems."""
+def evaluate(s: Setup, model: Path, name: str, cap: int | None, seed: int, label: dict,
+             spec: str | None = None) -> dict:
+    """avg@k of ``model`` under mode ``name`` (or the policy ``spec``) at thinking cap ``cap`` on the first eval
+    problems."""
     import torch
 
     from sliderl.core.vocab import END_THINK
@@ -205,7 +207,8 @@ def evaluate(s: Setup, model: Path, name: str, cap: int | None, seed: int, label
     torch.set_num_threads(1)
     problems = task(s).problems(s.eval_problems, "eval")
     batch = len(problems) * s.k
-    llm = LLM(str(model), kv=modes(s)[name], seed=seed, **engine_kw(s, batch))
+    spec = spec or modes(s)[name]
+    llm = LLM(str(model), kv=spec, seed=seed, **engine_kw(s, batch))
     prompts = [p["prompt"] for p in problems for _ in range(s.k)]
     params = [SamplingParams(max_tokens=s.max_tokens, temperature=s.eval_temperature, top_p=s.eval_top_p,
                              seed=seed * 10**6 + 999_000 + i, max_thinking_tokens=cap) for i in range(batch)]
@@ -216,7 +219,7 @@ def evaluate(s: Setup, model: Path, name: str, cap: int | None, seed: int, label
     end = llm.tokenizer.convert_tokens_to_ids(END_THINK)
     thinking = [o.token_ids.index(end) if end in o.token_ids else len(o.token_ids) for o in outs]
     llm.close()
-    return {"kind": "eval", **label, "mode": name, "spec": modes(s)[name], "seed": seed, "cap": cap,
+    return {"kind": "eval", **label, "mode": name, "spec": spec, "seed": seed, "cap": cap,
             "avg_at_k": statistics.fmean(rewards), "k": s.k, "problems": len(problems),
             "thinking_tokens": statistics.fmean(thinking), "tokens": statistics.fmean(len(o.token_ids) for o in outs),
             "seconds_per_trace": wall / batch,
@@ -236,6 +239,22 @@ def arm_job(s: Setup, warm: Path, name: str, seed: int, out: Path) -> list[dict]
 def free_job(s: Setup, model: Path, model_label: str, name: str, seed: int) -> list[dict]:
     """The training-free ablation: ``model`` decoded under mode ``name`` at every cap."""
     return [evaluate(s, model, name, cap, seed, {"model": model_label}) for cap in s.caps]
+
+
+def k_sweep(s: Setup, out: Path, keeps: list[int], jobs: int) -> list[dict]:
+    """The paper's Table 2 in miniature: the PS arms' final models decoded under last_k:B:K for each K (no cap),
+    training-free; rows appended to ``out/k_sweep.jsonl``."""
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = [pool.submit(evaluate, s, out / "arms" / f"PS-s{seed}", "last_k", None, seed,
+                               {"model": "PS-trained", "keep": k}, f"last_k:{s.budget}:{k}")
+                   for k in keeps for seed in s.seeds]
+        rows = [f.result() for f in futures]
+    with (out / "k_sweep.jsonl").open("w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    for k in keeps:
+        acc = mean_sd([r["avg_at_k"] for r in rows if r["keep"] == k])
+        print(f"last_k:{s.budget}:{k}  avg@{s.k} {acc[0]:.3f} ± {acc[1]:.3f}", flush=True)
+    return rows
 
 
 # ---- the run and its report -------------------------------------------------------------------------------
@@ -359,9 +378,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--jobs", type=int, default=2, help="arms run at once (one core each)")
     parser.add_argument("--report-only", action="store_true", help="redraw summary.md and pareto.png from rows.jsonl")
     parser.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE", help="Setup fields (JSON values)")
+    parser.add_argument("--k-sweep", type=int, nargs="*", default=None, metavar="K",
+                        help="after a run: the PS arms' models under last_k:B:K for each K (training-free)")
     args = parser.parse_args(argv)
     s = SMOKE if args.smoke else Setup()
     s = dataclasses.replace(s, **{k: json.loads(v) for k, v in (kv.split("=", 1) for kv in args.set)})
+    if args.k_sweep:
+        return k_sweep(s, args.out, args.k_sweep, args.jobs)
     if args.report_only:
         rows = [json.loads(line) for line in (args.out / "rows.jsonl").read_text().splitlines()]
         report(rows, s, args.out)
