@@ -3,13 +3,15 @@
 On the arithmetic task with chains whose traces are several times the memory budget B, four decoding modes at the
 same budget — ``prefix_sliding:B`` (PS), ``sliding_window:B`` (SW), ``last_k:B:K`` and ``summary:B:S`` — each
 trained with GRPO from the same warm start, for every seed; then evaluated (avg@k, temperature 1) under their own
-mode at a few thinking caps (budget forcing), against thinking tokens and wall time. Also the paper's training-free
+mode at a few thinking caps (budget forcing), against thinking tokens and wall time (the paper's sampling:
+temperature 0.6, top-p 0.95). Also the paper's training-free
 ablation: the PS-trained model (and the warm start) decoded under every mode without training on it.
 
-1. **Warm start** (one SFT stage, the one trainer): the task's reference solutions, example i trained under
-   [PS, last_k, summary][i mod 3] — PS and last_k on the plain solution (last_k's restarts cut it mechanically, as the
-   engine does), summary on ``solution_summary`` (a summary call every ``summary_lines`` step lines: the model must
-   learn the tool, as the paper's prompt teaches it). Shared by every arm and seed.
+1. **Warm start** (two SFT stages of the one trainer, shared by every arm and seed): the task's plain reference
+   solutions under PS (the tiny arith recipe: 800 steps), then example i under [PS, last_k, summary][i mod 3] —
+   PS and last_k on the plain solution (last_k's restarts cut it mechanically, as the engine does), summary on
+   ``solution_summary`` (a summary call every ``summary_lines`` step lines: the model must learn the tool, as the
+   paper's prompt teaches it).
 2. **GRPO arms**, one per (mode, seed): synchronous GRPO in process — the engine (``LLM``) samples the groups, the
    ``Learner`` trains on their traces (each restart trace segment by segment under its contexts), the weights go back
    to the engine — ``grpo_steps`` steps. Two arms run at once (one core each).
@@ -54,23 +56,28 @@ class Setup:
     # the answering segment "<think>\n53\n</think>\nAnswer: \boxed{53}" + eos is 26 tokens too
     hidden_size: int = 96
     intermediate_size: int = 384
-    sft_steps: int = 800
-    sft_target: float = 0.5  # held-out greedy exact match (over the three policies' examples) that ends the SFT
+    pre_sft_steps: int = 800  # SFT stage 1: the plain solutions under PS only (the tiny arith recipe)
+    sft_steps: int = 600  # SFT stage 2: PS, last_k and summary examples taking turns, from stage 1
+    sft_target: float = 0.0  # held-out greedy exact match that ends a stage early (0: every step)
     sft_lr: float = 0.01
-    grpo_steps: int = 20
+    mix_lr: float = 0.005
+    sft_init: str | None = None  # a model folder to start the SFT from (a shorter SFT's checkpoint); None: random
+    grpo_steps: int = 16
     groups: int = 4
     group_size: int = 8
     lr: float = 3e-4
     max_tokens: int = 200
     eval_problems: int = 32
     k: int = 4
+    eval_temperature: float = 0.6  # the paper's evaluation sampling (temperature 0.6, top-p 0.95)
+    eval_top_p: float = 0.95
     caps: tuple[int | None, ...] = (64, 96, None)  # thinking caps (budget forcing); None: no cap
     seeds: tuple[int, ...] = (0, 1, 2)
     train_problems: int = 4096
 
 
 SMOKE = Setup(num_steps=(3, 4), budget=16, keep=4, summary_len=10, summary_lines=1, hidden_size=32,
-              intermediate_size=64, sft_steps=4, sft_target=0.0, grpo_steps=1, groups=1, group_size=2,
+              intermediate_size=64, pre_sft_steps=2, sft_steps=2, grpo_steps=1, groups=1, group_size=2,
               max_tokens=64, eval_problems=2, k=1, caps=(None,), seeds=(0,), train_problems=64)
 
 
@@ -92,28 +99,37 @@ def engine_kw(s: Setup, batch: int) -> dict:
 
 # ---- 1. the warm start -----------------------------------------------------------------------------------
 def warm_start(s: Setup, out: Path) -> Path:
+    """Two SFT stages of the one trainer: the plain solutions under PS (the task itself: looking up each step's
+    operation in the prompt, the arithmetic), then the three restart-capable policies' examples mixed."""
     from sliderl.core.restart import SummaryTool
     from sliderl.core.tiny import make_tiny_model
     from sliderl.trainer.learner_args import LearnerArgs
     from sliderl.trainer.sft import SFTArgs, SFTExample, run_sft
 
-    model = out / "warm" / "model"
+    plain, model = out / "warm" / "plain", out / "warm" / "model"
     if (model / "sft.json").is_file():
         return model
-    base = make_tiny_model(out / "warm" / "init", "qwen3", hidden_size=s.hidden_size, num_layers=2, num_heads=4,
-                           num_kv_heads=2, intermediate_size=s.intermediate_size, seed=0)
     m = modes(s)
-    specs = [m["PS"], m["last_k"], m["summary"]]
-    n = s.sft_steps * 16 + 96
-    rows = task(s).problems(n, "train")
-    examples = [SFTExample(r["prompt"], r["solution_summary" if i % 3 == 2 else "solution"]) for i, r in enumerate(rows)]
-    args = LearnerArgs(algo={"type": "sft"}, lr=s.sft_lr, weight_decay=0.01, adam_betas=(0.9, 0.98),
-                       lr_schedule="cosine", warmup_steps=20, total_steps=s.sft_steps, window_mode="full",
-                       micro_batch_tokens=2048)
-    sft = SFTArgs(steps=s.sft_steps, batch_size=16, check_every=25, target_accuracy=s.sft_target, log_every=50,
-                  summary_tool=SummaryTool(json_call=False))
-    result = run_sft(base, model, examples[:-96], examples[-96:], specs, args, sft)
-    print(f"warm start: {result.line()}", flush=True)
+    rows = task(s).problems(max(s.pre_sft_steps, s.sft_steps) * 16 + 96, "train")
+    tool = SummaryTool(json_call=False)
+
+    def stage(init, to, steps, lr, specs, solution_of) -> None:
+        examples = [SFTExample(r["prompt"], r[solution_of(i)]) for i, r in enumerate(rows[:steps * 16 + 96])]
+        args = LearnerArgs(algo={"type": "sft"}, lr=lr, weight_decay=0.01, adam_betas=(0.9, 0.98),
+                           lr_schedule="cosine", warmup_steps=20, total_steps=steps, window_mode="full",
+                           micro_batch_tokens=2048, vocab_policy=m["summary"])
+        sft = SFTArgs(steps=steps, batch_size=16, check_every=50, target_accuracy=s.sft_target, log_every=50,
+                      summary_tool=tool)
+        result = run_sft(init, to, examples[:-96], examples[-96:], specs, args, sft)
+        print(f"warm start {to.name}: {result.line()}", flush=True)
+
+    if not (plain / "sft.json").is_file():
+        init = Path(s.sft_init) if s.sft_init else make_tiny_model(
+            out / "warm" / "init", "qwen3", hidden_size=s.hidden_size, num_layers=2, num_heads=4, num_kv_heads=2,
+            intermediate_size=s.intermediate_size, seed=0)
+        stage(init, plain, s.pre_sft_steps, s.sft_lr, [m["PS"]], lambda i: "solution")
+    stage(plain, model, s.sft_steps, s.mix_lr, [m["PS"], m["last_k"], m["summary"]],
+          lambda i: "solution_summary" if i % 3 == 2 else "solution")
     return model
 
 
@@ -179,8 +195,10 @@ def train_arm(s: Setup, warm: Path, name: str, seed: int, out: Path) -> list[dic
 
 
 # ---- 3. evaluation ----------------------------------------------------------------------------------------
-def evaluate(s: Setup, model: Path, name: str, cap: int | None, seed: int, label: dict) -> dict:
-    """avg@k of ``model`` under mode ``name`` at thinking cap ``cap`` on the first eval problems."""
+def evaluate(s: Setup, model: Path, name: str, cap: int | None, seed: int, label: dict,
+             spec: str | None = None) -> dict:
+    """avg@k of ``model`` under mode ``name`` (or the policy ``spec``) at thinking cap ``cap`` on the first eval
+    problems."""
     import torch
 
     from sliderl.core.vocab import END_THINK
@@ -189,10 +207,11 @@ def evaluate(s: Setup, model: Path, name: str, cap: int | None, seed: int, label
     torch.set_num_threads(1)
     problems = task(s).problems(s.eval_problems, "eval")
     batch = len(problems) * s.k
-    llm = LLM(str(model), kv=modes(s)[name], seed=seed, **engine_kw(s, batch))
+    spec = spec or modes(s)[name]
+    llm = LLM(str(model), kv=spec, seed=seed, **engine_kw(s, batch))
     prompts = [p["prompt"] for p in problems for _ in range(s.k)]
-    params = [SamplingParams(max_tokens=s.max_tokens, temperature=1.0, seed=seed * 10**6 + 999_000 + i,
-                             max_thinking_tokens=cap) for i in range(batch)]
+    params = [SamplingParams(max_tokens=s.max_tokens, temperature=s.eval_temperature, top_p=s.eval_top_p,
+                             seed=seed * 10**6 + 999_000 + i, max_thinking_tokens=cap) for i in range(batch)]
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
     wall = time.perf_counter() - t0
@@ -200,7 +219,7 @@ def evaluate(s: Setup, model: Path, name: str, cap: int | None, seed: int, label
     end = llm.tokenizer.convert_tokens_to_ids(END_THINK)
     thinking = [o.token_ids.index(end) if end in o.token_ids else len(o.token_ids) for o in outs]
     llm.close()
-    return {"kind": "eval", **label, "mode": name, "spec": modes(s)[name], "seed": seed, "cap": cap,
+    return {"kind": "eval", **label, "mode": name, "spec": spec, "seed": seed, "cap": cap,
             "avg_at_k": statistics.fmean(rewards), "k": s.k, "problems": len(problems),
             "thinking_tokens": statistics.fmean(thinking), "tokens": statistics.fmean(len(o.token_ids) for o in outs),
             "seconds_per_trace": wall / batch,
@@ -222,15 +241,33 @@ def free_job(s: Setup, model: Path, model_label: str, name: str, seed: int) -> l
     return [evaluate(s, model, name, cap, seed, {"model": model_label}) for cap in s.caps]
 
 
+def k_sweep(s: Setup, out: Path, keeps: list[int], jobs: int) -> list[dict]:
+    """The paper's Table 2 in miniature: the PS arms' final models decoded under last_k:B:K for each K (no cap),
+    training-free; rows appended to ``out/k_sweep.jsonl``."""
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = [pool.submit(evaluate, s, out / "arms" / f"PS-s{seed}", "last_k", None, seed,
+                               {"model": "PS-trained", "keep": k}, f"last_k:{s.budget}:{k}")
+                   for k in keeps for seed in s.seeds]
+        rows = [f.result() for f in futures]
+    with (out / "k_sweep.jsonl").open("w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    for k in keeps:
+        acc = mean_sd([r["avg_at_k"] for r in rows if r["keep"] == k])
+        print(f"last_k:{s.budget}:{k}  avg@{s.k} {acc[0]:.3f} ± {acc[1]:.3f}", flush=True)
+    return rows
+
+
 # ---- the run and its report -------------------------------------------------------------------------------
 def run(s: Setup, out: Path, jobs: int) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
     (out / "setup.json").write_text(json.dumps(dataclasses.asdict(s), indent=1) + "\n")
     t0 = time.perf_counter()
+    import torch
+    torch.set_num_threads(1)  # on 2 shared cores one thread per process beats two contending ones
     warm = warm_start(s, out)
-    rows = [{"kind": "warm_start", "seconds": round(time.perf_counter() - t0, 1),
-             **json.loads((warm / "sft.json").read_text())["result"]}]
-    rows[0].pop("losses", None)
+    rows = [{"kind": "warm_start", "stage": stage.name, "seconds": round(time.perf_counter() - t0, 1),
+             **{k: v for k, v in json.loads((stage / "sft.json").read_text())["result"].items() if k != "losses"}}
+            for stage in (warm.parent / "plain", warm)]
     names = list(modes(s))
     with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
         arms = [pool.submit(arm_job, s, warm, name, seed, out) for seed in s.seeds for name in names]
@@ -268,7 +305,8 @@ def eval_table(rows: list[dict], model_of) -> list[tuple]:
 
 def report(rows: list[dict], s: Setup, out: Path) -> None:
     lines = [f"Budget B = {s.budget} (last_k K = {s.keep}, summary S = {s.summary_len}); chains of "
-             f"{s.num_steps[0]}-{s.num_steps[1]} steps; avg@{s.k} on {s.eval_problems} eval problems at temperature 1; "
+             f"{s.num_steps[0]}-{s.num_steps[1]} steps; avg@{s.k} on {s.eval_problems} eval problems at temperature "
+             f"{s.eval_temperature}, top-p {s.eval_top_p}; "
              f"mean ± sd over seeds {list(s.seeds)}.", ""]
     fmt = lambda m: f"{m[0]:.3f} ± {m[1]:.3f}"  # noqa: E731
     sections = [("Each mode trained with GRPO under itself", lambda name: f"{name}-trained"),
@@ -320,11 +358,11 @@ def plot(rows: list[dict], s: Setup, out: Path) -> None:
         for pts, style, label in ((points, "-o", f"{name} (trained)"), (free, ":x", f"{name} (PS-trained, no RL)")):
             if not pts:
                 continue
-            pts = sorted(pts, key=lambda t: t[3][0])
             for ax, key in zip(axes, (3, 4)):
-                xs = [t[key][0] * (1e3 if key == 4 else 1) for t in pts]
-                ax.errorbar(xs, [t[2][0] for t in pts], yerr=[t[2][1] for t in pts], fmt=style, label=label,
-                            capsize=2, ms=4)
+                ordered = sorted(pts, key=lambda t: t[key][0])
+                xs = [t[key][0] * (1e3 if key == 4 else 1) for t in ordered]
+                ax.errorbar(xs, [t[2][0] for t in ordered], yerr=[t[2][1] for t in ordered], fmt=style,
+                            label=label, capsize=2, ms=4)
     axes[0].set(xlabel="thinking tokens per trace (mean)", ylabel=f"avg@{s.k}")
     axes[1].set(xlabel="wall ms per trace (CPU, batch wall / traces)", ylabel=f"avg@{s.k}")
     axes[0].legend(fontsize=7)
@@ -340,9 +378,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--jobs", type=int, default=2, help="arms run at once (one core each)")
     parser.add_argument("--report-only", action="store_true", help="redraw summary.md and pareto.png from rows.jsonl")
     parser.add_argument("--set", nargs="*", default=[], metavar="FIELD=VALUE", help="Setup fields (JSON values)")
+    parser.add_argument("--k-sweep", type=int, nargs="*", default=None, metavar="K",
+                        help="after a run: the PS arms' models under last_k:B:K for each K (training-free)")
     args = parser.parse_args(argv)
     s = SMOKE if args.smoke else Setup()
     s = dataclasses.replace(s, **{k: json.loads(v) for k, v in (kv.split("=", 1) for kv in args.set)})
+    if args.k_sweep:
+        return k_sweep(s, args.out, args.k_sweep, args.jobs)
     if args.report_only:
         rows = [json.loads(line) for line in (args.out / "rows.jsonl").read_text().splitlines()]
         report(rows, s, args.out)

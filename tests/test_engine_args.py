@@ -6,12 +6,14 @@ import dataclasses
 
 import pytest
 
+from sliderl.core.restart import SummaryTool
 from sliderl.rollout import LLM, EngineArgs
 
 # LLM's library defaults as docs/guide.md's "Python API" section spells them out
 README_DEFAULTS = dict(kv="full", device="cpu", dtype="float32", block_size=16, num_blocks=None, kv_cache_gb=None,
                        max_num_seqs=64, max_num_batched_tokens=1024, kv_watermark=0.01, max_model_len=None, seed=0,
-                       cuda_graphs=True, overlap=None, gemv=False, pasta_max_forks=8)
+                       cuda_graphs=True, overlap=None, gemv=False, pasta_max_forks=8,
+                       summary_tool=dataclasses.asdict(SummaryTool()))
 
 
 def test_defaults_are_the_documented_ones():

@@ -132,7 +132,7 @@ def test_last_k_matches_the_reference_loop(tiny_model_factory, n, k):
     assert [r.at for r in greedy.restarts] == cuts
     assert all(r.context_tail == tokens[r.at - k:r.at] and r.kept_prompt == 4 for r in greedy.restarts)
     assert short.token_ids == reference_last_k(model, PROMPTS[1], n, k, n - 1)[0] and not short.restarts
-    replayed, ref_lp, cuts = reference_last_k(model, PROMPTS[2], n, k, steps, 0.8, replay=sampled.token_ids)
+    _, ref_lp, cuts = reference_last_k(model, PROMPTS[2], n, k, steps, 0.8, replay=sampled.token_ids)
     assert [r.at for r in sampled.restarts] == cuts
     assert max(abs(a - b) for a, b in zip(sampled.logprobs, ref_lp)) < 1e-4
     assert greedy.reencoded_tokens == k * len(cuts)
