@@ -12,6 +12,7 @@ that can no longer see k. A query at position q sees key k exactly when ``k <= q
 | registers:N        | the position r of the register token that killed k's step   |
 | h2o:B              | never by itself; the position where the engine evicted k's page |
 | pasta              | never (``full``); Pasta threads add the thread rule (``core.pasta``) |
+| planned_diffusion  | never (``full``); Planned Diffusion's spans add the span rule (``core.planned_diffusion``) |
 
 ``q - k < W`` is the window convention: a query sees W keys including itself.
 
@@ -36,8 +37,10 @@ import torch
 
 NEVER = 2**31 - 1  # death of a key that stays visible forever (fits int32 kernels)
 
-POLICY_KINDS = ("full", "prefix_sliding", "sliding_window", "streaming", "registers", "h2o", "pasta")
-SPEC_HELP = ("valid specs: full, prefix_sliding:W, sliding_window:W, streaming:S:W, registers:N, h2o:B, pasta "
+POLICY_KINDS = ("full", "prefix_sliding", "sliding_window", "streaming", "registers", "h2o", "pasta",
+                "planned_diffusion")
+SPEC_HELP = ("valid specs: full, prefix_sliding:W, sliding_window:W, streaming:S:W, registers:N, h2o:B, pasta, "
+             "planned_diffusion "
              "(W, N, B >= 1; S >= 0; the engine needs B >= 2 x block_size)")
 
 
@@ -60,15 +63,16 @@ class KVPolicy:
 
     @classmethod
     def parse(cls, spec: str | KVPolicy) -> KVPolicy:
-        """Parse ``full``, ``prefix_sliding:W``, ``sliding_window:W``, ``streaming:S:W``, ``registers:N``, ``h2o:B``
-        or ``pasta`` (``full`` plus Pasta-Lang threads: ``core.pasta``)."""
+        """Parse ``full``, ``prefix_sliding:W``, ``sliding_window:W``, ``streaming:S:W``, ``registers:N``, ``h2o:B``,
+        ``pasta`` (``full`` plus Pasta-Lang threads: ``core.pasta``) or ``planned_diffusion`` (``full`` plus
+        Planned Diffusion's spans: ``core.planned_diffusion``)."""
         if isinstance(spec, KVPolicy):
             return spec
         if not isinstance(spec, str):
             raise ValueError(f"KV policy spec must be a string, got {spec!r}; {SPEC_HELP}")
         kind, *args = spec.strip().split(":")
         arity = {"full": 0, "prefix_sliding": 1, "sliding_window": 1, "streaming": 2, "registers": 1, "h2o": 1,
-                 "pasta": 0}
+                 "pasta": 0, "planned_diffusion": 0}
         if kind not in arity:
             raise ValueError(f"unknown KV policy {kind!r} in spec {spec!r}; {SPEC_HELP}")
         if len(args) != arity[kind]:
@@ -86,7 +90,7 @@ class KVPolicy:
             return cls(kind, num_registers=_positive(values[0], "number of registers", spec))
         if kind == "h2o":
             return cls(kind, budget=_positive(values[0], "budget", spec))
-        if kind in ("full", "pasta"):
+        if kind in ("full", "pasta", "planned_diffusion"):
             return cls(kind)
         return cls(kind, window=_positive(values[0], "window", spec))
 
@@ -101,6 +105,7 @@ class KVPolicy:
             "registers": f"registers:{self.num_registers}",
             "h2o": f"h2o:{self.budget}",
             "pasta": "pasta",
+            "planned_diffusion": "planned_diffusion",
         }[self.kind]
 
     def bind(self, register_ids: list[int] | tuple[int, ...] = (), end_think_id: int | None = None) -> KVPolicy:
@@ -118,8 +123,9 @@ class KVPolicy:
     @property
     def admits_by_bound(self) -> bool:
         """A sequence's live blocks have a bound known at admission, so the scheduler reserves it and never
-        preempts: the windowed policies, and h2o (its budget)."""
-        return self.bounded or self.kind == "h2o"
+        preempts: the windowed policies, h2o (its budget), and planned_diffusion (every position it may write:
+        a span's KV is written by the runtime's own forward, which a recompute by prefill could not redo)."""
+        return self.bounded or self.kind in ("h2o", "planned_diffusion")
 
     def budget_pages(self, block_size: int) -> tuple[int, int]:
         """h2o: (pages a decode step may hold, most recent pages always kept) for ``block_size``-token pages.
