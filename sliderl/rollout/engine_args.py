@@ -25,7 +25,7 @@ class EngineArgs:
     __pydantic_config__: ClassVar[dict] = {"extra": "forbid", "use_attribute_docstrings": True}
 
     kv: str = "full"
-    """KV retention policy: full, prefix_sliding:W, sliding_window:W, streaming:S:W, registers:N, h2o:B (B >= 2 x block_size) or pasta (canonicalised)."""
+    """KV retention policy: full, prefix_sliding:W, sliding_window:W, streaming:S:W, registers:N, h2o:B (B >= 2 x block_size), pasta or planned_diffusion (canonicalised)."""
     device: str = "cpu"
     """Where the engine runs: cpu, cuda or cuda:N."""
     dtype: str = "float32"
@@ -54,6 +54,12 @@ class EngineArgs:
     """On CUDA, run linear layers and the lm_head over at most 8 tokens with the Triton split-K GEMV instead of cuBLAS (off: no faster at batch 1 on the H200, docs/notebook/benchmarks.md)."""
     pasta_max_forks: int = 8
     """kv=pasta: most forks per request (>= 0); a promise past it is plain text. Each fork may hold max_tokens + 2 tokens of KV, which the request's block bound counts."""
+    pd_steps_ratio: float = 1.0
+    """kv=planned_diffusion: denoising steps per span token, in (0, 1]; a span of L tokens takes ceil(ratio x L) steps (1: one token a step)."""
+    pd_confidence: float | None = None
+    """kv=planned_diffusion: also reveal, at once, every masked position whose most likely token has at least this probability, in (0, 1]; None: off."""
+    pd_order: str = "entropy"
+    """kv=planned_diffusion: which masked positions a step reveals first: entropy (lowest predicted entropy) or uniform (random)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kv", KVPolicy.parse(self.kv).spec)
@@ -86,6 +92,14 @@ class EngineArgs:
         forks = self.pasta_max_forks
         if isinstance(forks, bool) or not isinstance(forks, int) or forks < 0:
             raise ValueError(f"pasta_max_forks must be an integer >= 0, got {forks!r}")
+        ratio, confidence = self.pd_steps_ratio, self.pd_confidence
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
+            raise ValueError(f"pd_steps_ratio must be in (0, 1] (denoising steps per span token), got {ratio!r}")
+        if confidence is not None and (isinstance(confidence, bool) or not isinstance(confidence, (int, float))
+                                       or not 0 < confidence <= 1):
+            raise ValueError(f"pd_confidence must be None or in (0, 1], got {confidence!r}")
+        if self.pd_order not in ("entropy", "uniform"):
+            raise ValueError(f"pd_order must be entropy or uniform, got {self.pd_order!r}")
 
     @classmethod
     def from_keywords(cls, base: EngineArgs | None = None, **keywords) -> EngineArgs:
