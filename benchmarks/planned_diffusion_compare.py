@@ -39,7 +39,7 @@ SYSTEMS = {  # name: (KV policy, reference solution, algorithm)
 }
 TASK = dict(num_chains=(2, 3), num_steps=(6, 8), min_value=1, max_value=9, max_operand=1, fork_prob=1.0, seed=0)
 MODEL = dict(hidden_size=96, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=384)
-DEFAULT_KNOBS = ("1.0", "0.5", "0.25", "0.5:0.9", "0.25:0.9", "0.5:uniform")
+DEFAULT_KNOBS = ("0.5", "1.0", "0.25", "0.125", "0.5:0.9", "0.25:0.9", "0.5:uniform")
 
 
 def parse_knobs(text: str) -> dict:
