@@ -177,13 +177,16 @@ def summary(rows: list[dict]) -> str:
         fs = [base[r["problem"]]["forward_passes"] / r["forward_passes"] for r in rs if r["problem"] in base]
         ws = [base[r["problem"]]["seconds"] / r["seconds"] for r in rs if r["problem"] in base]
         geo = lambda v: f"{statistics.geometric_mean(v):.3f}" if v else "n/a"  # noqa: E731
-        mean = lambda name: (f"{statistics.fmean(r[name] for r in rs if r.get(name) is not None):.2f}"  # noqa: E731
-                             if any(r.get(name) is not None for r in rs) else "")
         acc = f"{rs[0]['accuracy']:.3f}" if "accuracy" in rs[0] else ""
-        lines.append(f"| {k[0]} | {k[1]} | {k[2] or ''} | {k[3] or ''} | {k[4] or ''} | {acc} | {mean('forward_passes')} "
-                     f"| {mean('seconds')} | {geo(fs)} | {geo(ws)} | {mean('ms_per_ar_step')} | "
-                     f"{mean('ms_per_denoise_forward')} |")
+        lines.append(f"| {k[0]} | {k[1]} | {k[2] or ''} | {k[3] or ''} | {k[4] or ''} | {acc} | "
+                     f"{mean(rs, 'forward_passes')} | {mean(rs, 'seconds')} | {geo(fs)} | {geo(ws)} | "
+                     f"{mean(rs, 'ms_per_ar_step')} | {mean(rs, 'ms_per_denoise_forward')} |")
     return "\n".join(lines)
+
+
+def mean(rows: list[dict], name: str) -> str:
+    values = [r[name] for r in rows if r.get(name) is not None]
+    return f"{statistics.fmean(values):.2f}" if values else ""
 
 
 def main() -> None:

@@ -257,6 +257,7 @@ def test_runtime_denoising_and_sync_match_a_float64_dense_forward(setup):
         assert (logits.double() - want).abs().max() < 1e-4, f"denoising step {step}"
     keys = list(range(sync + 1))
     with torch.no_grad():
-        hidden = model(torch.tensor(full[:sync + 1]), torch.tensor(keys), DenseAttention(round_mask(keys, first, span_of)))
+        hidden = model(torch.tensor(full[:sync + 1]), torch.tensor(keys),
+                       DenseAttention(round_mask(keys, first, span_of)))
         want = model.compute_logits(hidden[sync:]).double().log_softmax(-1)[0, full[sync + 1]]
     assert abs(out.logprobs[sync + 1 - len(prompt)] - float(want)) < 1e-4

@@ -33,7 +33,8 @@ def test_the_recipe_warm_starts_plans_executes_and_evaluates(tmp_path):
     overrides = [f"run_dir={run_dir}", f"warmstart.cache_dir={tmp_path / 'cache'}", "task.num_chains=[2,2]",
                  "task.num_steps=[1,2]", "task.train_size=64", "task.eval_size=4", "warmstart.data.held_out=4",
                  "warmstart.sft.steps=120", "warmstart.sft.batch_size=8", "warmstart.sft.check_every=120",
-                 "warmstart.sft.log_every=0", "sampling.max_tokens=160", "sampling.temperature=0.3", "eval.num_problems=4",
+                 "warmstart.sft.log_every=0", "sampling.max_tokens=160", "sampling.temperature=0.3",
+                 "eval.num_problems=4",
                  "eval.before=false", "train.steps=1", "train.groups_per_step=2", "rollout.group_size=2",
                  "rollout.num_cpus=0.5", "learner.num_cpus=0.5", "engine.num_blocks=512", "monitor.wandb.mode=disabled",
                  "monitor.include_dashboard=false", "monitor.plots=false"]
@@ -50,8 +51,8 @@ def test_the_recipe_warm_starts_plans_executes_and_evaluates(tmp_path):
     assert traces and all(t["kv_policy"] == "planned_diffusion" for t in traces)
     tok = load_tokenizer(next(p for p in (tmp_path / "cache").iterdir() if p.is_dir()))
     tags = PDTokenIds.from_tokenizer(tok)
-    rounds = [PDLayout.parse(len(t["prompt_token_ids"]), t["completion_token_ids"], tags, tok.decode, t["forced"]).rounds
-              for t in traces]
+    rounds = [PDLayout.parse(len(t["prompt_token_ids"]), t["completion_token_ids"], tags, tok.decode,
+                             t["forced"]).rounds for t in traces]
     executed = [r for rs in rounds for r in rs if r.sync is not None]
     assert executed and all(len(r.spans) == len(r.plan) for r in executed)
     assert all("correctness" in dict(t["reward_components"]) for t in traces)

@@ -69,7 +69,8 @@ def test_learner_rules_for_span_traces(pd_model):
         cut.step([[pd_trace(cut)]])
     learner = Learner(str(pd_model), algo=PlannedDiffusionOptions(select="correct"), window_mode="full",
                       vocab_policy="planned_diffusion")
-    sel = learner.algorithm.select([[pd_trace(learner, 0, 1.0), pd_trace(learner, 1, 0.0)], [pd_trace(learner, 2, 0.0)]])
+    groups = [[pd_trace(learner, 0, 1.0), pd_trace(learner, 1, 0.0)], [pd_trace(learner, 2, 0.0)]]
+    sel = learner.algorithm.select(groups)
     assert [t.trace_id for t in sel.traces] == ["sft-0"] and sel.metrics["no_correct_groups"] == 1
     metrics = learner.step([[pd_trace(learner)]])
     # loss tokens: "a" and the promise, then <sync/>, b, eos (autoregressive); the 10 body tokens (diffusion)

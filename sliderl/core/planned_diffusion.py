@@ -35,7 +35,8 @@ token sees the context, the plan, and every token of its own span in both direct
 a finished span's KV in one forward), so as a rule by comparisons, the form a FlexAttention ``mask_mod``
 evaluates:
 
-    q sees k  iff  write_at[k] <= write_at[q]  and  core.pasta.thread_visible(span[q], view_at[q], span[k], exposed_at[k])
+    q sees k  iff  write_at[k] <= write_at[q]
+                   and  core.pasta.thread_visible(span[q], view_at[q], span[k], exposed_at[k])
 
 ``span`` is 0 on autoregressive tokens and s >= 1 on the s-th span's tokens (its tags included); ``write_at`` is a
 token's own index, or its span's first index for a span token; ``exposed_at[k]`` is where k becomes visible

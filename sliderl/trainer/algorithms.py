@@ -124,7 +124,7 @@ class SFTOptions:
 
 @dataclass(frozen=True)
 class PlannedDiffusionOptions:
-    """Planned Diffusion's hybrid objective (``PlannedDiffusion``; the loss is ``trainer.losses.planned_diffusion_loss``)."""
+    """Planned Diffusion's options (``PlannedDiffusion``; the loss is ``trainer.losses.planned_diffusion_loss``)."""
 
     __pydantic_config__: ClassVar[dict] = RECORD_CONFIG
     type: Literal["planned_diffusion"] = "planned_diffusion"

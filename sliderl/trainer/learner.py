@@ -217,8 +217,9 @@ class Learner:
         """The spans of a planned_diffusion trace with this step's noise draw (t = 1 while evaluating)."""
         self._whole_trace_only(trace, "planned_diffusion")
         if not self.algorithm.trains_spans:
-            raise ValueError(f"trace {trace.trace_id!r} has KV policy planned_diffusion, whose spans train with the hybrid "
-                             f"objective only: learner.algo.type must be planned_diffusion, got {self.algorithm.name}")
+            raise ValueError(f"trace {trace.trace_id!r} has KV policy planned_diffusion, whose spans train with the "
+                             f"hybrid objective only: learner.algo.type must be planned_diffusion, got "
+                             f"{self.algorithm.name}")
         if self._pd_tokens is None:
             self._pd_tokens = PDTokenIds.from_tokenizer(self.tokenizer)
         layout = PDLayout.parse(len(trace.prompt_token_ids), trace.completion_token_ids, self._pd_tokens,
@@ -229,8 +230,8 @@ class Learner:
 
     def _whole_trace_only(self, trace: Trace, kind: str) -> None:
         if self.args.window_mode != "full":
-            raise ValueError(f"trace {trace.trace_id!r} has KV policy {kind}, which trains on the whole trace only (its "
-                             f"{'forks' if kind == 'pasta' else 'spans'}' keys and position ids span it): "
+            raise ValueError(f"trace {trace.trace_id!r} has KV policy {kind}, which trains on the whole trace only "
+                             f"(its {'forks' if kind == 'pasta' else 'spans'}' keys and position ids span it): "
                              f"window_mode={self.args.window_mode!r} is not valid for it; set window_mode='full'")
 
     def _pasta_layout(self, trace: Trace) -> PastaLayout:

@@ -88,7 +88,8 @@ class WindowInput:
         the noised spans (masked or kept: all count in the loss's normaliser, ``target_kind`` weights them)."""
         mask = self.window.loss_mask(forced)
         if isinstance(self.layout, NoisedLayout):
-            return torch.cat([mask & self.layout.layout.ar_target_mask(), torch.ones(self.layout.num_body, dtype=torch.bool)])
+            body = torch.ones(self.layout.num_body, dtype=torch.bool)
+            return torch.cat([mask & self.layout.layout.ar_target_mask(), body])
         return mask if self.layout is None else mask & self.layout.target_mask()
 
     def target_kind(self) -> Tensor | None:

@@ -147,8 +147,9 @@ def run_sft(model_path: str | Path, out_dir: str | Path, train_examples: list[SF
     ``kv_policy``: one policy, or several: then example i (train and held-out alike) is trained and checked under
     the (i mod n)-th, so that one model learns to decode under each (e.g. [prefix_sliding:512, full]).
 
-    learner_args: its ``algo`` must be ``SFTOptions`` or ``PlannedDiffusionOptions`` (use ``window_mode='full'`` to put the loss on
-    every completion token; a cosine ``lr_schedule`` needs ``total_steps``, e.g. ``sft_args.steps``).
+    learner_args: its ``algo`` must be ``SFTOptions``, or ``PlannedDiffusionOptions`` for span-annotated data (use
+    ``window_mode='full'`` to put the loss on every completion token; a cosine ``lr_schedule`` needs ``total_steps``,
+    e.g. ``sft_args.steps``).
     """
     if learner_args.algo.type not in SFT_ALGORITHMS:
         raise ValueError(f"learner_args.algo must be SFTOptions (or PlannedDiffusionOptions, the hybrid objective) for "

@@ -33,7 +33,8 @@ class DenoisingKnobs:
 
     def __post_init__(self) -> None:
         if not 0 < self.steps_ratio <= 1:
-            raise ValueError(f"pd_steps_ratio must be in (0, 1] (denoising steps per span token), got {self.steps_ratio}")
+            raise ValueError(f"pd_steps_ratio must be in (0, 1] (denoising steps per span token), "
+                             f"got {self.steps_ratio}")
         if self.confidence is not None and not 0 < self.confidence <= 1:
             raise ValueError(f"pd_confidence must be None or in (0, 1], got {self.confidence}")
         if self.order not in ORDERS:
