@@ -212,7 +212,7 @@ def engine_run(path, prompt: list[int], script: list[int], device: str = "cpu", 
     def recording(ids, pos, batch, rows):
         logits = forward(ids, pos, batch, rows)
         if rows is not None:
-            calls.append((list(ids), list(pos), list(rows), logits.cpu()))
+            calls.append((list(ids), list(pos), list(rows), logits.cpu().clone()))  # _draw bans tags in place
         return logits
 
     llm.mode._forward = recording
