@@ -264,3 +264,33 @@ def test_runtime_denoising_and_sync_match_a_float64_dense_forward(setup, device)
                        DenseAttention(round_mask(keys, first, span_of)))
         want = model.compute_logits(hidden[sync:]).double().log_softmax(-1)[0, full[sync + 1]]
     assert abs(out.logprobs[sync + 1 - len(prompt)] - float(want)) < tol
+
+
+# catches: requests denoised together reading each other's context or spans (a padded batch row taking another
+# request's prefix or span ids), a request's draws depending on its batch, a round started while another
+# request decodes autoregressively left waiting or run twice.
+def test_requests_denoised_together_write_what_they_write_alone(setup):
+    from sliderl.rollout import LLM, SamplingParams
+
+    path, tok, _, _ = setup
+    jobs = [(tok("Q: one\n").input_ids, 'ab<promise topic="A" tokens="1"/><promise topic="B" tokens="2"/><sync/>c'),
+            (tok("Q: a longer prompt\n").input_ids, 'x<promise topic="C" tokens="5"/><sync/>yz<promise topic="D" '
+                                                   'tokens="1"/><sync/>w')]
+    scripts = [tok(s, add_special_tokens=False).input_ids + [tok.eos_token_id] for _, s in jobs]
+
+    def run(which: list[int]):
+        llm = LLM(str(path), kv="planned_diffusion", num_blocks=128, pd_steps_ratio=0.5)
+        seqs = []
+        for i in which:
+            seqs.append(llm.add_request(jobs[i][0], SamplingParams(max_tokens=200, temperature=0.7, seed=i)))
+            llm.force(seqs[-1], scripts[i])
+        while llm.has_unfinished():
+            llm.step()
+        return [llm.output(s) for s in seqs], llm.mode.stats
+
+    together, stats = run([0, 1])
+    alone = [run([0])[0][0], run([1])[0][0]]
+    assert stats.denoising_forwards < sum(o.planned_diffusion.denoising_forwards for o in together)  # shared forwards
+    for a, b in zip(together, alone):
+        assert a.token_ids == b.token_ids and len(a.planned_diffusion.rounds) == len(b.planned_diffusion.rounds)
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
