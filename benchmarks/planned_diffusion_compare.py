@@ -151,14 +151,15 @@ def run_all(args: argparse.Namespace) -> None:
     """Every (system, seed) job as its own process, ``--jobs`` at a time; then the summary."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "rows.jsonl").unlink(missing_ok=True)
+    if not args.append:
+        (out / "rows.jsonl").unlink(missing_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     common = ["--num-chains", *map(str, args.num_chains), "--num-steps", *map(str, args.num_steps),
               "--steps", str(args.steps), "--eval-every", str(args.eval_every), "--problems", str(args.problems),
               "--train-size", str(args.train_size), "--batch-size", str(args.batch_size), "--max-tokens",
               str(args.max_tokens), "--latency-problems", str(args.latency_problems), "--device", args.device,
               "--out", str(out), "--knobs", *args.knobs]
-    jobs = [(system, seed) for seed in args.seeds for system in args.systems]
+    jobs = [(system, seed) for seed in args.seeds for system in args.systems if f"{system}-s{seed}" not in args.skip]
 
     def launch(job):
         system, seed = job
@@ -286,6 +287,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=400)
     parser.add_argument("--knobs", nargs="+", default=list(DEFAULT_KNOBS), help="PD settings RATIO[:CONF][:uniform]")
     parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--append", action="store_true", help="all: keep OUT/rows.jsonl's rows (a run resumed)")
+    parser.add_argument("--skip", nargs="*", default=[], help="all: jobs already done, as SYSTEM-sSEED")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", default="runs/pd-compare")
     args = parser.parse_args()

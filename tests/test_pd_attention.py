@@ -1,6 +1,7 @@
 """Planned Diffusion's attention, against a dense reference built here from DESIGN.md's rule ("Planned Diffusion
-spans"): plan and context causally; a span token sees context, plan and every token of its own span (both
-directions), never another span before the sync; after the sync everything.
+spans"): plan and context causally; a span token sees context, plan (through its own promise: its own item is the
+last it sees, core.planned_diffusion says why) and every token of its own span (both directions), never another
+span before the sync; after the sync everything.
 
 The response is built from labelled pieces (what each token is follows from the construction, without
 core.planned_diffusion), the mask is the rule written out token pair by token pair, and a float64 dense forward
@@ -15,7 +16,8 @@ Planted bugs each test was run against (each failed it): a span sees another spa
 its round's plan end; in the runtime, SpanBatch.mask ignoring span ids); a span token attends causally only
 (write_at of a span token = its own index; in the runtime, the own-span mask kept lower-triangular); plan tokens
 see a span before the sync (exposed_at of a span token = its span's end, so the plan after a round never synced
-sees it; the noised copies exposed at their round's sync, so the next round's plan sees them).
+sees it; the noised copies exposed at their round's sync, so the next round's plan sees them); a span sees the
+plan past its own promise (Round.view = the plan's end; in the runtime, every span's view the plan's end).
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ class Reference:
         self.sync: dict[int, int] = {}  # round -> flattened index of its <sync/>
         self.body: list[int] = []  # flattened indices of span body tokens
         self.rounds = 0
+        self.promises: list[int] = []  # the current plan's />, flattened indices
+        self.view: dict[int, int] = {}  # span -> its promise's />
 
     def _add(self, tokens: list[int], span: int = 0) -> None:
         self.ids += tokens
@@ -54,16 +58,19 @@ class Reference:
         self._add(self.tok(s, add_special_tokens=False).input_ids)
 
     def plan(self, *units: int) -> None:
+        self.promises = []
         for n in units:
             self.text(f'<promise topic="t" tokens="{n}"/>')
+            self.promises.append(self.p + len(self.ids) - 1)
 
     def spans(self, *bodies: list[int]) -> None:
         """A round's spans (bodies of UNIT·N tokens each, the plan's lengths); its sync is separate."""
         self.rounds += 1
         self.first[self.rounds] = self.p + len(self.ids)
-        for body in bodies:
+        for k, body in enumerate(bodies):
             s = max(self.span) + 1
             self.round_of[s] = self.rounds
+            self.view[s] = self.promises[k]
             start = self.p + len(self.ids) + 1
             self._add([self.tags.async_open, *body, self.tags.async_close], s)
             self.body += range(start, start + len(body))
@@ -77,7 +84,7 @@ class Reference:
         sq, sk = self.span[q], self.span[k]
         if sq and sq == sk:
             return True  # its own span, both directions
-        history = q if sq == 0 else self.first[self.round_of[sq]] - 1  # the last autoregressive token q has seen
+        history = q if sq == 0 else self.view[sq]  # the last autoregressive token q has seen
         if sk:
             sync = self.sync.get(self.round_of[sk])
             return sync is not None and sync <= history
@@ -223,14 +230,15 @@ def engine_run(path, prompt: list[int], script: list[int], device: str = "cpu", 
     return llm.output(seq), calls
 
 
-def round_mask(keys: list[int], first: int, span_of: dict[int, int]) -> torch.Tensor:
-    """The rule over positions ``keys`` (increasing) of a response with one round starting at ``first``: before
-    it causal; a span token sees everything before ``first`` and its own span (``span_of``); after the spans
-    (the <sync/> on) causal over everything."""
+def round_mask(keys: list[int], span_of: dict[int, int], view: dict[int, int]) -> torch.Tensor:
+    """The rule over positions ``keys`` (increasing) of a response with one round: before it causal; a span
+    token sees everything up to its promise's /> (``view`` by span) and its own span (``span_of``); after the
+    spans (the <sync/> on) causal over everything."""
     mask = torch.zeros(len(keys), len(keys), dtype=torch.bool)
     for a, q in enumerate(keys):
         for b, k in enumerate(keys):
-            mask[a, b] = (k < first or span_of.get(q) == span_of.get(k)) if q in span_of else k <= q
+            s = span_of.get(q)
+            mask[a, b] = (k <= view[s] or s == span_of.get(k)) if s else k <= q
     return mask
 
 
@@ -249,19 +257,21 @@ def test_runtime_denoising_and_sync_match_a_float64_dense_forward(setup, device)
     first = calls[0][1][0]  # the first <async>: everything before it is the cached context and plan
     sync = len(prompt) + out.planned_diffusion.rounds[0].sync
     span_of = {p: 1 if p < first + 12 else 2 for p in range(first, sync)}  # A: <async>, 10 body, </async>
+    closes = [i for i, t in enumerate(full[:first]) if t == tok.convert_tokens_to_ids("/>")]
+    view = {1: closes[-2], 2: closes[-1]}  # each span's promise's />
     tol = 1e-4 if device == "cpu" else 1e-2  # CUDA: the kernels' float32 matmuls may run in TF32
     model = load_model(path).double()
     for step, (ids, pos, rows, logits) in enumerate(calls):
         keys = list(range(first)) + pos
         with torch.no_grad():
             hidden = model(torch.tensor(full[:first] + ids), torch.tensor(keys),
-                           DenseAttention(round_mask(keys, first, span_of)))
+                           DenseAttention(round_mask(keys, span_of, view)))
             want = model.compute_logits(hidden[[first + r for r in rows]]).double()
         assert (logits.double() - want).abs().max() < tol, f"denoising step {step}"
     keys = list(range(sync + 1))
     with torch.no_grad():
         hidden = model(torch.tensor(full[:sync + 1]), torch.tensor(keys),
-                       DenseAttention(round_mask(keys, first, span_of)))
+                       DenseAttention(round_mask(keys, span_of, view)))
         want = model.compute_logits(hidden[sync:]).double().log_softmax(-1)[0, full[sync + 1]]
     assert abs(out.logprobs[sync + 1 - len(prompt)] - float(want)) < tol
 

@@ -32,7 +32,7 @@ def test_the_recipe_warm_starts_plans_executes_and_evaluates(tmp_path):
     run_dir = tmp_path / "run"
     overrides = [f"run_dir={run_dir}", f"warmstart.cache_dir={tmp_path / 'cache'}", "task.num_chains=[2,2]",
                  "task.num_steps=[1,2]", "task.train_size=64", "task.eval_size=4", "warmstart.data.held_out=4",
-                 "warmstart.sft.steps=120", "warmstart.sft.batch_size=8", "warmstart.sft.check_every=120",
+                 "warmstart.sft.steps=80", "warmstart.sft.batch_size=8", "warmstart.sft.check_every=80",
                  "warmstart.sft.log_every=0", "sampling.max_tokens=160", "sampling.temperature=0.3",
                  "eval.num_problems=4",
                  "eval.before=false", "train.steps=1", "train.groups_per_step=2", "rollout.group_size=2",

@@ -30,10 +30,13 @@ The grammar reuses Pasta-Lang's tags (``core.pasta``): a plan item is a promise,
 ``PD_TOKENS`` are the tags plus ``<mask>`` and ``<null>``: special tokens of every tokenizer that runs PD.
 
 Visibility (DESIGN.md, "Planned Diffusion spans"). Plan and text tokens see what precedes them (causal); a span
-token sees the context, the plan, and every token of its own span in both directions, never another span; the
-``<sync/>`` and everything after it see everything before. A span's keys are written at once (the runtime writes
-a finished span's KV in one forward), so as a rule by comparisons, the form a FlexAttention ``mask_mod``
-evaluates:
+token sees the context, the plan through its own promise, and every token of its own span in both directions,
+never another span; the ``<sync/>`` and everything after it see everything before. "Through its own promise":
+span k sees plan items 1..k, so its own item is the last it sees and says which chunk it writes — seeing the
+whole plan, every span of a round sees the same tokens and could tell itself from the others only by its
+position ids (measured: a miniature trained that way copied the wrong chain into most of its spans, 3 of 78
+right; ``docs/results_planned_diffusion.md``). A span's keys are written at once (the runtime writes a finished
+span's KV in one forward), so as a rule by comparisons, the form a FlexAttention ``mask_mod`` evaluates:
 
     q sees k  iff  write_at[k] <= write_at[q]
                    and  core.pasta.thread_visible(span[q], view_at[q], span[k], exposed_at[k])
@@ -42,7 +45,8 @@ evaluates:
 token's own index, or its span's first index for a span token; ``exposed_at[k]`` is where k becomes visible
 outside its span: k itself for an autoregressive token, its round's ``<sync/>`` for a span token (``NEVER``
 when none came); ``view_at[q]`` is where q's view of autoregressive tokens stops: q itself, or for a span token
-its round's last plan token. This is Pasta's thread rule with one more reading of "thread".
+its promise's ``/>`` (the plan's last ``/>`` for a span past the plan's items). This is Pasta's thread rule with
+one more reading of "thread" (a fork, too, sees the main thread up to its promise's ``/>``).
 
 Training (``SpanNoise``, ``diffusion_stream``): one forward serves both objectives. The clean response is the
 input of the autoregressive loss (each autoregressive token predicted by the previous one; spans are keys to
@@ -114,10 +118,10 @@ class Round:
     spans: tuple[tuple[int, int], ...]  # [start, end) of each ``<async> … </async>`` (end = text's end if unclosed)
     sync: int | None  # index of the ``<sync/>`` that ends the round; None when none does
 
-    @property
-    def view(self) -> int:
-        """The last autoregressive index its spans see: the plan's last ``/>``."""
-        return self.spans[0][0] - 1
+    def view(self, k: int) -> int:
+        """The last autoregressive index span k (0-based) sees: its promise's ``/>`` (the plan's last for a span
+        past the plan's items)."""
+        return self.plan[k][1] - 1 if k < len(self.plan) else self.spans[0][0] - 1
 
 
 @dataclass(frozen=True)
@@ -183,29 +187,30 @@ class PDLayout:
         """RoPE position ids: the flattened indices (spans occupy exactly their planned lengths)."""
         return torch.arange(len(self))
 
-    def spans(self) -> list[tuple[int, int, Round]]:
-        """Every span as ``(start, end, its round)``, in order (span s is the s-th, 1-based)."""
-        return [(a, b, r) for r in self.rounds for a, b in r.spans]
+    def spans(self) -> list[tuple[int, int, Round, int]]:
+        """Every span as ``(start, end, its round, its view)`` in order (span s is the s-th, 1-based); its view is
+        the last autoregressive index it sees (``Round.view``)."""
+        return [(a, b, r, r.view(k)) for r in self.rounds for k, (a, b) in enumerate(r.spans)]
 
     def write_at(self) -> Tensor:
         """``[P + T]``: each token's index, or its span's first index for a span token."""
         out = torch.arange(len(self))
-        for a, b, _ in self.spans():
+        for a, b, _, _ in self.spans():
             out[a:b] = a
         return out
 
     def exposed_at(self) -> Tensor:
         """``[P + T]``: where each key becomes visible outside its span (itself; a span token: its round's sync)."""
         out = torch.arange(len(self))
-        for a, b, r in self.spans():
+        for a, b, r, _ in self.spans():
             out[a:b] = NEVER if r.sync is None else r.sync
         return out
 
     def view_at(self) -> Tensor:
-        """``[P + T]``: the last autoregressive index each query sees (itself; a span token: its round's plan end)."""
+        """``[P + T]``: the last autoregressive index each query sees (itself; a span token: its promise's ``/>``)."""
         out = torch.arange(len(self))
-        for a, b, r in self.spans():
-            out[a:b] = r.view
+        for a, b, _, view in self.spans():
+            out[a:b] = view
         return out
 
     def mask_mod(self):
@@ -221,17 +226,17 @@ class PDLayout:
     def dense_mask(self) -> Tensor:
         """``[P + T, P + T]`` bool, True where query row i sees key column j, from what each token may see: the
         autoregressive table grows token by token and takes a round's spans at its sync; a span sees the table
-        as its round began, and all of itself."""
+        as its round began up to its promise, and all of itself."""
         n = len(self)
         mask = torch.zeros(n, n, dtype=torch.bool)
         table = torch.zeros(n, dtype=torch.bool)  # keys an autoregressive query sees so far
-        starts = {a: (a, b, r) for a, b, r in self.spans()}
+        starts = {a: (a, b, view) for a, b, _, view in self.spans()}
         syncs = {r.sync: r for r in self.rounds if r.sync is not None}
         i = 0
         while i < n:
             if i in starts:
-                a, b, r = starts[i]
-                mask[a:b] = table
+                a, b, view = starts[i]
+                mask[a:b, :view + 1] = table[:view + 1]
                 mask[a:b, a:b] = True
                 i = b
                 continue
@@ -249,9 +254,8 @@ class PDLayout:
     def body_mask(self) -> Tensor:
         """``[P + T]`` bool: span body tokens (the diffusion's targets), not their tags."""
         out = torch.zeros(len(self), dtype=torch.bool)
-        for a, b, _ in self.spans():
+        for a, b, _, _ in self.spans():
             out[a + 1:b - 1] = True
-        out[self.span == 0] = False
         return out
 
     def predictor_index(self) -> Tensor:
@@ -340,7 +344,7 @@ class NoisedLayout:
     @property
     def num_copied(self) -> int:
         """Stream tokens after the clean response: every span's tokens once more."""
-        return sum(b - a for a, b, _ in self.layout.spans())
+        return sum(b - a for a, b, _, _ in self.layout.spans())
 
     @property
     def num_body(self) -> int:
@@ -360,7 +364,7 @@ def diffusion_stream(layout: PDLayout, token_ids: Tensor, noise: SpanNoise, mask
     clean = torch.arange(n - 1)
     write, exposed, view = layout.write_at(), layout.exposed_at(), layout.view_at()
     parts = [(clean, layout.span[clean], exposed[clean], view[clean])]
-    copies = [torch.arange(a, b) for a, b, _ in layout.spans()]
+    copies = [torch.arange(a, b) for a, b, _, _ in layout.spans()]
     copy = torch.cat(copies) if copies else torch.zeros(0, dtype=torch.int64)
     parts.append((copy, layout.span[copy] + layout.num_spans, torch.full_like(copy, NEVER), view[copy]))
     order = torch.cat([clean, copy])

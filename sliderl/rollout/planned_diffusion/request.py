@@ -31,6 +31,7 @@ class DenoisingRound:
     spans: list[SpanState]
     steps: int = 0  # denoising forwards so far
     span_ranges: list[tuple[int, int]] = field(default_factory=list)  # [start, end) of each <async> … </async>
+    views: list[int] = field(default_factory=list)  # each span's promise's />: the last cached position it sees
     prefix_slots: list[int] | None = None  # pool slots of positions 0 .. start - 1 (the runtime fills it once)
 
     @property
@@ -40,6 +41,10 @@ class DenoisingRound:
     def span_ids(self) -> list[int]:
         """The span index of each scaffold token, in order."""
         return [k for k, (a, b) in enumerate(self.span_ranges) for _ in range(a, b)]
+
+    def token_views(self) -> list[int]:
+        """The view (``views``) of each scaffold token, in order."""
+        return [self.views[k] for k, (a, b) in enumerate(self.span_ranges) for _ in range(a, b)]
 
 
 class PDSequence(Sequence):
@@ -51,7 +56,7 @@ class PDSequence(Sequence):
         self.tags = tags
         self.decode = decode
         self.tag_start: int | None = None  # token index of an open <promise
-        self.plan: list[tuple[int, int]] = []  # (start, units) of the current plan's promises
+        self.plan: list[tuple[int, int, int]] = []  # (start, its />, units) of the current plan's promises
         self.plan_end = -1  # token index right after the plan's last />
         self.round: DenoisingRound | None = None
         self.rounds: list[RoundSpans] = []
@@ -99,7 +104,7 @@ class PDSequence(Sequence):
             if tok == t.tag_close:
                 units = promise_units(self.decode(self.token_ids[start + 1:i]))
                 self.counts.promises_without_units += units is None
-                self.plan.append((start, DEFAULT_PROMISE_UNITS if units is None else units))
+                self.plan.append((start, i, DEFAULT_PROMISE_UNITS if units is None else units))
                 self.plan_end = i + 1
                 return False
             self.counts.unclosed_promises += 1
@@ -124,7 +129,7 @@ class PDSequence(Sequence):
 
     def scaffold_fits(self, limit: int) -> bool:
         """Whether the plan's scaffold and one token after the ``<sync/>`` stay within ``limit`` tokens."""
-        extra = sum(UNIT * units + 2 for _, units in self.plan)
+        extra = sum(UNIT * units + 2 for _, _, units in self.plan)
         return len(self.token_ids) + extra + 1 <= limit
 
     def start_round(self, knobs: DenoisingKnobs) -> DenoisingRound:
@@ -135,7 +140,7 @@ class PDSequence(Sequence):
         sync, logprob, forced = self.token_ids.pop(), self.logprobs.pop(), self.forced.pop()
         start = len(self.token_ids)
         ranges, spans = [], []
-        for _, units in self.plan:
+        for _, _, units in self.plan:
             a = len(self.token_ids)
             body = [t.mask] * (UNIT * units)
             for token in (t.async_open, *body, t.async_close):
@@ -146,7 +151,7 @@ class PDSequence(Sequence):
         self._push(sync, logprob, forced)
         plan_start = self.plan[0][0]
         self.round = DenoisingRound(len(self.rounds), plan_start, start, len(self.token_ids) - 1, spans,
-                                    span_ranges=ranges)
+                                    span_ranges=ranges, views=[view for _, view, _ in self.plan])
         self.plan = []
         return self.round
 

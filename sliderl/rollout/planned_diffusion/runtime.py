@@ -10,8 +10,8 @@ The grammar, the layout and the visibility rule are ``core.planned_diffusion``'s
   the request (finish reason ``length``; counted in ``PDCounts.plans_over_length``).
 - **Parallel diffusion.** While its round denoises the request asks the scheduler for nothing. After every
   engine step (``end_step``) the runtime takes one denoising step of every such request at once: one forward over
-  the tokens of every span still masked, each span attending to its request's cached context and plan and to
-  itself in both directions (``span_attention``); the logits at every masked position give a draw (the request's
+  the tokens of every span still masked, each span attending to its request's cached context and plan through its
+  own promise and to itself in both directions (``span_attention``); the logits at every masked position give a draw (the request's
   temperature, top-k and top-p; ``<mask>`` and the tags excluded), its entropy and its confidence, and each span
   reveals the positions its knobs choose (``unmasking``). When nothing else could run (every running request
   denoises, no admission waits) it goes on stepping, so batch-1 latency does not wait for empty engine steps.
@@ -130,9 +130,9 @@ class PDRuntime(DecodingMode):
         """One forward over the masked spans of every round being denoised; each span reveals what its knobs
         choose; rounds now fully revealed are committed."""
         t0 = time.perf_counter()
-        seqs, ids, pos, prefixes, span_ids, rows, where = list(self.diffusing), [], [], [], [], [], []
+        seqs, ids, pos, prefixes, span_ids, views, rows, where = list(self.diffusing), [], [], [], [], [], [], []
         for seq in seqs:
-            r, spans = seq.round, []
+            r, spans, seen = seq.round, [], []
             for k, span in enumerate(r.spans):
                 if span.done:
                     continue
@@ -145,9 +145,11 @@ class PDRuntime(DecodingMode):
                     ids.append(seq.token_ids[p])
                     pos.append(p)
                     spans.append(k)
+                    seen.append(r.views[k])
             prefixes.append(self._prefix_slots(seq))
             span_ids.append(spans)
-        logits = self._forward(ids, pos, SpanBatch.build(prefixes, span_ids, self.runner.device), rows)
+            views.append(seen)
+        logits = self._forward(ids, pos, SpanBatch.build(prefixes, span_ids, views, self.runner.device), rows)
         tokens, logprobs, priority, confidence = self._draw(logits, where)
         self._reveal(where, tokens, logprobs, priority, confidence)
         self.stats.denoising_forwards += 1
@@ -221,7 +223,7 @@ class PDRuntime(DecodingMode):
 
     def _commit(self, seqs: list[PDSequence]) -> None:
         """One forward over the finished rounds' clean spans, writing their K/V into the pool."""
-        ids, pos, prefixes, span_ids, writes = [], [], [], [], []
+        ids, pos, prefixes, span_ids, views, writes = [], [], [], [], [], []
         for seq in seqs:
             r, bs = seq.round, seq.block_size
             self.scheduler.allocate(seq, r.end - r.start)
@@ -229,8 +231,9 @@ class PDRuntime(DecodingMode):
             pos += range(r.start, r.end)
             prefixes.append(self._prefix_slots(seq))
             span_ids.append(r.span_ids())
+            views.append(r.token_views())
             writes += [seq.blocks[p // bs] * bs + p % bs for p in range(r.start, r.end)]
-        self._forward(ids, pos, SpanBatch.build(prefixes, span_ids, self.runner.device, writes), None)
+        self._forward(ids, pos, SpanBatch.build(prefixes, span_ids, views, self.runner.device, writes), None)
         self.stats.commit_forwards += 1
         for seq in seqs:
             seq.mark_computed(seq.round.end - seq.round.start)

@@ -2,9 +2,9 @@
 
 A denoising step runs the model over every token of the rounds being denoised (their ``<async>``, body and
 ``</async>``, a body position ``<mask>`` until revealed). A span token attends to its request's cached keys —
-the context and the plan, every position before the round (``Sequence.num_computed``) — and to every token of
-its own span, in both directions, computed in this forward; never to another span (DESIGN.md, "Planned Diffusion
-spans"). The cached keys are read from the pool through the request's block table; the span's own keys are the
+the context and the plan through its own promise (positions up to its promise's ``/>``, the span's *view*;
+``core.planned_diffusion``) — and to every token of its own span, in both directions, computed in this forward;
+never to another span (DESIGN.md, "Planned Diffusion spans"). The cached keys are read from the pool through the request's block table; the span's own keys are the
 forward's. A *commit* forward is the same over the finished spans, and also writes their K/V into the pool at
 their slots, where autoregression after the ``<sync/>`` reads them with the engine's kernels.
 
@@ -30,7 +30,7 @@ class SpanBatch:
     """One denoising (or commit) forward's layout, on the device. N span tokens of R requests, flattened."""
 
     prefix_slots: Tensor  # [R, L] int64 pool slots of each request's cached positions 0..L_r-1, 0 pad
-    prefix_valid: Tensor  # [R, L] bool
+    views: Tensor  # [R, S] int64 the last cached position each padded query slot sees (-1 pad)
     gather: Tensor  # [R, S] int64 flat token index of each padded query slot (pads repeat the request's first)
     query_valid: Tensor  # [R, S] bool
     scatter: Tensor  # [N] int64 index into the flattened [R * S] slots of each token
@@ -38,34 +38,36 @@ class SpanBatch:
     write_slots: Tensor | None  # [N] int64 pool slots the K/V go to (commit), None (denoising)
 
     @classmethod
-    def build(cls, prefix_slots: list[list[int]], span_ids: list[list[int]], device: torch.device,
-              write_slots: list[int] | None = None) -> SpanBatch:
-        """``prefix_slots[r]``: the pool slots of request r's cached positions in order; ``span_ids[r]``: its span
-        tokens' span ids in flattened order (tokens of one span share an id); ``write_slots``: commit only."""
+    def build(cls, prefix_slots: list[list[int]], span_ids: list[list[int]], views: list[list[int]],
+              device: torch.device, write_slots: list[int] | None = None) -> SpanBatch:
+        """``prefix_slots[r]``: the pool slots of request r's cached positions in order; ``span_ids[r]`` and
+        ``views[r]``: its span tokens' span ids (tokens of one span share an id) and views, in flattened order;
+        ``write_slots``: commit only."""
         r = len(span_ids)
         width, longest = max(len(s) for s in span_ids), max(1, max(len(p) for p in prefix_slots))
         slots = torch.zeros(r, longest, dtype=torch.int64)
-        valid = torch.zeros(r, longest, dtype=torch.bool)
+        seen = torch.full((r, width), -1, dtype=torch.int64)
         gather = torch.zeros(r, width, dtype=torch.int64)
         ids = torch.full((r, width), -1, dtype=torch.int64)
         scatter, start = [], 0
-        for i, (prefix, spans) in enumerate(zip(prefix_slots, span_ids)):
+        for i, (prefix, spans, view) in enumerate(zip(prefix_slots, span_ids, views)):
             slots[i, :len(prefix)] = torch.tensor(prefix, dtype=torch.int64)
-            valid[i, :len(prefix)] = True
+            seen[i, :len(view)] = torch.tensor(view, dtype=torch.int64)
             gather[i] = start
             gather[i, :len(spans)] = torch.arange(start, start + len(spans))
             ids[i, :len(spans)] = torch.tensor(spans, dtype=torch.int64)
             scatter.extend(range(i * width, i * width + len(spans)))
             start += len(spans)
         move = lambda x: x.to(device, non_blocking=True)  # noqa: E731
-        return cls(move(slots), move(valid), move(gather), move(ids >= 0), move(torch.tensor(scatter)), move(ids),
+        return cls(move(slots), move(seen), move(gather), move(ids >= 0), move(torch.tensor(scatter)), move(ids),
                    None if write_slots is None else move(torch.tensor(write_slots, dtype=torch.int64)))
 
     def mask(self) -> Tensor:
-        """``[R, S, L + S]`` bool: a valid query sees its request's cached keys and its own span's tokens; a pad
-        query sees its request's first key only."""
+        """``[R, S, L + S]`` bool: a valid query sees its request's cached keys up to its view and its own span's
+        tokens; a pad query sees its request's first key only."""
         own = (self.span_ids[:, :, None] == self.span_ids[:, None, :]) & self.query_valid[:, None, :]
-        seen = torch.cat([self.prefix_valid[:, None, :].expand(-1, own.shape[1], -1), own], dim=2)
+        position = torch.arange(self.prefix_slots.shape[1], device=own.device)
+        seen = torch.cat([position[None, None, :] <= self.views[:, :, None], own], dim=2)
         first = torch.zeros_like(seen)
         first[:, :, 0] = True
         return torch.where(self.query_valid[:, :, None], seen, first)
