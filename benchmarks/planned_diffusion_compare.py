@@ -180,10 +180,12 @@ def run_all(args: argparse.Namespace) -> None:
     summarize(out)
 
 
-def summarize(out: Path) -> None:
+def summarize(out: Path, longer: Path | None = None) -> None:
     """``summary.md`` (final accuracy, forwards and batch-1 time per system and PD setting, mean ± std over seeds;
-    accuracy against steps) and ``pareto.png`` from ``rows.jsonl``."""
+    accuracy against steps) and ``pareto.png`` from ``rows.jsonl``; with ``longer``, another run's rows (PD trained
+    for more steps) join the accuracy-against-steps panel."""
     rows = [json.loads(line) for line in open(out / "rows.jsonl")]
+    extra = [json.loads(line) for line in open(longer / "rows.jsonl")] if longer is not None else []
     final = max(r["step"] for r in rows)
     groups: dict[str, list[dict]] = {}
     for r in rows:
@@ -210,9 +212,16 @@ def summarize(out: Path) -> None:
             acc = [r["accuracy"] for r in rows if r["step"] == step and label(r) == name]
             cells.append(ms(acc) if acc else "")
         lines.append(f"| {step} | " + " | ".join(cells) + " |")
+    if extra:
+        lines += ["", f"longer runs ({longer}): accuracy against steps", "", "| setting | step | seeds | accuracy |",
+                  "|---|---|---|---|"]
+        for lab in dict.fromkeys(label(r) for r in extra):
+            for step in sorted({r["step"] for r in extra if label(r) == lab}):
+                acc = [r["accuracy"] for r in extra if label(r) == lab and r["step"] == step]
+                lines.append(f"| {lab} | {step} | {len(acc)} | {ms(acc)} |")
     (out / "summary.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-    plot(rows, final, out / "pareto.png")
+    plot(rows, final, out / "pareto.png", extra)
 
 
 def label(row: dict) -> str:
@@ -230,7 +239,7 @@ def ms(values: list[float], digits: int = 3) -> str:
     return f"{statistics.fmean(values):.{digits}f} ± {sd:.{digits}f}"
 
 
-def plot(rows: list[dict], final: int, path: Path) -> None:
+def plot(rows: list[dict], final: int, path: Path, extra: list[dict] = ()) -> None:
     """Accuracy against sequential forwards and against batch-1 seconds (final step), and against steps."""
     import matplotlib
     matplotlib.use("Agg")
@@ -261,6 +270,13 @@ def plot(rows: list[dict], final: int, path: Path) -> None:
         steps = sorted({r["step"] for r in rows if label(r) == lab})
         acc = [statistics.fmean(r["accuracy"] for r in rows if label(r) == lab and r["step"] == s) for s in steps]
         axes[2].plot(steps, acc, marker="o", color=colour, label=lab)
+    lab = next((label(r) for r in extra if r["system"] == "pd"), None)
+    if lab is not None:
+        steps = sorted({r["step"] for r in extra if label(r) == lab})
+        acc = [statistics.fmean(r["accuracy"] for r in extra if label(r) == lab and r["step"] == s) for s in steps]
+        last = max(steps)
+        axes[2].plot(steps, acc, marker="s", linestyle="--", color=colours["pd"],
+                     label=f"{lab}, {last}-step schedule ({len({r['seed'] for r in extra})} seeds)")
     axes[2].set_xlabel("finetuning steps")
     axes[2].set_ylabel("held-out accuracy (greedy)")
     axes[2].legend(fontsize=8)
@@ -291,6 +307,7 @@ def main() -> None:
     parser.add_argument("--skip", nargs="*", default=[], help="all: jobs already done, as SYSTEM-sSEED")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", default="runs/pd-compare")
+    parser.add_argument("--longer", help="summarize: a run of PD alone for more steps, for the steps panel")
     args = parser.parse_args()
     if args.mode == "run":
         if args.system is None:
@@ -299,7 +316,7 @@ def main() -> None:
     elif args.mode == "all":
         run_all(args)
     else:
-        summarize(Path(args.out))
+        summarize(Path(args.out), Path(args.longer) if args.longer else None)
 
 
 if __name__ == "__main__":
