@@ -198,11 +198,11 @@ def summarize(out: Path, longer: Path | None = None) -> None:
     for name, rs in groups.items():
         fs = [ar[r["seed"]]["forward_passes"] / r["forward_passes"] for r in rs if r["seed"] in ar]
         ws = [ar[r["seed"]]["batch1_seconds"] / r["batch1_seconds"] for r in rs
-              if r["seed"] in ar and r["batch1_seconds"] and ar[r["seed"]]["batch1_seconds"]]
+              if r["seed"] in ar and r.get("batch1_seconds") and ar[r["seed"]].get("batch1_seconds")]
         lines.append(f"| {name} | {len(rs)} | {ms([r['accuracy'] for r in rs])} | {ms([r['tokens'] for r in rs], 1)} | "
                      f"{ms([r['forward_passes'] for r in rs], 1)} | {ms(fs)} | "
-                     f"{ms([r['batch1_seconds'] for r in rs if r['batch1_seconds']])} | {ms(ws)} | "
-                     f"{sum(r['malformed'] for r in rs)} |")
+                     f"{ms([r['batch1_seconds'] for r in rs if r.get('batch1_seconds')])} | {ms(ws)} | "
+                     f"{sum(r.get('malformed') or 0 for r in rs)} |")
     lines += ["", "accuracy against finetuning steps (AR, and PD at its first setting):", "",
               "| step | " + " | ".join(("ar", "pd")) + " |", "|---|---|---|"]
     first_pd = next((label(r) for r in rows if r["system"] == "pd"), None)
@@ -251,16 +251,16 @@ def plot(rows: list[dict], final: int, path: Path, extra: list[dict] = ()) -> No
     for ax, key, name in ((axes[0], "forward_passes", "sequential forward passes per response"),
                           (axes[1], "batch1_seconds", "batch-1 seconds per response (this machine)")):
         for lab in dict.fromkeys(label(r) for r in last):
-            rs = [r for r in last if label(r) == lab and r[key]]
+            rs = [r for r in last if label(r) == lab and r.get(key)]
             if not rs:
                 continue
             x, y = statistics.fmean(r[key] for r in rs), statistics.fmean(r["accuracy"] for r in rs)
             ax.scatter(x, y, color=colours[rs[0]["system"]])
             ax.annotate(lab.replace("pd ", ""), (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
-        pd_points = sorted((statistics.fmean(r[key] for r in last if label(r) == lab and r[key]),
+        pd_points = sorted((statistics.fmean(r[key] for r in last if label(r) == lab and r.get(key)),
                             statistics.fmean(r["accuracy"] for r in last if label(r) == lab))
                            for lab in dict.fromkeys(label(r) for r in last if r["system"] == "pd")
-                           if any(r[key] for r in last if label(r) == lab))
+                           if any(r.get(key) for r in last if label(r) == lab))
         if pd_points:
             ax.plot(*zip(*pd_points), color=colours["pd"], alpha=0.4)
         ax.set_xlabel(name)

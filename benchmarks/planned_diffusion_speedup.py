@@ -139,7 +139,7 @@ def run_trained(args) -> list[dict]:
 
     rows, verifier = [], ArithVerifier()
     for run in sorted(Path(args.runs).glob("*-s*")):
-        if not (run / "model").is_dir():
+        if not (run / "model").is_dir() or run.name.split("-")[0] not in args.systems:
             continue
         task = json.loads((run / "task.json").read_text())
         system = task.pop("system")
@@ -152,6 +152,10 @@ def run_trained(args) -> list[dict]:
                 params = SamplingParams(max_tokens=400, temperature=0.0)
                 outs = llm.generate([p["prompt"] for p in problems], params)
                 accuracy = statistics.fmean(verifier(o.text, p["answer"]).total for o, p in zip(outs, problems))
+                rows.append({"run": run.name, "problem": "all", "system": system, **knobs, "accuracy": accuracy,
+                             "problems": len(problems), "tokens": statistics.fmean(len(o.token_ids) for o in outs),
+                             "forward_passes": statistics.fmean(forward_passes(o, system) for o in outs)})
+                print(json.dumps(rows[-1]), flush=True)
                 for p in problems[:args.latency_problems]:
                     prompt = llm.tokenizer(p["prompt"]).input_ids
                     seconds, out, denoise = timed(llm, prompt, params, None, args.repeats)
@@ -168,16 +172,19 @@ def summary(rows: list[dict]) -> str:
                      r.get("pd_confidence"), r.get("pd_order"))
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        groups.setdefault(key(r), []).append(r)
+        if r["problem"] != "all":  # per-problem timings; a trained run's "all" rows hold its accuracy
+            groups.setdefault(key(r), []).append(r)
+    accuracy = {key(r): r["accuracy"] for r in rows if r["problem"] == "all"}
     lines = ["| seed | system | ratio | confidence | order | accuracy | forwards | batch-1 s | forward speedup | "
              "wall speedup | ms/AR step | ms/denoise fwd |", "|---" * 12 + "|"]
-    for k, rs in groups.items():
+    for k in dict.fromkeys(key(r) for r in rows):
+        rs = groups.get(k) or [r for r in rows if key(r) == k]  # no timings: the accuracy row's mean forwards
         ar = groups.get((k[0], "ar", None, None, None), [])
         base = {r["problem"]: r for r in ar}
         fs = [base[r["problem"]]["forward_passes"] / r["forward_passes"] for r in rs if r["problem"] in base]
         ws = [base[r["problem"]]["seconds"] / r["seconds"] for r in rs if r["problem"] in base]
         geo = lambda v: f"{statistics.geometric_mean(v):.3f}" if v else "n/a"  # noqa: E731
-        acc = f"{rs[0]['accuracy']:.3f}" if "accuracy" in rs[0] else ""
+        acc = f"{accuracy[k]:.3f}" if k in accuracy else ""
         lines.append(f"| {k[0]} | {k[1]} | {k[2] or ''} | {k[3] or ''} | {k[4] or ''} | {acc} | "
                      f"{mean(rs, 'forward_passes')} | {mean(rs, 'seconds')} | {geo(fs)} | {geo(ws)} | "
                      f"{mean(rs, 'ms_per_ar_step')} | {mean(rs, 'ms_per_denoise_forward')} |")
@@ -201,6 +208,7 @@ def main() -> None:
     parser.add_argument("--knobs", nargs="+", default=["1.0", "0.5", "0.25", "0.125"],
                         help="PD settings RATIO[:CONFIDENCE][:uniform] (scripted: ratios only are meaningful)")
     parser.add_argument("--runs", help="trained: benchmarks/planned_diffusion_compare.py's --out")
+    parser.add_argument("--systems", nargs="+", default=["ar", "pasta", "pd"], help="trained: which models")
     parser.add_argument("--out", help="write the rows and the summary here (JSON)")
     args = parser.parse_args()
     if args.mode == "trained" and not args.runs:
