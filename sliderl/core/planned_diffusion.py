@@ -52,8 +52,8 @@ Training (``SpanNoise``, ``diffusion_stream``): one forward serves both objectiv
 input of the autoregressive loss (each autoregressive token predicted by the previous one; spans are keys to
 what follows their sync, with the KV the runtime commits); a noised copy of every span is appended — its
 body tokens replaced by ``<mask>`` with probability t, t ~ U(0, 1) per sequence — at the same position ids,
-seeing the context and plan of its round and itself only. The masked positions predict the clean tokens
-(the absorbing-state ELBO, weighted 1/t: ``trainer.losses.planned_diffusion_loss``).
+seeing what its span sees (the context, the plan through its promise) and itself only. The masked positions
+predict the clean tokens (the absorbing-state ELBO, weighted 1/t: ``trainer.losses.planned_diffusion_loss``).
 
 Malformed pieces read as plain autoregressive tokens, counted in ``PDMalformed``: a ``<promise`` not closed by
 ``/>``; a plan not followed by its spans (with forced flags: by a forced ``<async>``) — its promises are plain
