@@ -11,10 +11,11 @@ The grammar, the layout and the visibility rule are ``core.planned_diffusion``'s
 - **Parallel diffusion.** While its round denoises the request asks the scheduler for nothing. After every
   engine step (``end_step``) the runtime takes one denoising step of every such request at once: one forward over
   the tokens of every span still masked, each span attending to its request's cached context and plan through its
-  own promise and to itself in both directions (``span_attention``); the logits at every masked position give a draw (the request's
-  temperature, top-k and top-p; ``<mask>`` and the tags excluded), its entropy and its confidence, and each span
-  reveals the positions its knobs choose (``unmasking``). When nothing else could run (every running request
-  denoises, no admission waits) it goes on stepping, so batch-1 latency does not wait for empty engine steps.
+  own promise and to itself in both directions (``span_attention``); the logits at every masked position give a
+  draw (the request's temperature, top-k and top-p; ``<mask>`` and the tags excluded), its entropy and its
+  confidence, and each span reveals the positions its knobs choose (``unmasking``). When nothing else could run
+  (every running request denoises, no admission waits) it goes on stepping, so batch-1 latency does not wait for
+  empty engine steps.
 - **Commit and sync.** A round whose spans are all revealed takes one more forward over its clean spans that
   writes their K/V into the pool at their slots (blocks reserved by the request's bound: ``planned_diffusion``
   admits by bound and is never preempted, since a recompute by prefill could not redo a span's KV). Then the
