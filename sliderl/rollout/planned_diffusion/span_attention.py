@@ -5,8 +5,9 @@ A denoising step runs the model over every token of the rounds being denoised (t
 the context and the plan through its own promise (positions up to its promise's ``/>``, the span's *view*;
 ``core.planned_diffusion``) — and to every token of its own span, in both directions, computed in this forward;
 never to another span (DESIGN.md, "Planned Diffusion spans"). The cached keys are read from the pool through the
-request's block table; the span's own keys are the forward's. A *commit* forward is the same over the finished spans, and also writes their K/V into the pool at
-their slots, where autoregression after the ``<sync/>`` reads them with the engine's kernels.
+request's block table; the span's own keys are the forward's. A *commit* forward is the same over the finished
+spans, and also writes their K/V into the pool at their slots, where autoregression after the ``<sync/>`` reads
+them with the engine's kernels.
 
 The requests form one padded batch: queries ``[R, S, H, D]`` (S the most span tokens of a request) against keys
 ``[R, L + S, H_kv, D]`` (L the longest prefix), one ``scaled_dot_product_attention`` with a bool mask per layer
