@@ -50,7 +50,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="also write the rows as JSON here")
     args = parser.parse_args()
     w = args.window
-    policies = ["full", f"prefix_sliding:{w}", f"sliding_window:{w}", f"streaming:4:{w}", f"registers:8"]
+    policies = ["full", f"prefix_sliding:{w}", f"sliding_window:{w}", f"streaming:4:{w}", "registers:8"]
     with tempfile.TemporaryDirectory() as tmp:
         path = make_tiny_model(Path(tmp) / "m", "qwen3", hidden_size=128, num_layers=4, num_heads=4,
                                num_kv_heads=2, intermediate_size=256, max_position_embeddings=1 << 16)

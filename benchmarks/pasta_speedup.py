@@ -268,7 +268,7 @@ def run_trained(args) -> list[Row]:
         _, ids = prompts.problem(p["prompt"])
         jobs = {name: (ids, params, None) for name in engines}
         times, last = measure(engines, jobs, args.repeats, clock_of(args))
-        (out, steps), (base_out, base_steps) = last["pasta"], last["full"]
+        (out, _), (base_out, base_steps) = last["pasta"], last["full"]
         flat = without_eos(out.token_ids, engines["pasta"].eos_ids)
         plain = without_eos(base_out.token_ids, engines["full"].eos_ids)
         layout = layout_of(engines["pasta"], len(ids), flat)

@@ -18,7 +18,6 @@ thread's stack before the test's own deadline.
 from __future__ import annotations
 
 import faulthandler
-import json
 import os
 import sys
 import time

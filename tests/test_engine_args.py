@@ -12,8 +12,8 @@ from sliderl.rollout import LLM, EngineArgs
 # LLM's library defaults as docs/guide.md's "Python API" section spells them out
 README_DEFAULTS = dict(kv="full", device="cpu", dtype="float32", block_size=16, num_blocks=None, kv_cache_gb=None,
                        max_num_seqs=64, max_num_batched_tokens=1024, kv_watermark=0.01, max_model_len=None, seed=0,
-                       cuda_graphs=True, overlap=None, gemv=False, pasta_max_forks=8,
-                       summary_tool=dataclasses.asdict(SummaryTool()))
+                       cuda_graphs=True, overlap=None, gemv=False, pasta_max_forks=8, pd_steps_ratio=1.0,
+                       pd_confidence=None, pd_order="entropy", summary_tool=dataclasses.asdict(SummaryTool()))
 
 
 def test_defaults_are_the_documented_ones():
@@ -44,6 +44,10 @@ def test_defaults_are_the_documented_ones():
     ("overlap", 1, "overlap must be None, true or false, got 1"),
     ("pasta_max_forks", -1, "pasta_max_forks must be an integer >= 0, got -1"),
     ("pasta_max_forks", 2.0, "pasta_max_forks must be an integer >= 0, got 2.0"),
+    ("pd_steps_ratio", 0, "pd_steps_ratio must be in (0, 1] (denoising steps per span token), got 0"),
+    ("pd_steps_ratio", 1.5, "pd_steps_ratio must be in (0, 1] (denoising steps per span token), got 1.5"),
+    ("pd_confidence", 0.0, "pd_confidence must be None or in (0, 1], got 0.0"),
+    ("pd_order", "random", "pd_order must be entropy or uniform, got 'random'"),
 ])
 def test_bad_values_name_the_value_and_what_is_valid(field, value, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):

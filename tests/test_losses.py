@@ -13,6 +13,7 @@ from sliderl.trainer.losses import (
     grpo_loss,
     ipo_loss,
     latency_aware_score,
+    planned_diffusion_loss,
     preference_pairs,
     sft_loss,
 )
@@ -251,4 +252,5 @@ def test_preference_pairs_pick_best_and_worst_and_skip_ties():
 
 
 def test_registry_names_the_losses():
-    assert LOSSES == {"grpo": grpo_loss, "bonbon": bonbon_loss, "sft": sft_loss}
+    assert LOSSES == {"grpo": grpo_loss, "bonbon": bonbon_loss, "sft": sft_loss,
+                      "planned_diffusion": planned_diffusion_loss}

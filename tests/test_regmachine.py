@@ -172,7 +172,6 @@ def test_a_window_at_the_register_budget_cannot_see_the_answer(case):
         dense = row["solution_dense"]
         prologue_line = dense.split("\n")[1]  # after "<think>"
         p = tokenizer(row["prompt"]).input_ids
-        c = tokenizer(dense).input_ids
         start = len(p) + len(tokenizer("<think>\n").input_ids)
         step = range(start, start + len(tokenizer(prologue_line).input_ids))
         answer_pos = len(p) + len(tokenizer(dense.rpartition("{")[0] + "{").input_ids)  # the answer's first digit

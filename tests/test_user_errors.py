@@ -30,7 +30,8 @@ USER_ERRORS = [
     # an ill-formed GRPO option
     (["learner.algo.clip_low=-1"], ["learner.algo", "clip_low", "-1"]),
     # an unknown algorithm
-    (["learner.algo.type=ppo"], ["learner.algo.type must be one of 'grpo', 'bonbon', 'sft', got 'ppo'"]),
+    (["learner.algo.type=ppo"],
+     ["learner.algo.type must be one of 'grpo', 'bonbon', 'sft', 'planned_diffusion', got 'ppo'"]),
     # a BoNBoN option given to GRPO
     (["learner.algo.alpha=0.1"], ["learner.algo: unknown key 'alpha'"]),
     # a CUDA device torch does not have here (the test machines have at most a few GPUs)

@@ -14,6 +14,7 @@ that can no longer see k. A query at position q sees key k exactly when ``k <= q
 | pasta              | never (``full``); Pasta threads add the thread rule (``core.pasta``) |
 | last_k:N:K         | never within a segment; segments restart (``core.restart``)  |
 | summary:N:S        | never within a segment; segments restart (``core.restart``)  |
+| planned_diffusion  | never (``full``); Planned Diffusion's spans add the span rule (``core.planned_diffusion``) |
 
 ``q - k < W`` is the window convention: a query sees W keys including itself.
 
@@ -47,11 +48,11 @@ NEVER = 2**31 - 1  # death of a key that stays visible forever (fits int32 kerne
 MAX_SPEC_ARG = 2**30  # a spec's W, S, N or B: position + W stays below NEVER for any position below it
 
 POLICY_KINDS = ("full", "prefix_sliding", "sliding_window", "streaming", "registers", "h2o", "pasta", "last_k",
-                "summary")
+                "summary", "planned_diffusion")
 RESTART_KINDS = ("last_k", "summary")
 SPEC_HELP = ("valid specs: full, prefix_sliding:W, sliding_window:W, streaming:S:W, registers:N, h2o:B, pasta, "
-             "last_k:N:K, summary:N:S (W, N, B >= 1; S >= 0; the engine needs B >= 2 x block_size; last_k: "
-             "1 <= K < N; summary: 2 <= S < N)")
+             "last_k:N:K, summary:N:S, planned_diffusion (W, N, B >= 1; S >= 0; the engine needs B >= 2 x block_size; "
+             "last_k: 1 <= K < N; summary: 2 <= S < N)")
 
 
 def register_tokens(num_registers: int) -> list[str]:
@@ -77,14 +78,15 @@ class KVPolicy:
     def parse(cls, spec: str | KVPolicy) -> KVPolicy:
         """Parse ``full``, ``prefix_sliding:W``, ``sliding_window:W``, ``streaming:S:W``, ``registers:N``, ``h2o:B``,
         ``pasta`` (``full`` plus Pasta-Lang threads: ``core.pasta``), ``last_k:N:K`` or ``summary:N:S`` (restarts:
-        ``core.restart``)."""
+        ``core.restart``), or ``planned_diffusion`` (``full`` plus Planned Diffusion's spans:
+        ``core.planned_diffusion``)."""
         if isinstance(spec, KVPolicy):
             return spec
         if not isinstance(spec, str):
             raise ValueError(f"KV policy spec must be a string, got {spec!r}; {SPEC_HELP}")
         kind, *args = spec.strip().split(":")
         arity = {"full": 0, "prefix_sliding": 1, "sliding_window": 1, "streaming": 2, "registers": 1, "h2o": 1,
-                 "pasta": 0, "last_k": 2, "summary": 2}
+                 "pasta": 0, "last_k": 2, "summary": 2, "planned_diffusion": 0}
         if kind not in arity:
             raise ValueError(f"unknown KV policy {kind!r} in spec {spec!r}; {SPEC_HELP}")
         if len(args) != arity[kind]:
@@ -101,7 +103,7 @@ class KVPolicy:
             return cls(kind, num_registers=_positive(values[0], "number of registers", spec))
         if kind == "h2o":
             return cls(kind, budget=_positive(values[0], "budget", spec))
-        if kind in ("full", "pasta"):
+        if kind in ("full", "pasta", "planned_diffusion"):
             return cls(kind)
         return cls(kind, window=_positive(values[0], "window", spec))
 
@@ -127,6 +129,7 @@ class KVPolicy:
             "pasta": "pasta",
             "last_k": f"last_k:{self.restart_at}:{self.carry}",
             "summary": f"summary:{self.restart_at}:{self.carry}",
+            "planned_diffusion": "planned_diffusion",
         }[self.kind]
 
     def bind(self, register_ids: list[int] | tuple[int, ...] = (), end_think_id: int | None = None) -> KVPolicy:
@@ -144,8 +147,10 @@ class KVPolicy:
     @property
     def admits_by_bound(self) -> bool:
         """A sequence's live blocks have a bound known at admission, so the scheduler reserves it and never
-        preempts: the windowed policies, and h2o (its budget)."""
-        return self.bounded or self.kind == "h2o" or self.restarts
+        preempts: the windowed policies, h2o (its budget), the restart policies, and planned_diffusion (every
+        position it may write: a span's KV is written by the runtime's own forward, which a recompute by prefill
+        could not redo)."""
+        return self.bounded or self.kind in ("h2o", "planned_diffusion") or self.restarts
 
     @property
     def restarts(self) -> bool:

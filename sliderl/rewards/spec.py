@@ -50,7 +50,7 @@ class CorrectnessTerm:
             raise ValueError(f"correctness timeout_s must be a whole number of seconds >= 1, got {self.timeout_s!r}")
 
     def build(self, task: str, tokenizer=None) -> Reward:
-        if task in ("arith", "regmachine", "pasta"):  # generated tasks: exact integer match
+        if task in ("arith", "regmachine", "pasta", "planned_diffusion"):  # generated tasks: exact integer match
             return ArithVerifier(end_think=self.end_think)
         return MathReward(timeout_s=self.timeout_s, end_think=self.end_think)
 

@@ -88,7 +88,8 @@ class LLM:
         self.run_ahead = RunAhead(self.runner, self.scheduler, overlap)
         self.eos_ids = self._eos_ids(model)
         self.mode = make_mode(EngineContext(self.scheduler, self.policy, self.tokenizer, frozenset(self.eos_ids),
-                                            self.block_size, self.max_model_len, args.max_num_batched_tokens), args)
+                                            self.block_size, self.max_model_len, args.max_num_batched_tokens,
+                                            self.runner), args)
         self.postprocess = Postprocessor(self.tokenizer, self.eos_ids, self.max_model_len, self.scheduler,
                                          self.runner.set_death, self.mode)
         self.stats = EngineStats()

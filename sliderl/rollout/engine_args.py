@@ -26,7 +26,7 @@ class EngineArgs:
     __pydantic_config__: ClassVar[dict] = {"extra": "forbid", "use_attribute_docstrings": True}
 
     kv: str = "full"
-    """KV retention policy: full, prefix_sliding:W, sliding_window:W, streaming:S:W, registers:N, h2o:B (B >= 2 x block_size), pasta, or a restart baseline (canonicalised): last_k:N:K (the generated part of the context holds at most N tokens; then it restarts from the prompt and the last K generated tokens, 1 <= K < N) or summary:N:S (the model summarises its reasoning in a tool call of at most S tokens, forced when S tokens are left, then restarts from the prompt with the summary inserted; 2 <= S < N)."""
+    """KV retention policy: full, prefix_sliding:W, sliding_window:W, streaming:S:W, registers:N, h2o:B (B >= 2 x block_size), pasta, planned_diffusion, or a restart baseline (canonicalised): last_k:N:K (the generated part of the context holds at most N tokens; then it restarts from the prompt and the last K generated tokens, 1 <= K < N) or summary:N:S (the model summarises its reasoning in a tool call of at most S tokens, forced when S tokens are left, then restarts from the prompt with the summary inserted; 2 <= S < N)."""
     device: str = "cpu"
     """Where the engine runs: cpu, cuda or cuda:N."""
     dtype: str = "float32"
@@ -55,6 +55,12 @@ class EngineArgs:
     """On CUDA, run linear layers and the lm_head over at most 8 tokens with the Triton split-K GEMV instead of cuBLAS (off: no faster at batch 1 on the H200, docs/notebook/benchmarks.md)."""
     pasta_max_forks: int = 8
     """kv=pasta: most forks per request (>= 0); a promise past it is plain text. Each fork may hold max_tokens + 2 tokens of KV, which the request's block bound counts."""
+    pd_steps_ratio: float = 1.0
+    """kv=planned_diffusion: denoising steps per span token, in (0, 1]; a span of L tokens takes ceil(ratio x L) steps (1: one token a step)."""
+    pd_confidence: float | None = None
+    """kv=planned_diffusion: also reveal, at once, every masked position whose most likely token has at least this probability, in (0, 1]; None: off."""
+    pd_order: str = "entropy"
+    """kv=planned_diffusion: which masked positions a step reveals first: entropy (lowest predicted entropy) or uniform (random)."""
 
     summary_tool: SummaryTool = SummaryTool()
     """kv=summary:N:S: the summary tool call (its tokens, name, JSON wrapping) and the template that inserts the summary into the prompt; the paper's defaults (its Figures 16-17)."""
@@ -94,6 +100,14 @@ class EngineArgs:
         forks = self.pasta_max_forks
         if isinstance(forks, bool) or not isinstance(forks, int) or forks < 0:
             raise ValueError(f"pasta_max_forks must be an integer >= 0, got {forks!r}")
+        ratio, confidence = self.pd_steps_ratio, self.pd_confidence
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
+            raise ValueError(f"pd_steps_ratio must be in (0, 1] (denoising steps per span token), got {ratio!r}")
+        if confidence is not None and (isinstance(confidence, bool) or not isinstance(confidence, (int, float))
+                                       or not 0 < confidence <= 1):
+            raise ValueError(f"pd_confidence must be None or in (0, 1], got {confidence!r}")
+        if self.pd_order not in ("entropy", "uniform"):
+            raise ValueError(f"pd_order must be entropy or uniform, got {self.pd_order!r}")
 
     @classmethod
     def from_keywords(cls, base: EngineArgs | None = None, **keywords) -> EngineArgs:

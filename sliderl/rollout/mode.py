@@ -10,6 +10,10 @@ points and owns its own state:
   what they compute; a mode adds sequences to a running request with ``Scheduler.add_thread``;
 - **after sampling** — ``take`` receives each sampled (or forced) token of a sequence;
 - **finish** — ``end_step`` says which requests finished after the step, ``output`` builds the record of one.
+  ``end_step`` is also where a mode runs forwards of its own (``EngineContext.runner``) before the next step is
+  scheduled: Planned Diffusion denoises its requests' spans there, whose rows need logits at every position and
+  attention in both directions within a span, which the engine's step (one sampled token per row, causal
+  kernels) does not compute.
 
 ``DecodingMode`` itself is plain decoding: one sequence per request that appends what it samples (budget
 forcing, register kills and stops included, through the ``Postprocessor``). Modes are chosen by KV policy
@@ -49,7 +53,8 @@ class TokenSteps(Protocol):
 @dataclass(frozen=True)
 class EngineContext:
     """What a mode may use of its engine: the scheduler (and through it the block pool), the bound policy,
-    the tokenizer, the tokens that end a request, and the engine's sizes."""
+    the tokenizer, the tokens that end a request, and the engine's sizes; and its ``ModelRunner`` (the model and
+    the KV pool) for a mode that runs forwards of its own between steps (Planned Diffusion's denoising)."""
 
     scheduler: Scheduler
     policy: KVPolicy
@@ -58,6 +63,7 @@ class EngineContext:
     block_size: int
     max_model_len: int
     max_chunk: int  # the longest prefill chunk (max_num_batched_tokens)
+    runner: object = None  # the engine's ModelRunner: .model, .cache (reallocated by wake), .device, .scale
 
 
 class DecodingMode:

@@ -1,6 +1,7 @@
 """Which decoding mode (``rollout.mode``) an engine runs, by its KV policy's kind: ``pasta`` runs Pasta-Lang's
-threads (``rollout.pasta``), ``last_k`` and ``summary`` restart their contexts (``rollout.restart``); every other
-policy decodes plainly. A new mode registers here."""
+threads (``rollout.pasta``), ``last_k`` and ``summary`` restart their contexts (``rollout.restart``),
+``planned_diffusion`` plans and denoises spans (``rollout.planned_diffusion``); every other policy decodes plainly.
+A new mode registers here."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ from sliderl.rollout.block_bound import block_bound
 from sliderl.rollout.mode import DecodingMode, EngineContext
 from sliderl.rollout.pasta.request import pasta_block_bound
 from sliderl.rollout.pasta.runtime import PastaRuntime
+from sliderl.rollout.planned_diffusion.runtime import PDRuntime
 from sliderl.rollout.restart.mode import LastKMode, SummaryMode
 
-MODES: dict[str, type[DecodingMode]] = {"pasta": PastaRuntime, "last_k": LastKMode, "summary": SummaryMode}
+MODES: dict[str, type[DecodingMode]] = {"pasta": PastaRuntime, "last_k": LastKMode, "summary": SummaryMode,
+                                        "planned_diffusion": PDRuntime}
 
 
 def make_mode(context: EngineContext, args) -> DecodingMode:

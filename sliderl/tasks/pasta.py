@@ -126,12 +126,14 @@ class PastaTask:
                                                   self.max_value)) for name in CHAIN_NAMES[:rng.randint(*self.num_chains)]])
             prompt = format_prompt(chains)
             if is_eval_prompt(prompt) == (split == "eval"):
-                forks = self.forked(prompt, len(chains))
                 records.append({"prompt_id": f"pasta-{split}-{len(records):06d}", "prompt": prompt,
-                                "answer": str(total(chains)),
-                                "solution": format_annotated(chains, count_tokens, forks),
-                                "solution_plain": format_plain(chains)})
+                                "answer": str(total(chains)), **self.solutions(chains, prompt, count_tokens)})
         return records
+
+    def solutions(self, chains: list[Chain], prompt: str, count_tokens: Callable[[str], int]) -> dict[str, str]:
+        """A problem's reference solutions by name: ``solution`` (Pasta-Lang) and ``solution_plain``."""
+        forks = self.forked(prompt, len(chains))
+        return {"solution": format_annotated(chains, count_tokens, forks), "solution_plain": format_plain(chains)}
 
     def forked(self, prompt: str, k: int) -> list[bool]:
         """Which of a problem's ``k`` chains the annotated solution forks: each with chance ``fork_prob``, from a

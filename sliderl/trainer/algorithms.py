@@ -1,4 +1,4 @@
-"""The learner's algorithms (GRPO, BoNBoN, SFT) as small classes in a registry.
+"""The learner's algorithms (GRPO, BoNBoN, SFT, Planned Diffusion's hybrid objective) as small classes in a registry.
 
 Each algorithm does two things for the ``Learner``:
   ``select(groups) -> Selection``: which traces train, with what advantage or role, which traces
@@ -29,6 +29,7 @@ from sliderl.trainer.losses import (
     group_advantages,
     grpo_loss,
     latency_aware_score,
+    planned_diffusion_loss,
     preference_pairs,
     sft_loss,
 )
@@ -121,7 +122,27 @@ class SFTOptions:
         _check_type(self, "sft")
 
 
-AlgorithmOptions = GRPOOptions | BoNBoNOptions | SFTOptions
+@dataclass(frozen=True)
+class PlannedDiffusionOptions:
+    """Planned Diffusion's options (``PlannedDiffusion``; the loss is ``trainer.losses.planned_diffusion_loss``)."""
+
+    __pydantic_config__: ClassVar[dict] = RECORD_CONFIG
+    type: Literal["planned_diffusion"] = "planned_diffusion"
+    """The algorithm: planned_diffusion (autoregressive cross-entropy + the masked-diffusion loss on span tokens)."""
+    select: Literal["all", "correct"] = "all"
+    """all: every trace trains (SFT data: the warm start, sliderl sft); correct: a rollout trains only when its
+    reward component quality_key reaches 1 (rejection sampling: the hybrid objective on the policy's own right
+    answers, RL without sampler logprobs, which a span's diffusion does not give)."""
+    quality_key: str = "correctness"
+    """select=correct: the reward component that says a trace is right."""
+
+    def __post_init__(self) -> None:
+        _check_type(self, "planned_diffusion")
+        require_field(self, "select", self.select in ("all", "correct"), "all or correct")
+        require_field(self, "quality_key", bool(self.quality_key), "a reward component name")
+
+
+AlgorithmOptions = GRPOOptions | BoNBoNOptions | SFTOptions | PlannedDiffusionOptions
 
 
 def require_field(record, name: str, ok: bool, valid: str) -> None:
@@ -165,6 +186,8 @@ class Row:
     logprobs: Tensor | None = None  # [n] float32 recomputed, with grad
     ref_logprobs: Tensor | None = None  # [n] float32 under the frozen reference, no grad
     group_size: int = 0  # samples in the trace's group (BoNBoN's beta follows it)
+    target_kind: Tensor | None = None  # [n] int8, planned_diffusion: 0 autoregressive, 1 span body kept, 2 masked
+    noise_t: float = 1.0  # planned_diffusion: the trace's noise level t
 
 
 @dataclass(frozen=True)
@@ -198,6 +221,7 @@ class Algorithm:
     Options: ClassVar[type]
     uses_pairs: ClassVar[bool] = False  # rows of a unit must see each other's whole loss (one window each)
     needs_sampler_logprobs: ClassVar[bool] = True  # False: traces may carry no sampler logprobs (SFT data)
+    trains_spans: ClassVar[bool] = False  # True: takes planned_diffusion traces (their span bodies' diffusion targets)
 
     @property
     def needs_reference(self) -> bool:
@@ -371,7 +395,56 @@ class SFT(Algorithm):
         return LossOutput(out.loss * share, {**out.metrics, "loss": out.metrics["loss"] * share})
 
 
-ALGORITHMS: dict[str, type[Algorithm]] = {cls.name: cls for cls in (GRPO, BoNBoN, SFT)}
+class PlannedDiffusion(Algorithm):
+    """Planned Diffusion's one model, two objectives (``trainer.losses.planned_diffusion_loss``): the
+    autoregressive cross-entropy on plan and ordinary tokens plus the masked-diffusion loss on span body tokens
+    (each trace's noise drawn by the learner, ``core.planned_diffusion.SpanNoise``), normalised by the step's
+    autoregressive and span tokens. A trace without spans (any other policy) trains as SFT would.
+
+    Options (``PlannedDiffusionOptions``): select ``all`` (SFT data) or ``correct`` (rollouts whose
+    ``quality_key`` component reaches 1; groups without one are skipped and counted).
+    """
+
+    name = "planned_diffusion"
+    Options = PlannedDiffusionOptions
+    needs_sampler_logprobs = False
+    trains_spans = True
+
+    def __init__(self, options: PlannedDiffusionOptions = PlannedDiffusionOptions()):
+        self.options = options
+
+    def select(self, groups: list[list[Trace]]) -> Selection:
+        sel = Selection(metrics={"no_correct_groups": 0.0} if self.options.select == "correct" else {})
+        for group in groups:
+            kept = [t for t in group if self._keeps(t)]
+            if not kept:
+                sel.metrics["no_correct_groups"] += 1
+            for trace in kept:
+                sel.units.append([sel.add(trace)])
+        return sel
+
+    def _keeps(self, trace: Trace) -> bool:
+        if self.options.select == "all":
+            return True
+        key = self.options.quality_key
+        if key not in trace.reward_components:
+            raise ValueError(f"trace {trace.trace_id!r} has no reward component {key!r} for planned_diffusion's "
+                             f"select=correct; it has {sorted(trace.reward_components)}")
+        return trace.reward_components[key] >= 1.0
+
+    def loss(self, rows: list[Row], totals: Totals) -> LossOutput:
+        mask = pad(rows, "loss_mask", False)
+        kind = torch.stack([torch.nn.functional.pad(r.target_kind if r.target_kind is not None else
+                                                    torch.zeros(r.loss_mask.shape, dtype=torch.int8),
+                                                    (0, mask.shape[1] - r.loss_mask.shape[0]))
+                            for r in rows]).to(mask.device)
+        t = torch.tensor([r.noise_t for r in rows], device=mask.device)
+        out = planned_diffusion_loss(pad(rows, "logprobs"), mask & (kind == 0), mask & (kind > 0),
+                                     mask & (kind == 2), t, num_tokens=totals.num_loss_tokens)
+        return out
+
+
+ALGORITHMS: dict[str, type[Algorithm]] = {cls.name: cls for cls in (GRPO, BoNBoN, SFT, PlannedDiffusion)}
 
 
 def make_algorithm(options: AlgorithmOptions) -> Algorithm:

@@ -17,6 +17,10 @@ the model gets the layout's position ids; the rule then also needs
 
     thread[j] == thread[i]  or  exposed_at[j] <= view_at[i]          (core.pasta.thread_visible)
 
+A ``planned_diffusion`` window (``core.planned_diffusion``) is the same rule read with spans for threads: a
+token's position here is its *write time* (a span token's is its span's first index, so a span sees itself in
+both directions), and the noised copies of its spans, packed after the clean response, are threads of their own.
+
 Backends (all GQA-aware, scale 1/sqrt(D), output in q's dtype):
   flex  FlexAttention with a ``mask_mod`` reading the position/death/document tensors and a block
         mask (block sparsity skips out-of-window and dead tiles). Compiled with ``torch.compile``
@@ -60,7 +64,7 @@ SHORT_DOCUMENT = 2048  # tokens: on CUDA, streams of documents no longer than th
 class PackedVisibility:
     """Per-token visibility data of a packed stream; all ``[N]`` int64 on one device."""
 
-    positions: Tensor  # index in its trace (write order; the position id except under pasta); increasing per document
+    positions: Tensor  # index in its trace (write order; the position id except under pasta and planned_diffusion)
     death: Tensor  # first query position that no longer sees this token as a key
     doc: Tensor  # document (window) index, 0..D-1, non-decreasing
     thread: Tensor | None = None  # pasta: thread within its document (0 main); None: one thread everywhere

@@ -27,6 +27,7 @@ from sliderl.core.kv_policy import KVPolicy, register_tokens
 from sliderl.core.loader import DTYPES, load_model, load_tokenizer
 from sliderl.core.pasta import PastaLayout, PastaTokenIds
 from sliderl.core.restart import segments
+from sliderl.core.planned_diffusion import NoisedLayout, PDLayout, PDTokenIds, SpanNoise
 from sliderl.core.trace import Trace
 from sliderl.core.vocab import bind_policy_vocab, policy_tokens
 from sliderl.trainer.algorithms import Algorithm, Row, Selection, Totals, make_algorithm
@@ -73,8 +74,11 @@ class Learner:
     model directory. Each trace trains under its own ``kv_policy``; W is that policy's window, or
     ``args.window`` when given; policies without one (full, registers) train on the whole trace.
     A ``pasta`` trace trains whole under its threads (``core.pasta.PastaLayout``: mask, position
-    ids, each token predicted within its thread) and needs ``window_mode='full'``. A restart trace (``last_k``,
-    ``summary``) trains segment by segment, each under the context it was sampled in (``trainer.restarts``).
+    ids, each token predicted within its thread) and needs ``window_mode='full'``; so does a
+    ``planned_diffusion`` trace, under its spans with one noise draw per step (``core.planned_diffusion``;
+    ``evaluate`` masks every body token), trained by the planned_diffusion algorithm only. A restart trace
+    (``last_k``, ``summary``) trains segment by segment, each under the context it was sampled in
+    (``trainer.restarts``).
     ``args.vocab_policy`` (e.g. ``registers:N``) adds that policy's tokens before the first step and
     weight sync (a registers trace can also grow the vocabulary lazily, but only before step 1).
     The optimizer is AdamW over every parameter at ``args.lr_at(version)``, in the model's dtype or, with
@@ -103,6 +107,8 @@ class Learner:
         self.version = 0
         self._policies: dict[str, KVPolicy] = {}
         self._pasta_tags: PastaTokenIds | None = None  # looked up at the first pasta trace
+        self._pd_tokens: PDTokenIds | None = None  # looked up at the first planned_diffusion trace
+        self._noise: torch.Generator | None = None  # this step's span noise (None while evaluating: t = 1)
         self.vocab_policy = self._bind(args.vocab_policy) if args.vocab_policy else None
         self._bind("full")  # grows the model when the tokenizer already has more tokens, as the engine does
         self._parallelize()
@@ -164,6 +170,7 @@ class Learner:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         self._check_groups(groups)
+        self._noise = torch.Generator().manual_seed(self.args.seed * 1_000_003 + self.version)
         selection = self.algorithm.select(groups)
         units, inputs, skipped = self._units(selection)
         lr = self.args.lr_at(self.version)
@@ -246,8 +253,12 @@ class Learner:
             w = item.window
             mask = item.loss_mask(forced[offset:offset + w.num_generated])
             if mask.any():
-                behaviour = sampler[offset + w.target_start:offset + w.target_end] if sampler is not None else None
-                out.append((Row(index, advantage, role, mask, behaviour, group_size=group_size), item))
+                # a planned_diffusion trace's diffusion targets have no sampler logprob
+                aligned = sampler is not None and item.num_targets == w.num_targets
+                behaviour = sampler[offset + w.target_start:offset + w.target_end] if aligned else None
+                noise_t = item.layout.noise.t if isinstance(item.layout, NoisedLayout) else 1.0
+                out.append((Row(index, advantage, role, mask, behaviour, group_size=group_size,
+                                target_kind=item.target_kind(), noise_t=noise_t), item))
         return out
 
     def _windows(self, trace: Trace, policy: KVPolicy) -> list[tuple[WindowInput, int]]:
@@ -258,19 +269,38 @@ class Learner:
             tail = self.args.window if self.args.window_mode == "truncated" else None
             return [(w.item, w.offset) for w in segment_windows(trace.prompt_token_ids, trace.completion_token_ids,
                                                                 trace.restarts, trace.temperature, tail)]
-        layout = self._pasta_layout(trace) if policy.kind == "pasta" else None
+        layout = {"pasta": self._pasta_layout, "planned_diffusion": self._pd_layout}.get(policy.kind,
+                                                                                       lambda _: None)(trace)
         window = self.args.window or (policy.window if policy.kind in WINDOWED_KINDS else None)
         windows = training_windows(self.args.window_mode, prompt_len, num_generated, window, self.args.multiplier)
         ids = torch.tensor([*trace.prompt_token_ids, *trace.completion_token_ids], dtype=torch.int64)
         death = policy.death_positions(prompt_len, ids, trace.death_ranges)  # h2o: the engine's evictions too
         return [(WindowInput(ids, death, w, trace.temperature, layout), 0) for w in windows]
 
+    def _pd_layout(self, trace: Trace) -> NoisedLayout:
+        """The spans of a planned_diffusion trace with this step's noise draw (t = 1 while evaluating)."""
+        self._whole_trace_only(trace, "planned_diffusion")
+        if not self.algorithm.trains_spans:
+            raise ValueError(f"trace {trace.trace_id!r} has KV policy planned_diffusion, whose spans train with the "
+                             f"hybrid objective only: learner.algo.type must be planned_diffusion, got "
+                             f"{self.algorithm.name}")
+        if self._pd_tokens is None:
+            self._pd_tokens = PDTokenIds.from_tokenizer(self.tokenizer)
+        layout = PDLayout.parse(len(trace.prompt_token_ids), trace.completion_token_ids, self._pd_tokens,
+                                self.tokenizer.decode, trace.forced)
+        t = None if self._noise is not None else 1.0
+        noise = SpanNoise.draw(layout, self._noise or torch.Generator().manual_seed(0), t)
+        return NoisedLayout(layout, noise, self._pd_tokens.mask)
+
+    def _whole_trace_only(self, trace: Trace, kind: str) -> None:
+        if self.args.window_mode != "full":
+            raise ValueError(f"trace {trace.trace_id!r} has KV policy {kind}, which trains on the whole trace only "
+                             f"(its {'forks' if kind == 'pasta' else 'spans'}' keys and position ids span it): "
+                             f"window_mode={self.args.window_mode!r} is not valid for it; set window_mode='full'")
+
     def _pasta_layout(self, trace: Trace) -> PastaLayout:
         """The threads of a pasta trace; they span the whole trace, so it trains only with window_mode 'full'."""
-        if self.args.window_mode != "full":
-            raise ValueError(f"trace {trace.trace_id!r} has KV policy pasta, which trains on the whole trace only (its "
-                             f"forks' keys and position ids span it): window_mode={self.args.window_mode!r} is not "
-                             "valid for it; set window_mode='full'")
+        self._whole_trace_only(trace, "pasta")
         if self._pasta_tags is None:
             self._pasta_tags = PastaTokenIds.from_tokenizer(self.tokenizer)
         return PastaLayout.parse(len(trace.prompt_token_ids), trace.completion_token_ids, self._pasta_tags,
@@ -348,7 +378,7 @@ class Learner:
         """Greedy packing in order; a unit never splits, and one larger than the budget goes alone."""
         batches, current, size = [], [], 0
         for unit in units:
-            tokens = sum(inputs[id(r)].window.num_inputs for r in unit)
+            tokens = sum(inputs[id(r)].num_inputs for r in unit)
             if current and size + tokens > self.args.micro_batch_tokens:
                 batches.append(current)
                 current, size = [], 0
@@ -434,6 +464,7 @@ class Learner:
         traces = [t for group in groups for t in group]
         for trace in traces:
             self._trace_policy(trace)
+        self._noise = None  # planned_diffusion: every span body token masked
         per_trace = [self._trace_rows(i, trace) for i, trace in enumerate(traces)]
         rows = [[row] for pairs in per_trace for row, _ in pairs]
         if not rows:

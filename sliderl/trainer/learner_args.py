@@ -30,7 +30,7 @@ class LearnerArgs:
 
     __pydantic_config__: ClassVar[dict] = RECORD_CONFIG
     algo: AlgorithmOptions = GRPOOptions()
-    """The algorithm and its options, chosen by ``type``: grpo, bonbon or sft."""
+    """The algorithm and its options, chosen by ``type``: grpo, bonbon, sft or planned_diffusion."""
     lr: float = 1e-5
     """Peak AdamW learning rate (>= 0)."""
     weight_decay: float = 0.0

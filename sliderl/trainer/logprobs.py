@@ -14,6 +14,12 @@ flattened order; only the predictor of each target, the mask and the position id
 ``<async>`` keeps a target slot, so per-target tensors line up with the completion as for any
 trace, but it is never in the loss (the runtime inserts it).
 
+A ``planned_diffusion`` trace (``core.planned_diffusion``) is scored whole with one noise draw
+(``NoisedLayout``): the clean response, then a noised copy of its spans (``diffusion_stream``). Its targets are
+the completion's (each autoregressive token predicted by the previous one; span tokens keep a slot, never in the
+loss) followed by every span body token of the copies, predicted at its own position (``WindowInput.target_kind``
+says which is which: autoregressive, a body token kept, a masked one).
+
 Shape letters: N packed input tokens, M packed targets, D windows in a pack.
 """
 
@@ -29,6 +35,7 @@ from sliderl.core.kv_policy import KVPolicy
 from sliderl.core.logprob import logprobs_at
 from sliderl.core.model import DecoderLM
 from sliderl.core.pasta import PastaLayout
+from sliderl.core.planned_diffusion import NoisedLayout
 from sliderl.core.trace import Trace
 from sliderl.trainer.attention import PackedVisibility, training_attention
 from sliderl.trainer.windows import TrainingWindow, full_window
@@ -37,13 +44,14 @@ from sliderl.trainer.windows import TrainingWindow, full_window
 @dataclass(frozen=True)
 class WindowInput:
     """One window of one trace: the whole trace's ids and deaths, the window, the sampler temperature, and
-    for a ``pasta`` trace its layout (then the window must be the whole trace)."""
+    for a ``pasta`` trace its layout, for a ``planned_diffusion`` trace its layout with a noise draw (then the
+    window must be the whole trace)."""
 
     token_ids: Tensor  # [P + T] int64, prompt then completion
     death: Tensor  # [P + T] int64, KVPolicy.death_positions over the whole trace
     window: TrainingWindow
     temperature: float
-    layout: PastaLayout | None = None  # pasta: threads, position ids and targets of the whole trace
+    layout: PastaLayout | NoisedLayout | None = None  # the whole trace's threads / spans, positions and targets
 
     def __post_init__(self) -> None:
         w = self.window
@@ -54,18 +62,42 @@ class WindowInput:
         if self.layout is None:
             return
         if (len(self.layout), self.layout.prompt_len) != (n, w.prompt_len):
-            raise ValueError(f"the pasta layout is for {self.layout.prompt_len} prompt + {self.layout.num_generated} "
+            raise ValueError(f"the layout is for {self.layout.prompt_len} prompt + {len(self.layout) - w.prompt_len} "
                              f"generated tokens, the window for {w.prompt_len} + {w.num_generated}")
         if (w.target_start, w.loss_start, w.target_end) != (0, 0, w.num_generated):
-            raise ValueError(f"a pasta trace trains on the whole trace only (window_mode='full'; its forks' keys and "
-                             f"position ids span it), got targets [{w.target_start}, {w.target_end}) with loss from "
-                             f"{w.loss_start} of {w.num_generated} generated tokens")
+            kind = "pasta" if isinstance(self.layout, PastaLayout) else "planned_diffusion"
+            raise ValueError(f"a {kind} trace trains on the whole trace only (window_mode='full'; its forks' or spans' "
+                             f"keys and position ids span it), got targets [{w.target_start}, {w.target_end}) with "
+                             f"loss from {w.loss_start} of {w.num_generated} generated tokens")
+
+    @property
+    def num_inputs(self) -> int:
+        """Tokens fed to the model (a planned_diffusion trace's noised spans included)."""
+        extra = self.layout.num_copied if isinstance(self.layout, NoisedLayout) else 0
+        return self.window.num_inputs + extra
+
+    @property
+    def num_targets(self) -> int:
+        """Tokens scored (a planned_diffusion trace's span bodies once more, as diffusion targets)."""
+        extra = self.layout.num_body if isinstance(self.layout, NoisedLayout) else 0
+        return self.window.num_targets + extra
 
     def loss_mask(self, forced: list[bool] | Tensor | None = None) -> Tensor:
-        """bool ``[num_targets]``: the window's loss mask (``TrainingWindow.loss_mask``), and for a pasta trace
-        not on a fork's ``<async>``."""
+        """bool ``[num_targets]``: the window's loss mask (``TrainingWindow.loss_mask``); for a pasta trace not on a
+        fork's ``<async>``; for a planned_diffusion trace on its autoregressive tokens, then on every body token of
+        the noised spans (masked or kept: all count in the loss's normaliser, ``target_kind`` weights them)."""
         mask = self.window.loss_mask(forced)
+        if isinstance(self.layout, NoisedLayout):
+            body = torch.ones(self.layout.num_body, dtype=torch.bool)
+            return torch.cat([mask & self.layout.layout.ar_target_mask(), body])
         return mask if self.layout is None else mask & self.layout.target_mask()
+
+    def target_kind(self) -> Tensor | None:
+        """int8 ``[num_targets]`` for a planned_diffusion trace (``core.planned_diffusion``: 0 autoregressive,
+        1 a span body token kept, 2 one masked); None otherwise."""
+        if not isinstance(self.layout, NoisedLayout):
+            return None
+        return self.layout.stream(self.token_ids).target_kind
 
 
 @dataclass(frozen=True)
@@ -103,20 +135,30 @@ def pack_windows(windows: Sequence[WindowInput]) -> PackedWindows:
     for item in windows:
         w, layout = item.window, item.layout
         order = w.input_positions()  # [n] indices into the trace
-        ids.append(item.token_ids[order])
-        if layout is None:
+        if isinstance(layout, NoisedLayout):  # the whole trace and its noised spans (core.planned_diffusion)
+            stream = layout.stream(item.token_ids)
+            ids.append(stream.input_ids)
+            positions.append(stream.positions)
+            parts.append((stream.write_at, item.death[stream.positions], stream.span, stream.exposed_at,
+                          stream.view_at))
+            predictors.append(base + stream.predictor_index)
+            targets.append(stream.target_ids)
+        elif layout is None:
+            ids.append(item.token_ids[order])
             positions.append(order)
             parts.append((order, item.death[order]))
             predictors.append(base + w.predictor_index())
+            targets.append(item.token_ids[w.target_positions()])
         else:  # the whole trace: input index = trace index
+            ids.append(item.token_ids[order])
             positions.append(layout.positions[order])
             parts.append((order, item.death[order], layout.thread[order], layout.exposed_at()[order],
                           layout.view_at()[order]))
             predictors.append(base + layout.predictor_index())
-        targets.append(item.token_ids[w.target_positions()])
-        temps.append(torch.full((w.num_targets,), float(item.temperature)))
-        offsets.append(offsets[-1] + w.num_targets)
-        base += order.shape[0]
+            targets.append(item.token_ids[w.target_positions()])
+        temps.append(torch.full((item.num_targets,), float(item.temperature)))
+        offsets.append(offsets[-1] + item.num_targets)
+        base += ids[-1].shape[0]
     return PackedWindows(torch.cat(ids).long(), torch.cat(positions), PackedVisibility.pack(parts),
                          torch.cat(predictors), torch.cat(targets).long(), torch.cat(temps), tuple(offsets))
 
@@ -167,13 +209,14 @@ def _chunk_logprobs(model: DecoderLM, hidden: Tensor, target_ids: Tensor, temper
 def recompute_logprobs(model: DecoderLM, prompt_ids: Sequence[int], completion_ids: Sequence[int],
                        policy: KVPolicy, *, temperature: float = 1.0, window: TrainingWindow | None = None,
                        backend: str = "auto", kv_deaths: Sequence[tuple[int, int, int]] = (),
-                       layout: PastaLayout | None = None) -> Tensor:
+                       layout: PastaLayout | NoisedLayout | None = None) -> Tensor:
     """Logprobs of ``window``'s targets (default: every completion token) under ``policy``: float32 ``[num_targets]``.
 
     policy: parsed and, for ``registers``, bound to the token ids (``core.vocab.bind_policy_vocab``).
     temperature: the sampler's (0 = greedy, scored at T = 1). kv_deaths: the engine's recorded
-    ``(start, end, death)`` ranges (h2o). layout: a pasta trace's (required for pasta). Runs without
-    grad only if the caller disables it.
+    ``(start, end, death)`` ranges (h2o). layout: a pasta trace's (required for pasta), a planned_diffusion trace's
+    with its noise (``NoisedLayout``, required for planned_diffusion: the result then has the span bodies' diffusion
+    targets after the completion's). Runs without grad only if the caller disables it.
     """
     item = window_input(prompt_ids, completion_ids, policy, temperature, window, kv_deaths, layout)
     return packed_logprobs(model, pack_windows([item]), backend)
@@ -191,18 +234,21 @@ def trace_logprobs(model: DecoderLM, trace: Trace, policy: KVPolicy | None = Non
 
 def window_input(prompt_ids: Sequence[int], completion_ids: Sequence[int], policy: KVPolicy, temperature: float,
                  window: TrainingWindow | None = None, kv_deaths: Sequence[tuple[int, int, int]] = (),
-                 layout: PastaLayout | None = None) -> WindowInput:
+                 layout: PastaLayout | NoisedLayout | None = None) -> WindowInput:
     """A ``WindowInput`` with deaths computed over the whole trace (the policy's, then the recorded
     ``kv_deaths`` ranges on top); checks the window fits the trace. ``layout``: given exactly for a
-    ``pasta`` policy (``PastaLayout.parse`` of the trace). A restart policy's trace is scored segment by segment
-    (``trainer.restarts``), not here."""
+    ``pasta`` policy (``PastaLayout.parse`` of the trace) and a ``planned_diffusion`` one (a ``NoisedLayout``). A
+    restart policy's trace is scored segment by segment (``trainer.restarts``), not here."""
     if policy.restarts:
         raise ValueError(f"a {policy.spec} trace is scored segment by segment, each under its own context: use "
                          "sliderl.trainer.restarts.restart_logprobs (or segment_windows) with the trace's restarts")
-    if (policy.kind == "pasta") != (layout is not None):
-        raise ValueError(f"a PastaLayout is required for the pasta policy and only for it, got policy "
-                         f"{policy.spec!r} with layout {'given' if layout is not None else 'None'}; parse one with "
-                         "sliderl.core.pasta.PastaLayout.parse(prompt_len, completion_ids, tags, tokenizer.decode)")
+    needs = {"pasta": PastaLayout, "planned_diffusion": NoisedLayout}.get(policy.kind)
+    if needs is None and layout is not None or needs is not None and not isinstance(layout, needs):
+        name = needs.__name__ if needs is not None else "no layout"
+        raise ValueError(f"policy {policy.spec!r} takes {name}, got layout "
+                         f"{type(layout).__name__ if layout is not None else 'None'}; a PastaLayout is required for "
+                         "the pasta policy and only for it (sliderl.core.pasta.PastaLayout.parse(prompt_len, "
+                         "completion_ids, tags, tokenizer.decode)), a NoisedLayout for planned_diffusion")
     ids = torch.tensor([*prompt_ids, *completion_ids], dtype=torch.int64)
     window = window or full_window(len(prompt_ids), len(completion_ids))
     if (window.prompt_len, window.num_generated) != (len(prompt_ids), len(completion_ids)):

@@ -329,6 +329,41 @@ def bonbon_loss(
     return LossOutput(loss, metrics)
 
 
+def planned_diffusion_loss(logprobs: torch.Tensor, ar_mask: torch.Tensor, span_mask: torch.Tensor,
+                           masked: torch.Tensor, t: torch.Tensor, *, num_tokens: float | None = None) -> LossOutput:
+    """Planned Diffusion's hybrid objective: autoregressive cross-entropy plus the masked-diffusion loss.
+
+    ``-(sum of ar_mask · logprobs + sum of masked · logprobs / t) / N``, ``N = num_tokens`` (the step's
+    autoregressive and span body tokens, when a micro-batch is one share of a step) or the mask's
+    ``sum(ar_mask | span_mask)``. The diffusion term is the ELBO of the absorbing-state process: t ~ U(0, 1) per
+    sequence, each span body token masked with probability t, the masked ones predicted (their logprobs are of
+    the clean token at the masked position) and weighted 1/t; a body token left unmasked is counted in N and
+    costs nothing.
+
+    logprobs, ar_mask, span_mask, masked: ``[B, T]`` (masks bool; ``masked`` within ``span_mask``, disjoint from
+    ``ar_mask``); t: ``[B]`` in (0, 1], each sequence's noise level.
+    Metrics: loss, ar_nll (mean over autoregressive tokens), diffusion_nll (mean over masked tokens, unweighted),
+    mask_rate (masked / span tokens), num_loss_tokens.
+    """
+    _check_same_shape(logprobs.shape, ar_mask=ar_mask, span_mask=span_mask, masked=masked)
+    ar, span, hit = ar_mask.bool(), span_mask.bool(), masked.bool()
+    if (hit & ~span).any() or (ar & span).any():
+        raise ValueError("masked tokens must be span tokens, and span tokens are no autoregressive targets")
+    if t.shape != logprobs.shape[:1] or not bool(((t > 0) & (t <= 1)).all()):
+        raise ValueError(f"t must be [B] = {tuple(logprobs.shape[:1])} noise levels in (0, 1], got {t.tolist()}")
+    n_tokens = _num_loss_tokens(ar | span)
+    norm = float(n_tokens if num_tokens is None else num_tokens)
+    ar_sum = _masked(logprobs, ar).sum()
+    diffusion = (_masked(logprobs, hit) / t.float()[:, None]).sum()
+    loss = -(ar_sum + diffusion) / norm
+    n_ar, n_hit = int(ar.sum()), int(hit.sum())
+    metrics = {"loss": loss.item(), "num_loss_tokens": float(n_tokens),
+               "ar_nll": -ar_sum.item() / n_ar if n_ar else 0.0,
+               "diffusion_nll": -_masked(logprobs, hit).sum().item() / n_hit if n_hit else 0.0,
+               "mask_rate": n_hit / max(int(span.sum()), 1)}
+    return LossOutput(loss, metrics)
+
+
 def _sequence_sum(logprobs: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
     """[P, T] -> [P] masked sum."""
     mask = _mask(loss_mask, logprobs.shape)
@@ -402,4 +437,4 @@ def _mean_on(x: torch.Tensor, on: torch.Tensor, n_tokens: int) -> float:
     return (x * on).sum().item() / n_tokens
 
 
-LOSSES = {"grpo": grpo_loss, "bonbon": bonbon_loss, "sft": sft_loss}
+LOSSES = {"grpo": grpo_loss, "bonbon": bonbon_loss, "sft": sft_loss, "planned_diffusion": planned_diffusion_loss}

@@ -10,7 +10,8 @@ decoding reproduces the completion) reaches ``target_accuracy``.
 A ``pasta`` stage trains Pasta-Lang-annotated completions under Pasta-SFT's modifications (the
 threads' mask, position ids and in-thread targets: ``core.pasta``; it needs ``window_mode='full'``)
 and adds the tags to the vocabulary first; Baseline-SFT is the same stage under ``full`` on the
-completions without annotations (``tasks.pasta`` generates both).
+completions without annotations (``tasks.pasta`` generates both). A ``planned_diffusion`` stage trains
+span-annotated completions (``core.planned_diffusion``) with the algorithm of that name (the hybrid objective).
 
 ``run_sft`` writes the checkpoint (Hugging Face layout + ``trainer_state.pt``) to ``out_dir`` and the
 marker ``sft.json`` (settings, steps run, checks, losses, seconds) last. ``cached_sft`` trains into a
@@ -39,6 +40,7 @@ from sliderl.trainer.algorithms import RECORD_CONFIG, require_field
 from sliderl.trainer.learner import Learner
 from sliderl.trainer.learner_args import LearnerArgs
 
+SFT_ALGORITHMS = ("sft", "planned_diffusion")  # algorithms that train on (prompt, completion) pairs alone
 MARKER = "sft.json"
 MODEL_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json")
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
@@ -157,11 +159,13 @@ def run_sft(model_path: str | Path, out_dir: str | Path, train_examples: list[SF
     ``kv_policy``: one policy, or several: then example i (train and held-out alike) is trained and checked under
     the (i mod n)-th, so that one model learns to decode under each (e.g. [prefix_sliding:512, full]).
 
-    learner_args: its ``algo`` must be ``SFTOptions`` (use ``window_mode='full'`` to put the loss on
-    every completion token; a cosine ``lr_schedule`` needs ``total_steps``, e.g. ``sft_args.steps``).
+    learner_args: its ``algo`` must be ``SFTOptions``, or ``PlannedDiffusionOptions`` for span-annotated data (use
+    ``window_mode='full'`` to put the loss on every completion token; a cosine ``lr_schedule`` needs ``total_steps``,
+    e.g. ``sft_args.steps``).
     """
-    if learner_args.algo.type != "sft":
-        raise ValueError(f"learner_args.algo must be SFTOptions for an SFT stage, got type {learner_args.algo.type!r}")
+    if learner_args.algo.type not in SFT_ALGORITHMS:
+        raise ValueError(f"learner_args.algo must be SFTOptions (or PlannedDiffusionOptions, the hybrid objective) for "
+                         f"an SFT stage, got type {learner_args.algo.type!r}")
     if not train_examples:
         raise ValueError("an SFT stage needs at least one training example")
     if sft_args.target_accuracy > 0 and not held_out_examples:

@@ -20,7 +20,7 @@ from sliderl.cluster.storage.data_files import DEFAULT_MAX_LINE_BYTES
 from sliderl.cluster.storage.root import check_location
 from sliderl.trainer.algorithms import SFTOptions
 from sliderl.trainer.learner_args import LearnerArgs
-from sliderl.trainer.sft import SFTArgs, policy_record, policy_specs
+from sliderl.trainer.sft import SFT_ALGORITHMS, SFTArgs, policy_record, policy_specs
 
 DEFAULT_CACHE = "~/.cache/sliderl"
 
@@ -70,7 +70,7 @@ class SFTStage(Section):
     data: SFTData = Field(default_factory=SFTData)
     """Where the pairs come from."""
     learner: LearnerArgs = Field(default_factory=lambda: LearnerArgs(algo=SFTOptions()))
-    """The learner's settings (``trainer.LearnerArgs``; algo must be sft)."""
+    """The learner's settings (``trainer.LearnerArgs``; algo sft, or planned_diffusion for span-annotated data)."""
     sft: SFTArgs = Field(default_factory=SFTArgs)
     """Steps, batch size and the held-out stopping rule (``trainer.sft.SFTArgs``)."""
 
@@ -87,8 +87,9 @@ class SFTStage(Section):
     @field_validator("learner")
     @classmethod
     def _is_sft(cls, learner: LearnerArgs) -> LearnerArgs:
-        if learner.algo.type != "sft":
-            raise ValueError(f"an SFT stage trains with algo type sft, got {learner.algo.type!r}")
+        if learner.algo.type not in SFT_ALGORITHMS:
+            raise ValueError(f"an SFT stage trains with algo type sft, got {learner.algo.type!r} (planned_diffusion, "
+                             "the hybrid objective on span-annotated data, is the other valid type)")
         return learner
 
 

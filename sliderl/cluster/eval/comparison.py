@@ -17,8 +17,9 @@ the aggregate throughput; each engine first completes one short untimed request.
 
 With ``speedup_of`` (Pasta's evaluation) every entry also gets the theoretical speedup over that entry:
 per sample, the baseline's mean response length on the problem (same seed) over the sample's critical
-path — a ``kv=pasta`` response's longest sequential chain (``core.pasta.PastaLayout``), any other's
-length — and the geometric mean over samples (thesis §3.5; ``SampledEval.with_speedup``).
+path — a ``kv=pasta`` response's longest sequential chain (``core.pasta.PastaLayout``), a
+``kv=planned_diffusion`` response's sequential forward passes, any other's length — and the geometric mean over
+samples (thesis §3.5; ``SampledEval.with_speedup``).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import statistics
 import time
 
 from sliderl.cluster.config.compare import CompareEntry, budget_label, fill_budget
-from sliderl.cluster.eval.evaluation import SampledEval, pasta_critical_path, response_length, score_samples
+from sliderl.cluster.eval.evaluation import SampledEval, critical_path_of, score_samples
 from sliderl.core.kv_policy import KVPolicy
 
 WARMUP_TOKENS = 4  # an untimed request per engine first, so decode time leaves out lazy set-up (CUDA graphs)
@@ -124,7 +125,7 @@ def run_entry(cfg, planned: PlannedEntry, problems: list, verifier) -> EntryResu
     with LLM(planned.checkpoint, args=dataclasses.replace(cfg.engine, kv=planned.kv)) as llm:
         written = prompt_format(cfg.data, cfg.model, llm.tokenizer).apply(problems)
         prompts = [p.engine_prompt for p in written for _ in range(compare.k)]
-        critical_path = pasta_critical_path(llm.tokenizer) if planned.kv == "pasta" else response_length
+        critical_path = critical_path_of(planned.kv, llm.tokenizer)
         llm.generate(prompts[:1], dataclasses.replace(sample_params(cfg), max_tokens=WARMUP_TOKENS))  # untimed
         for seed in compare.seeds:
             params = [sample_params(cfg).for_sample(i, base_seed=seed * SEED_STRIDE) for i in range(len(prompts))]

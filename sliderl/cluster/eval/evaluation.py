@@ -110,10 +110,24 @@ def pasta_critical_path(tokenizer) -> Callable[[object], int]:
                                          out.forced).critical_path
 
 
+def pd_critical_path(output) -> int:
+    """A kv=planned_diffusion response's sequential forward passes (``rollout.planned_diffusion``'s ``PDOutput``:
+    autoregressive steps, denoising forwards, one commit per round)."""
+    return output.planned_diffusion.forward_passes
+
+
+def critical_path_of(kv: str, tokenizer) -> Callable[[object], int]:
+    """How a response's critical path is read under the KV policy ``kv`` (its spec)."""
+    if kv == "pasta":
+        return pasta_critical_path(tokenizer)
+    return pd_critical_path if kv == "planned_diffusion" else response_length
+
+
 def score_samples(outputs: list, problems: list[Problem], k: int, verifier, decode_seconds: float,
                   critical_path: Callable[[object], int] = response_length) -> SampledEval:
     """``outputs[i * k + j]`` (a RequestOutput) is sample j of ``problems[i]``; ``verifier.score(RewardInput)``;
-    ``critical_path(output)`` in tokens (``pasta_critical_path`` for kv=pasta, else the length)."""
+    ``critical_path(output)`` in tokens (``pasta_critical_path`` for kv=pasta, ``pd_critical_path`` for
+    kv=planned_diffusion, else the length)."""
     if not problems or k < 1 or len(outputs) != k * len(problems):
         raise ValueError(f"got {len(outputs)} outputs for {len(problems)} problems x k={k}; need k >= 1 per "
                          "problem, at least one problem")

@@ -1,0 +1,306 @@
+"""Planned Diffusion's attention, against a dense reference built here from DESIGN.md's rule ("Planned Diffusion
+spans"): plan and context causally; a span token sees context, plan (through its own promise: its own item is the
+last it sees, core.planned_diffusion says why) and every token of its own span (both directions), never another
+span before the sync; after the sync everything.
+
+The response is built from labelled pieces (what each token is follows from the construction, without
+core.planned_diffusion), the mask is the rule written out token pair by token pair, and a float64 dense forward
+of the same weights under that mask is the reference for both sides that must obey it:
+
+- the learner's training stream (the clean response, then a noised copy of every span: a copy sees what its
+  span sees, its own copy in both directions, never the clean span it copies, and nothing clean sees a copy);
+- the runtime's denoising forward (a span over the engine's cached context and plan) and what autoregression
+  sees after the commit and the sync.
+
+Planted bugs each test was run against (each failed it): a span sees another span (exposed_at of a span token =
+its round's plan end; in the runtime, SpanBatch.mask ignoring span ids); a span token attends causally only
+(write_at of a span token = its own index; in the runtime, the own-span mask kept lower-triangular); plan tokens
+see a span before the sync (exposed_at of a span token = its span's end, so the plan after a round never synced
+sees it; the noised copies exposed at their round's sync, so the next round's plan sees them); a span sees the
+plan past its own promise (Round.view = the plan's end; in the runtime, every span's view the plan's end).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sliderl.core.loader import load_model, load_tokenizer
+from sliderl.core.model import DenseAttention
+from sliderl.core.planned_diffusion import PD_TOKENS, NoisedLayout, PDLayout, PDTokenIds, SpanNoise
+from sliderl.core.vocab import bind_policy_vocab
+from sliderl.trainer.logprobs import pack_windows, recompute_logprobs, window_input
+
+PROMPT = "Q: chains\n"
+
+
+class Reference:
+    """A completion built from labelled pieces: each token's span (0: autoregressive) and each span's round."""
+
+    def __init__(self, tok, prompt_len: int):
+        self.tok, self.tags = tok, PDTokenIds.from_tokenizer(tok)
+        self.p = prompt_len
+        self.ids: list[int] = []
+        self.span: list[int] = [0] * prompt_len  # per flattened index
+        self.round_of: dict[int, int] = {}  # span -> round
+        self.first: dict[int, int] = {}  # round -> flattened index of its first span token
+        self.sync: dict[int, int] = {}  # round -> flattened index of its <sync/>
+        self.body: list[int] = []  # flattened indices of span body tokens
+        self.rounds = 0
+        self.promises: list[int] = []  # the current plan's />, flattened indices
+        self.view: dict[int, int] = {}  # span -> its promise's />
+
+    def _add(self, tokens: list[int], span: int = 0) -> None:
+        self.ids += tokens
+        self.span += [span] * len(tokens)
+
+    def text(self, s: str) -> None:
+        self._add(self.tok(s, add_special_tokens=False).input_ids)
+
+    def plan(self, *units: int) -> None:
+        self.promises = []
+        for n in units:
+            self.text(f'<promise topic="t" tokens="{n}"/>')
+            self.promises.append(self.p + len(self.ids) - 1)
+
+    def spans(self, *bodies: list[int]) -> None:
+        """A round's spans (bodies of UNIT·N tokens each, the plan's lengths); its sync is separate."""
+        self.rounds += 1
+        self.first[self.rounds] = self.p + len(self.ids)
+        for k, body in enumerate(bodies):
+            s = max(self.span) + 1
+            self.round_of[s] = self.rounds
+            self.view[s] = self.promises[k]
+            start = self.p + len(self.ids) + 1
+            self._add([self.tags.async_open, *body, self.tags.async_close], s)
+            self.body += range(start, start + len(body))
+
+    def close(self) -> None:
+        self.sync[self.rounds] = self.p + len(self.ids)
+        self._add([self.tags.sync])
+
+    def visible(self, q: int, k: int) -> bool:
+        """The rule, for flattened indices."""
+        sq, sk = self.span[q], self.span[k]
+        if sq and sq == sk:
+            return True  # its own span, both directions
+        history = q if sq == 0 else self.view[sq]  # the last autoregressive token q has seen
+        if sk:
+            sync = self.sync.get(self.round_of[sk])
+            return sync is not None and sync <= history
+        return k <= history
+
+    def mask(self) -> torch.Tensor:
+        n = len(self.span)
+        return torch.tensor([[self.visible(q, k) for k in range(n)] for q in range(n)])
+
+
+def body(tok, text: str, length: int) -> list[int]:
+    ids = tok(text, add_special_tokens=False).input_ids
+    return ids + [tok.convert_tokens_to_ids("<null>")] * (length - len(ids))
+
+
+def build(tok, prompt_len: int) -> Reference:
+    """Two rounds synced (the second sees the first's spans), then a round never synced (a plan follows it: the
+    response was cut), so nothing after it sees its span."""
+    ref = Reference(tok, prompt_len)
+    ref.text("ab")
+    ref.plan(1, 2)
+    ref.spans(body(tok, "x+1=2", 10), body(tok, "y*2=14 ok", 20))
+    ref.close()
+    ref.text("c")
+    ref.plan(1)
+    ref.spans(body(tok, "z-1", 10))
+    ref.close()
+    ref.text("d")
+    ref.plan(1)
+    ref.spans(body(tok, "w", 10))
+    ref.plan(1)  # no sync: this plan must not see the span before it
+    ref.text("e")
+    ref._add([tok.eos_token_id])
+    return ref
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_model_factory):
+    path = tiny_model_factory(arch="qwen3", extra_special_tokens=PD_TOKENS)
+    tok = load_tokenizer(path)
+    prompt = tok(PROMPT).input_ids
+    return path, tok, prompt, build(tok, len(prompt))
+
+
+def noise_of(ref: Reference, layout: PDLayout) -> SpanNoise:
+    """Every other body token masked (a fixed draw), t = 0.5."""
+    masked = torch.zeros(len(layout), dtype=torch.bool)
+    masked[ref.body[::2]] = True
+    return SpanNoise(0.5, masked)
+
+
+def stream_reference(ref: Reference) -> tuple[list[int], torch.Tensor]:
+    """The learner's stream as flattened indices (clean inputs, then every span copied) and its mask."""
+    n = len(ref.span)
+    copies = [i for i in range(n) if ref.span[i]]
+    source = list(range(n - 1)) + copies
+    copy = [False] * (n - 1) + [True] * len(copies)
+    mask = torch.zeros(len(source), len(source), dtype=torch.bool)
+    for a, (q, cq) in enumerate(zip(source, copy)):
+        for b, (k, ck) in enumerate(zip(source, copy)):
+            if cq and ck:
+                mask[a, b] = ref.span[q] == ref.span[k]
+            elif cq:  # a copy sees what its span sees, except the clean span it copies
+                mask[a, b] = ref.visible(q, k) and ref.span[k] != ref.span[q]
+            elif not ck:
+                mask[a, b] = ref.visible(q, k)
+    return source, mask
+
+
+# catches: a span seeing another span, a span attending causally only, plan tokens seeing a span before its
+# sync, a noised copy seen by (or seeing) the clean response (the planted bugs in the module docstring).
+def test_training_mask_equals_the_reference(setup):
+    path, tok, prompt, ref = setup
+    layout = PDLayout.parse(len(prompt), ref.ids, PDTokenIds.from_tokenizer(tok), tok.decode)
+    assert len(layout.rounds) == 3 and layout.malformed.unsynced_rounds == 1
+    assert torch.equal(layout.dense_mask(), ref.mask())
+    q = torch.arange(len(layout))
+    assert torch.equal(layout.mask_mod()(0, 0, q[:, None], q[None, :]), ref.mask())
+    noised = NoisedLayout(layout, noise_of(ref, layout), PDTokenIds.from_tokenizer(tok).mask)
+    item = window_input(prompt, ref.ids, bind_policy_vocab("planned_diffusion", tok), 1.0, layout=noised)
+    _, expected = stream_reference(ref)
+    assert torch.equal(pack_windows([item]).visibility.dense_mask(), expected)
+
+
+# catches: the same bugs in what the model computes (the mask reaching the forward), the noised copies' inputs
+# or positions wrong, a diffusion target scored at the wrong position or a <sync/> not predicted by its plan's
+# last />.
+def test_learner_logprobs_match_a_float64_dense_forward(setup):
+    path, tok, prompt, ref = setup
+    tags = PDTokenIds.from_tokenizer(tok)
+    layout = PDLayout.parse(len(prompt), ref.ids, tags, tok.decode)
+    noise = noise_of(ref, layout)
+    source, mask = stream_reference(ref)
+    all_ids = torch.tensor(prompt + ref.ids)
+    n = len(ref.span)
+    inputs = all_ids[source].clone()
+    for a in range(n - 1, len(source)):
+        if noise.masked[source[a]]:
+            inputs[a] = tags.mask
+    model = load_model(path).double()
+    with torch.no_grad():
+        logp = model.compute_logits(model(inputs, torch.tensor(source), DenseAttention(mask))).double().log_softmax(-1)
+    expected = []
+    last = len(prompt) - 1
+    for i in range(len(prompt), n):  # autoregressive targets: the previous autoregressive token predicts
+        expected.append(float(logp[last, all_ids[i]]) if ref.span[i] == 0 else None)
+        last = i if ref.span[i] == 0 else last
+    for a in range(n - 1, len(source)):  # diffusion targets: each copied body token at its own position
+        if source[a] in ref.body:
+            expected.append(float(logp[a, all_ids[source[a]]]))
+    model = load_model(path)
+    policy = bind_policy_vocab("planned_diffusion", tok, model)
+    with torch.no_grad():
+        got = recompute_logprobs(model, prompt, ref.ids, policy, layout=NoisedLayout(layout, noise, tags.mask),
+                                 backend="sdpa")
+    assert got.shape == (len(expected),)
+    scored = [i for i, e in enumerate(expected) if e is not None]
+    assert max(abs(float(got[i]) - expected[i]) for i in scored) < 1e-4
+
+
+# ---- the runtime ------------------------------------------------------------------------------------
+
+
+def engine_run(path, prompt: list[int], script: list[int], device: str = "cpu", **knobs):
+    """A forced autoregressive script under kv=planned_diffusion, greedy; every denoising forward's (token ids,
+    positions, logits) recorded."""
+    from sliderl.rollout import LLM, SamplingParams
+
+    llm = LLM(str(path), kv="planned_diffusion", num_blocks=64, device=device, **knobs)
+    calls, forward = [], llm.mode._forward
+
+    def recording(ids, pos, batch, rows):
+        logits = forward(ids, pos, batch, rows)
+        if rows is not None:
+            calls.append((list(ids), list(pos), list(rows), logits.cpu().clone()))  # _draw bans tags in place
+        return logits
+
+    llm.mode._forward = recording
+    seq = llm.add_request(prompt, SamplingParams(max_tokens=200, temperature=0.0))
+    llm.force(seq, script)
+    while llm.has_unfinished():
+        llm.step()
+    return llm.output(seq), calls
+
+
+def round_mask(keys: list[int], span_of: dict[int, int], view: dict[int, int]) -> torch.Tensor:
+    """The rule over positions ``keys`` (increasing) of a response with one round: before it causal; a span
+    token sees everything up to its promise's /> (``view`` by span) and its own span (``span_of``); after the
+    spans (the <sync/> on) causal over everything."""
+    mask = torch.zeros(len(keys), len(keys), dtype=torch.bool)
+    for a, q in enumerate(keys):
+        for b, k in enumerate(keys):
+            s = span_of.get(q)
+            mask[a, b] = (k <= view[s] or s == span_of.get(k)) if s else k <= q
+    return mask
+
+
+# catches: in a denoising forward, a span seeing another span (planted: SpanBatch.mask ignoring span ids) or only
+# its earlier tokens (planted: the own-span mask lower-triangular); after the commit, the spans' KV written wrong
+# or the <sync/> not seeing them (the logprob of the token after the <sync/> then differs). On CUDA the same with
+# the engine's kernels and CUDA graphs for the autoregressive steps.
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_runtime_denoising_and_sync_match_a_float64_dense_forward(setup, device):
+    path, tok, prompt, _ = setup
+    script = tok('ab<promise topic="A" tokens="1"/><promise topic="B" tokens="2"/><sync/>cd',
+                 add_special_tokens=False).input_ids + [tok.eos_token_id]
+    out, calls = engine_run(path, prompt, script, device, pd_steps_ratio=0.5)
+    assert len(calls) == 10  # span B: 20 body tokens at 0.5 steps a token (span A's 10 take 5)
+    full = prompt + out.token_ids
+    first = calls[0][1][0]  # the first <async>: everything before it is the cached context and plan
+    sync = len(prompt) + out.planned_diffusion.rounds[0].sync
+    span_of = {p: 1 if p < first + 12 else 2 for p in range(first, sync)}  # A: <async>, 10 body, </async>
+    closes = [i for i, t in enumerate(full[:first]) if t == tok.convert_tokens_to_ids("/>")]
+    view = {1: closes[-2], 2: closes[-1]}  # each span's promise's />
+    tol = 1e-4 if device == "cpu" else 1e-2  # CUDA: the kernels' float32 matmuls may run in TF32
+    model = load_model(path).double()
+    for step, (ids, pos, rows, logits) in enumerate(calls):
+        keys = list(range(first)) + pos
+        with torch.no_grad():
+            hidden = model(torch.tensor(full[:first] + ids), torch.tensor(keys),
+                           DenseAttention(round_mask(keys, span_of, view)))
+            want = model.compute_logits(hidden[[first + r for r in rows]]).double()
+        assert (logits.double() - want).abs().max() < tol, f"denoising step {step}"
+    keys = list(range(sync + 1))
+    with torch.no_grad():
+        hidden = model(torch.tensor(full[:sync + 1]), torch.tensor(keys),
+                       DenseAttention(round_mask(keys, span_of, view)))
+        want = model.compute_logits(hidden[sync:]).double().log_softmax(-1)[0, full[sync + 1]]
+    assert abs(out.logprobs[sync + 1 - len(prompt)] - float(want)) < tol
+
+
+# catches: requests denoised together reading each other's context or spans (a padded batch row taking another
+# request's prefix or span ids), a request's draws depending on its batch, a round started while another
+# request decodes autoregressively left waiting or run twice.
+def test_requests_denoised_together_write_what_they_write_alone(setup):
+    from sliderl.rollout import LLM, SamplingParams
+
+    path, tok, _, _ = setup
+    jobs = [(tok("Q: one\n").input_ids, 'ab<promise topic="A" tokens="1"/><promise topic="B" tokens="2"/><sync/>c'),
+            (tok("Q: a longer prompt\n").input_ids, 'x<promise topic="C" tokens="5"/><sync/>yz<promise topic="D" '
+                                                   'tokens="1"/><sync/>w')]
+    scripts = [tok(s, add_special_tokens=False).input_ids + [tok.eos_token_id] for _, s in jobs]
+
+    def run(which: list[int]):
+        llm = LLM(str(path), kv="planned_diffusion", num_blocks=128, pd_steps_ratio=0.5)
+        seqs = []
+        for i in which:
+            seqs.append(llm.add_request(jobs[i][0], SamplingParams(max_tokens=200, temperature=0.7, seed=i)))
+            llm.force(seqs[-1], scripts[i])
+        while llm.has_unfinished():
+            llm.step()
+        return [llm.output(s) for s in seqs], llm.mode.stats
+
+    together, stats = run([0, 1])
+    alone = [run([0])[0][0], run([1])[0][0]]
+    assert stats.denoising_forwards < sum(o.planned_diffusion.denoising_forwards for o in together)  # shared forwards
+    for a, b in zip(together, alone):
+        assert a.token_ids == b.token_ids and len(a.planned_diffusion.rounds) == len(b.planned_diffusion.rounds)
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
