@@ -35,7 +35,7 @@ never another span; the ``<sync/>`` and everything after it see everything befor
 span k sees plan items 1..k, so its own item is the last it sees and says which chunk it writes — seeing the
 whole plan, every span of a round sees the same tokens and could tell itself from the others only by its
 position ids (measured: a miniature trained that way copied the wrong chain into most of its spans, 3 of 78
-right; ``docs/results_planned_diffusion.md``). A span's keys are written at once (the runtime writes a finished
+right; ``docs/results.md``, "Planned Diffusion"). A span's keys are written at once (the runtime writes a finished
 span's KV in one forward), so as a rule by comparisons, the form a FlexAttention ``mask_mod`` evaluates:
 
     q sees k  iff  write_at[k] <= write_at[q]
