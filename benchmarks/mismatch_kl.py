@@ -5,6 +5,8 @@
         --window 1024 --length 16384 --traces 8 --out DIR
     python benchmarks/mismatch_kl.py --plot DIR1/rows.jsonl DIR2/rows.jsonl --out DIR   # one figure of both
     python benchmarks/mismatch_kl.py --tiny --out DIR     # seconds on CPU: the smoke test's run
+    python benchmarks/mismatch_kl.py --model-path runs/train-X/checkpoints/step_000120 --window 24 \
+        --length 192 --traces 32 --seed 1 --out DIR      # a model a run trained (the default job's)
 
 1. Traces: the engine (``rollout.LLM``, ``kv=prefix_sliding:W``) samples T tokens after each prompt at
    temperature 1 with ``ignore_eos``; the sampler's logprob of each sampled token is the behaviour.
@@ -28,7 +30,8 @@
 Models: ``tiny`` (``TINY``: random Qwen3, 4 layers, hidden 64), ``trained`` (that model after a short SFT
 through ``trainer.sft`` on the arithmetic task under prefix_sliding:W, ``SFT_STEPS`` steps; cached by
 fingerprint in ``--cache``, default ``--out``/sft-cache), ``qwen3-1.7b`` (the Qwen3-1.7B config with
-random weights, ``core.tiny.make_qwen3_1p7b``). Writes ``rows.jsonl`` and ``mismatch_kl.png`` (KL
+random weights, ``core.tiny.make_qwen3_1p7b``), or ``--model-path DIR``: any model folder ``load_model`` reads (a
+run's checkpoint). Prompts: the task's eval split at ``--task-steps`` operations (26 by default). Writes ``rows.jsonl`` and ``mismatch_kl.png`` (KL
 against k, log y, chunked and whole trace as horizontal lines) to ``--out``.
 
 With L layers each of W-token windows, a token's logits depend on at most L·(W-1) earlier positions
@@ -103,7 +106,10 @@ def modes(multipliers: list[int], chunk_multiplier: int) -> list[Mode]:
 
 
 def build_model(args: argparse.Namespace, root: Path) -> str:
-    """The model directory for ``args.model`` (the trained one from the SFT cache when it is there)."""
+    """The model directory for ``args.model`` (the trained one from the SFT cache when it is there), or
+    ``--model-path``."""
+    if args.model_path is not None:
+        return str(args.model_path)
     if args.model == "qwen3-1.7b":
         return str(make_qwen3_1p7b(root / "qwen3-1.7b", device=args.device, dtype=DTYPES[args.dtype]))
     path = make_tiny_model(root / TINY.name, spec=TINY)
@@ -116,10 +122,10 @@ def build_model(args: argparse.Namespace, root: Path) -> str:
     return result.path
 
 
-def prompts(model_path: str, n: int) -> list[list[int]]:
-    """The first ``n`` eval-split arithmetic prompts as token ids."""
+def prompts(model_path: str, n: int, task: ArithTask = TASK) -> list[list[int]]:
+    """The first ``n`` eval-split arithmetic prompts of ``task`` as token ids."""
     tokenizer = load_tokenizer(model_path)
-    return [tokenizer(r["prompt"]).input_ids for r in TASK.problems(n, "eval")]
+    return [tokenizer(r["prompt"]).input_ids for r in task.problems(n, "eval")]
 
 
 def generate(model_path: str, prompt_ids: list[list[int]], args: argparse.Namespace) -> list[RequestOutput]:
@@ -229,6 +235,8 @@ def measure(model_path: str, traces: list[RequestOutput], args: argparse.Namespa
 
 
 def run_label(args: argparse.Namespace) -> str:
+    if args.label:
+        return args.label
     return f"{args.model} {args.dtype} {args.device} W={args.window} T={args.length}"
 
 
@@ -296,6 +304,11 @@ def plot(rows: list[dict], path: Path) -> Path:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=MODELS, default="trained")
+    parser.add_argument("--model-path", type=Path, default=None,
+                        help="a model folder to measure instead of --model (a run's checkpoint, step_NNNNNN)")
+    parser.add_argument("--task-steps", type=int, nargs=2, default=list(TASK.num_steps), metavar=("LO", "HI"),
+                        help="operations per arithmetic prompt (tasks.arith num_steps)")
+    parser.add_argument("--label", default=None, help="the run's name in the rows and the plot")
     parser.add_argument("--window", type=int, default=8, help="W of prefix_sliding:W, and of the training windows")
     parser.add_argument("--length", type=int, default=128,
                         help="T, generated tokens per trace (>= 16·W for the figure)")
@@ -322,6 +335,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.micro_batch_tokens = 32768 if args.device.startswith("cuda") else 2048
     if min(args.window, args.length, args.traces, args.chunk_multiplier, *args.multipliers) < 1:
         parser.error("--window, --length, --traces, --chunk-multiplier and --multipliers must be >= 1")
+    if args.model_path is not None:
+        if not (args.model_path / "config.json").is_file():
+            parser.error(f"--model-path {args.model_path}: no config.json there; give a model folder, e.g. "
+                         "runs/train-*/checkpoints/step_000120")
+        args.model = f"path:{args.model_path}"
+    try:
+        args.task = ArithTask(num_steps=tuple(args.task_steps))
+    except ValueError as e:
+        parser.error(f"--task-steps {args.task_steps}: {e}")
     if args.plot and not args.out:
         parser.error("--plot needs --out")
     return args
@@ -338,7 +360,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         args.cache = args.cache or (args.out / "sft-cache" if args.out else Path(tmp) / "sft-cache")
         model_path = build_model(args, Path(tmp))
-        prompt_ids = prompts(model_path, args.traces)
+        prompt_ids = prompts(model_path, args.traces, args.task)
         t0 = time.perf_counter()
         traces = generate(model_path, prompt_ids, args)
         generate_s = time.perf_counter() - t0
@@ -347,7 +369,8 @@ def main(argv: list[str] | None = None) -> None:
               f"generated in {generate_s:.1f} s; torch threads {torch.get_num_threads()}", flush=True)
         rows = measure(model_path, traces, args)
     head = {"run": run_label(args), "model": args.model, "device": args.device, "dtype": args.dtype,
-            "window": args.window, "length": args.length, "traces": args.traces, "commit": commit()}
+            "window": args.window, "length": args.length, "traces": args.traces, "seed": args.seed,
+            "task_steps": list(args.task_steps), "commit": commit()}
     rows = [{**head, **r} for r in rows]
     print_table(rows)
     if args.out:

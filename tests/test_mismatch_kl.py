@@ -75,3 +75,18 @@ def test_tiny_run_writes_every_row_and_the_plot(tmp_path):
     assert matplotlib.image.imread(tmp_path / "mismatch_kl.png").shape[:2] == (420, 860)
     main(["--plot", str(tmp_path / "rows.jsonl"), str(tmp_path / "rows.jsonl"), "--out", str(tmp_path / "both")])
     assert (tmp_path / "both" / "mismatch_kl.png").stat().st_size > 10_000
+
+
+def test_model_path_measures_that_model_and_refuses_a_folder_without_one(tiny_model_factory, tmp_path, capsys):
+    # Catches (issue 41) --model-path being ignored (the script measuring its own SFT model instead) or a typo'd
+    # path failing deep inside the loader: the path is what build_model returns, and a folder without config.json
+    # is a usage error (exit 2) naming the path.
+    from benchmarks.mismatch_kl import build_model
+
+    path = tiny_model_factory(arch="qwen3")
+    args = parse_args(["--model-path", str(path), "--task-steps", "8", "12"])
+    assert build_model(args, tmp_path) == str(path) and args.model == f"path:{path}"
+    assert all(8 <= len(r["prompt"].split("Apply ")[1].split()) <= 12 for r in args.task.problems(20, "eval"))
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--model-path", str(tmp_path / "nowhere")])
+    assert exit_info.value.code == 2 and "nowhere" in capsys.readouterr().err

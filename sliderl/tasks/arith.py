@@ -21,6 +21,20 @@ number of steps. Under ``prefix_sliding:W`` the prompt stays visible and the cha
 under ``sliding_window:W`` the prompt leaves the window after the first few lines and the remaining
 operations are unknowable.
 
+With ``restate`` the chain's state lives in its last line rather than in the prompt: the first thinking line is
+the start value followed by every operation (copied from the prompt), and each later line the running value
+followed by the operations still to apply, so a window that holds one line and the next can finish the chain
+without the prompt. It is the control for Prefix Sliding against a plain sliding window (``docs/results.md``,
+"Prefix Sliding vs sliding window")::
+
+    solution: <think>
+              47 a+5 b-3 c+8
+              52 b-3 c+8
+              49 c+8
+              57
+              </think>
+              Answer: \\boxed{57}
+
 With ``summary_lines`` > 0 a problem also carries ``solution_summary``, the demonstration for the ``summary:N:S``
 restart baseline (``core.restart``): the same lines in segments of at most ``summary_lines`` step lines, each
 ending in a summary tool call that holds the current value and the steps left, e.g. ``<tool_call>49 c..h</tool_call>``
@@ -73,6 +87,9 @@ class ArithTask:
     summary_lines: int = 0
     """> 0: problems also carry ``solution_summary``, a summary tool call after every this many step lines (the
     ``summary:N:S`` demonstration); 0: no such solution."""
+    restate: bool = False
+    """True: each thinking line restates the running value and the operations left (``52 b-3 c+8``), so the
+    chain's state is in its last line; False: one ``a+5=52`` line per step, the operations only in the prompt."""
     summary_call: tuple[str, str] = ("<tool_call>", "</tool_call>")
     """The text before and after the summary in ``solution_summary``'s calls: the engine's summary_tool call
     (its open token and call prefix; its call suffix and close token)."""
@@ -85,6 +102,11 @@ class ArithTask:
         object.__setattr__(self, "num_steps", (int(lo), int(hi)))
         if isinstance(self.summary_lines, bool) or not isinstance(self.summary_lines, int) or self.summary_lines < 0:
             raise ValueError(f"summary_lines must be an integer >= 0, got {self.summary_lines!r}")
+        if not isinstance(self.restate, bool):
+            raise ValueError(f"restate must be true or false, got {self.restate!r}")
+        if self.restate and self.summary_lines:
+            raise ValueError(f"restate and summary_lines={self.summary_lines} do not combine: the summary "
+                             "demonstration is written for the one-line-per-step format; set one of them")
         object.__setattr__(self, "summary_call", tuple(self.summary_call))
         if len(self.summary_call) != 2 or not all(isinstance(t, str) and t for t in self.summary_call):
             raise ValueError(f"summary_call must be two non-empty texts (before, after the summary), "
@@ -104,7 +126,8 @@ class ArithTask:
             if is_eval_prompt(prompt) == (split == "eval"):
                 values = run_chain(start, ops)
                 record = {"prompt_id": f"arith-{split}-{len(records):06d}", "prompt": prompt,
-                          "answer": str(values[-1]), "solution": format_solution(start, ops)}
+                          "answer": str(values[-1]),
+                          "solution": (format_restated_solution if self.restate else format_solution)(start, ops)}
                 if self.summary_lines:
                     record["solution_summary"] = format_summary_solution(start, ops, self.summary_lines,
                                                                          self.summary_call)
@@ -114,6 +137,10 @@ class ArithTask:
     def max_completion_chars(self) -> int:
         """An upper bound on the characters of any reference solution (tokens, for a byte-level tokenizer)."""
         digits = len(str(self.max_value))
+        if self.restate:  # line i: the value and the n - i operations left, " b-3" each, and "\n"
+            op = 1 + 1 + 1 + len(str(self.max_operand))
+            n = self.num_steps[1]
+            return len(format_restated_solution(0, [])) - 2 + 2 * digits + n * (digits + 1) + op * n * (n + 1) // 2
         line = 1 + 1 + len(str(self.max_operand)) + 1 + digits + 1  # "a+5=52\n"
         return len(format_solution(0, [])) - 2 + 2 * digits + self.num_steps[1] * line
 
@@ -136,6 +163,15 @@ def format_solution(start: int, ops: list[tuple[str, int]]) -> str:
     values = run_chain(start, ops)
     lines = [str(start)] + [f"{STEP_LABELS[i]}{sign}{operand}={values[i + 1]}" for i, (sign, operand) in enumerate(ops)]
     body = "".join(line + "\n" for line in lines)
+    return f"<think>\n{body}{END_THINK}\nAnswer: \\boxed{{{values[-1]}}}"
+
+
+def format_restated_solution(start: int, ops: list[tuple[str, int]]) -> str:
+    """The ``restate`` completion: line i is the value after i steps and the operations left (``52 b-3 c+8``),
+    the last line the final value alone; then the boxed final value."""
+    values = run_chain(start, ops)
+    names = [f"{STEP_LABELS[i]}{sign}{operand}" for i, (sign, operand) in enumerate(ops)]
+    body = "".join(" ".join([str(values[i]), *names[i:]]) + "\n" for i in range(len(ops) + 1))
     return f"<think>\n{body}{END_THINK}\nAnswer: \\boxed{{{values[-1]}}}"
 
 

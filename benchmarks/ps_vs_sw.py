@@ -1,0 +1,180 @@
+"""Prefix Sliding against a plain sliding window, on two variants of the arithmetic task: where Prefix Sliding's
+advantage comes from the prefix, and where it does not (issue 41).
+
+- **plain**: one ``a+5=52`` line per step; the operations are only in the prompt, which a sliding window loses
+  after a few lines (``tasks.arith``).
+- **restated** (``task.restate=true``): each thinking line restates the running value and the operations left
+  (``52 b-3 c+8``), so everything the next line needs is in the window (``tests/test_arith.py`` checks the premise
+  at W = 48 in tokens).
+
+Per seed S (all seeds at once, one process chain each; two SFT runs side by side)::
+
+    sliderl sft configs/sft-tiny-arith.yaml task.num_steps=[8,8] task.restate=R kv=P output_dir=OUT/sS/V-p \\
+        model.seed=S learner.seed=S                       # V in (plain, restated), P in (prefix_sliding:48, sliding_window:48)
+    sliderl eval OUT/sS/eval-V.yaml                       # per variant: each model under its own policy, and the
+                                                          # prefix-sliding model under the sliding window
+
+Every arm has the same SFT steps, batch and learning rate (the recipe's, not tuned here) and the same problems
+(the two variants draw identical prompts). The evaluation samples ``k`` completions of the first
+``--problems`` eval problems at temperature 0.6, top-p 0.95, with seed S. Writes ``OUT/rows.jsonl`` (one row
+per seed, variant and entry), ``OUT/summary.md`` (mean ± sample SD over seeds) and ``OUT/ps_vs_sw.png``.
+
+    OMP_NUM_THREADS=1 python benchmarks/ps_vs_sw.py --seeds 0 1 2 --out runs/ps-vs-sw      # ~40 min on 2 cores
+    python benchmarks/ps_vs_sw.py --seeds 0 --out /tmp/psw --sft sft.steps=4 --problems 2 --k 1   # the smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.seed_chains import (  # noqa: E402
+    ROOT,
+    SLIDERL,
+    add_chain_args,
+    run,
+    run_seeds,
+    sft_command,
+    side_by_side,
+    write_summary,
+)
+
+VARIANTS = {"plain": False, "restated": True}
+STEPS = 8  # operations per problem: the plain chain's last four steps are written after the prompt left W = 48
+MAX_TOKENS = 256  # the longest restated solution is 206 byte-level tokens (8 steps), the plain one 94
+
+
+def policies(window: int) -> dict[str, str]:
+    return {"ps": f"prefix_sliding:{window}", "sw": f"sliding_window:{window}"}
+
+
+def entries(seed_dir: Path, variant: str, window: int) -> list[dict]:
+    """Each model under the policy it was trained under, and the prefix-sliding model under the sliding window
+    (the prefix taken away at inference only)."""
+    pol = policies(window)
+    return [{"label": "PS-trained, PS", "checkpoint": str(seed_dir / f"{variant}-ps" / "model"), "kv": pol["ps"]},
+            {"label": "SW-trained, SW", "checkpoint": str(seed_dir / f"{variant}-sw" / "model"), "kv": pol["sw"]},
+            {"label": "PS-trained, SW", "checkpoint": str(seed_dir / f"{variant}-ps" / "model"), "kv": pol["sw"]}]
+
+
+def eval_config(seed_dir: Path, variant: str, seed: int, args: argparse.Namespace) -> Path:
+    """``sliderl eval``'s comparison file for one variant of one seed."""
+    cfg = yaml.safe_load((ROOT / "configs" / "sft-tiny-arith.yaml").read_text())
+    task = {**cfg["task"], "num_steps": [STEPS, STEPS], "restate": VARIANTS[variant], "train_size": 64,
+            "eval_size": max(args.problems, 1)}
+    out = {"task": task, "model": cfg["model"], "warmstart": {"enabled": False},
+           "engine": {"num_blocks": 4096, "device": args.device}, "sampling": {"max_tokens": MAX_TOKENS},
+           "eval": {"num_problems": args.problems,
+                    "compare": {"k": args.k, "temperature": 0.6, "top_p": 0.95, "seeds": [seed],
+                                "output_dir": str(seed_dir / f"eval-{variant}"),
+                                "entries": entries(seed_dir, variant, args.window)}}}
+    path = seed_dir / f"eval-{variant}.yaml"
+    path.write_text(yaml.safe_dump(out, sort_keys=False))
+    return path
+
+
+def chain(seed: int, args: argparse.Namespace) -> dict:
+    """The four SFT arms (two at a time), then one comparison per variant; seconds per stage."""
+    d = args.out / f"s{seed}"
+    d.mkdir(parents=True, exist_ok=True)
+    config = ROOT / "configs" / "sft-tiny-arith.yaml"
+    seconds = {}
+    for variant, restate in VARIANTS.items():
+        arms = {f"{variant}-{name}": sft_command(config, d / f"{variant}-{name}", seed, args,
+                                                 f"task.num_steps=[{STEPS},{STEPS}]", f"task.restate={str(restate).lower()}",
+                                                 f"kv={spec}")
+                for name, spec in policies(args.window).items()}
+        seconds.update(side_by_side({name: (cmd, d / f"{name}.log") for name, cmd in arms.items()}))
+    for variant in VARIANTS:
+        cmd = [*SLIDERL, "eval", str(eval_config(d, variant, seed, args)), *args.eval_overrides]
+        seconds[f"eval-{variant}"] = run(cmd, d / f"eval-{variant}.log")
+    return seconds
+
+
+def read_rows(out: Path, seeds: list[int]) -> list[dict]:
+    """One row per seed, variant and entry from each comparison's results.jsonl."""
+    rows = []
+    for seed in seeds:
+        for variant in VARIANTS:
+            for line in (out / f"s{seed}" / f"eval-{variant}" / "results.jsonl").read_text().splitlines():
+                r = json.loads(line)
+                rows.append({"seed": seed, "variant": variant, "label": r["label"], "kv": r["kv"],
+                             "checkpoint": r["checkpoint"], "avg_at_k": r["avg_at_k"], "pass_at_k": r["pass_at_k"],
+                             "mean_live_kv": r["mean_live_kv"], "peak_live_kv": r["peak_live_kv"],
+                             "generated_tokens": r.get("generated_tokens")})
+    return rows
+
+
+def mean_sd(values: list[float]) -> tuple[float, float]:
+    """Mean and sample SD (n - 1; 0 for one seed)."""
+    return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
+def plot(stats: list[dict], path: Path) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7.5, 3.6), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    labels = list(dict.fromkeys(s["label"] for s in stats))
+    width = 0.8 / len(labels)
+    for i, label in enumerate(labels):
+        mine = [s for s in stats if s["label"] == label]
+        xs = [list(VARIANTS).index(s["variant"]) + (i - (len(labels) - 1) / 2) * width for s in mine]
+        ax.bar(xs, [s["avg_at_k"] for s in mine], width, yerr=[s["avg_at_k_sd"] for s in mine], capsize=3,
+               label=label, color=f"C{i}")
+    ax.set_xticks(range(len(VARIANTS)), ["plain (operations only in the prompt)", "restated (state in the window)"])
+    ax.set(ylabel="avg@k (mean ± sample SD over seeds)", ylim=(0, 1.05),
+           title="Prefix Sliding vs sliding window at the same W")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def summarize(out: Path, seeds: list[int], seconds: dict[int, dict]) -> str:
+    rows = read_rows(out, seeds)
+    (out / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    stats, body = [], ["| variant | entry | kv | avg@k | pass@k | mean live KV | per seed avg@k |",
+                       "|---|---|---|---|---|---|---|"]
+    for variant in VARIANTS:
+        for label in dict.fromkeys(r["label"] for r in rows):
+            mine = [r for r in rows if r["variant"] == variant and r["label"] == label]
+            s = {"variant": variant, "label": label, "kv": mine[0]["kv"], "seeds": seeds}
+            for m in ("avg_at_k", "pass_at_k", "mean_live_kv"):
+                s[m], s[f"{m}_sd"] = mean_sd([r[m] for r in mine])
+            s["per_seed"] = [r["avg_at_k"] for r in mine]
+            stats.append(s)
+            body.append(f"| {variant} | {label} | {s['kv']} | {s['avg_at_k']:.3f} ± {s['avg_at_k_sd']:.3f} | "
+                        f"{s['pass_at_k']:.3f} ± {s['pass_at_k_sd']:.3f} | {s['mean_live_kv']:.1f} | "
+                        f"{', '.join(f'{v:.3f}' for v in s['per_seed'])} |")
+    plot(stats, out / "ps_vs_sw.png")
+    return write_summary(out, "Prefix Sliding vs sliding window", "ps_vs_sw.py", seeds, seconds, body, stats)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_chain_args(parser, out="runs/ps-vs-sw")
+    parser.add_argument("--window", type=int, default=48, help="W of both policies")
+    parser.add_argument("--problems", type=int, default=64, help="eval problems per variant")
+    parser.add_argument("--k", type=int, default=4, help="samples per problem")
+    parser.add_argument("--report-only", action="store_true", help="redraw the summary and plot from --out")
+    args = parser.parse_args()
+    if args.window < 1 or args.problems < 1 or args.k < 1:
+        parser.error(f"--window, --problems and --k must be >= 1, got {args.window}, {args.problems}, {args.k}")
+    args.out = args.out.resolve()
+    if args.report_only:
+        print(summarize(args.out, args.seeds, {s: {} for s in args.seeds}))
+        return
+    run_seeds(args, chain, summarize)
+
+
+if __name__ == "__main__":
+    main()
