@@ -4,23 +4,25 @@ advantage comes from the prefix, and where it does not (issue 41).
 - **plain**: one ``a+5=52`` line per step; the operations are only in the prompt, which a sliding window loses
   after a few lines (``tasks.arith``).
 - **restated** (``task.restate=true``): each thinking line restates the running value and the operations left
-  (``52 b-3 c+8``), so everything the next line needs is in the window (``tests/test_arith.py`` checks the premise
-  at W = 48 in tokens).
+  (``52 b-3 c+8 ___``), so everything the next line needs is in the window (``tests/test_arith.py`` checks the
+  premise at W = 24 and 4 steps, in tokens).
 
 Per seed S (all seeds at once, one process chain each; two SFT runs side by side)::
 
-    sliderl sft configs/sft-tiny-arith.yaml task.num_steps=[8,8] task.restate=R kv=P output_dir=OUT/sS/V-p \\
-        model.seed=S learner.seed=S                       # V in (plain, restated), P in (prefix_sliding:48, sliding_window:48)
+    sliderl sft configs/sft-tiny-arith.yaml task.num_steps=[4,4] task.restate=R kv=P sft.steps=2400 \\
+        output_dir=OUT/sS/V-p model.seed=S learner.seed=S  # V in (plain, restated), P in (prefix_sliding:24, sliding_window:24)
     sliderl eval OUT/sS/eval-V.yaml                       # per variant: each model under its own policy, and the
                                                           # prefix-sliding model under the sliding window
 
-Every arm has the same SFT steps, batch and learning rate (the recipe's, not tuned here) and the same problems
-(the two variants draw identical prompts). The evaluation samples ``k`` completions of the first
+Every arm has the same SFT steps, batch and learning rate and the same problems (the two variants draw identical
+prompts). The batch, learning rate and schedule are the recipe's; the steps (2400) were chosen on seed 9, which is
+not reported: there the prefix-sliding arm of the harder variant (restated) had 0.66 held-out exact match at 1600
+steps with its loss still falling, the plain one 1.00. The evaluation samples ``k`` completions of the first
 ``--problems`` eval problems at temperature 0.6, top-p 0.95, with seed S. Writes ``OUT/rows.jsonl`` (one row
 per seed, variant and entry), ``OUT/summary.md`` (mean ± sample SD over seeds) and ``OUT/ps_vs_sw.png``.
 
     OMP_NUM_THREADS=1 python benchmarks/ps_vs_sw.py --seeds 0 1 2 --out runs/ps-vs-sw      # ~40 min on 2 cores
-    python benchmarks/ps_vs_sw.py --seeds 0 --out /tmp/psw --sft sft.steps=4 --problems 2 --k 1   # the smoke run
+    python benchmarks/ps_vs_sw.py --seeds 0 --out /tmp/psw --sft-steps 4 --problems 2 --k 1   # the smoke run
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.seed_chains import (  # noqa: E402
+from benchmarks.seed_chains import (
     ROOT,
     SLIDERL,
     add_chain_args,
@@ -47,8 +49,8 @@ from benchmarks.seed_chains import (  # noqa: E402
 )
 
 VARIANTS = {"plain": False, "restated": True}
-STEPS = 8  # operations per problem: the plain chain's last four steps are written after the prompt left W = 48
-MAX_TOKENS = 256  # the longest restated solution is 206 byte-level tokens (8 steps), the plain one 94
+STEPS = 4  # operations per problem: the plain chain's last three are written after the prompt left W = 24
+MAX_TOKENS = 128  # the longest restated solution is 117 byte-level tokens (4 steps), the plain one 53
 
 
 def policies(window: int) -> dict[str, str]:
@@ -89,7 +91,8 @@ def chain(seed: int, args: argparse.Namespace) -> dict:
     for variant, restate in VARIANTS.items():
         arms = {f"{variant}-{name}": sft_command(config, d / f"{variant}-{name}", seed, args,
                                                  f"task.num_steps=[{STEPS},{STEPS}]", f"task.restate={str(restate).lower()}",
-                                                 f"kv={spec}")
+                                                 f"kv={spec}", f"sft.steps={args.sft_steps}",
+                                                 f"sft.check_every={max(args.sft_steps // 6, 1)}")
                 for name, spec in policies(args.window).items()}
         seconds.update(side_by_side({name: (cmd, d / f"{name}.log") for name, cmd in arms.items()}))
     for variant in VARIANTS:
@@ -162,13 +165,15 @@ def summarize(out: Path, seeds: list[int], seconds: dict[int, dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_chain_args(parser, out="runs/ps-vs-sw")
-    parser.add_argument("--window", type=int, default=48, help="W of both policies")
+    parser.add_argument("--window", type=int, default=24, help="W of both policies")
+    parser.add_argument("--sft-steps", type=int, default=2400, help="SFT steps of every arm")
     parser.add_argument("--problems", type=int, default=64, help="eval problems per variant")
     parser.add_argument("--k", type=int, default=4, help="samples per problem")
     parser.add_argument("--report-only", action="store_true", help="redraw the summary and plot from --out")
     args = parser.parse_args()
-    if args.window < 1 or args.problems < 1 or args.k < 1:
-        parser.error(f"--window, --problems and --k must be >= 1, got {args.window}, {args.problems}, {args.k}")
+    if min(args.window, args.problems, args.k, args.sft_steps) < 1:
+        parser.error(f"--window, --problems, --k and --sft-steps must be >= 1, got {args.window}, {args.problems}, "
+                     f"{args.k}, {args.sft_steps}")
     args.out = args.out.resolve()
     if args.report_only:
         print(summarize(args.out, args.seeds, {s: {} for s in args.seeds}))

@@ -100,15 +100,20 @@ def over_seeds(rows: dict[str, list[dict]], seeds: list[int]) -> list[EntryResul
     return results
 
 
+def mean_sd(values: list[float]) -> tuple[float, float]:
+    """Mean and sample SD (n - 1) over seeds; SD 0 for one seed."""
+    return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
 def summarize(out: Path, seeds: list[int], seconds: dict[int, dict]) -> str:
-    """Mean ± sd over seeds of every comparison entry, with ratios to Dense; writes summary.md/jsonl."""
+    """Mean ± sample sd over seeds of every comparison entry, with ratios to Dense; writes summary.md/jsonl."""
     rows = read_results(out, seeds)
     dense = rows["Dense"]
     body = ["| entry | avg@k | pass@k | mean live KV | KV / Dense | tok/s | tok/s / Dense | decode s |",
             "|---|---|---|---|---|---|---|---|"]
     summary = []
     for label, runs in rows.items():
-        stat = {m: (statistics.mean(r[m] for r in runs), statistics.pstdev(r[m] for r in runs)) for m in METRICS}
+        stat = {m: mean_sd([r[m] for r in runs]) for m in METRICS}
         kv_ratio = statistics.mean(r["mean_live_kv"] / d["mean_live_kv"] for r, d in zip(runs, dense))
         tps_ratio = statistics.mean(r["tokens_per_second"] / d["tokens_per_second"] for r, d in zip(runs, dense))
         summary.append({"label": label, "seeds": seeds, **{m: v[0] for m, v in stat.items()},

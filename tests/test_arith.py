@@ -1,6 +1,7 @@
 """The arithmetic task and its verifier, against an independent re-parse and re-computation of each problem."""
 
 import dataclasses
+import itertools
 import re
 from pathlib import Path
 
@@ -122,7 +123,7 @@ def test_restated_solutions_carry_the_whole_state_in_each_line():
     from sliderl.tasks.arith import format_restated_solution
 
     assert format_restated_solution(47, [("+", 5), ("-", 3), ("+", 8)]) == (
-        "<think>\n47 a+5 b-3 c+8\n52 b-3 c+8\n49 c+8\n57\n</think>\nAnswer: \\boxed{57}")
+        "<think>\n47 a+5 b-3 c+8\n52 b-3 c+8 ___\n49 c+8 ___ ___\n57 ___ ___ ___\n</think>\nAnswer: \\boxed{57}")
     task = ArithTask(num_steps=(8, 8), restate=True)
     plain = ArithTask(num_steps=(8, 8))
     assert [p["prompt"] for p in task.problems(50)] == [p["prompt"] for p in plain.problems(50)]  # same problems
@@ -130,34 +131,34 @@ def test_restated_solutions_carry_the_whole_state_in_each_line():
         start, ops = reparse(problem["prompt"])
         lines = problem["solution"].split("</think>")[0].split("\n")[1:-1]
         assert len(lines) == len(ops) + 1 and lines[0].split() == [str(start)] + [f"{l}{s}{o}" for l, s, o in ops]
-        for before, after in zip(lines, lines[1:]):  # each line follows from the previous line alone
+        for before, after in itertools.pairwise(lines):  # each line follows from the previous line alone, one width
             value, first, *rest = before.split()
-            assert after.split() == [str(eval(f"{value}{first[1:]}")), *rest]
-        assert lines[-1] == problem["answer"]
+            assert after.split() == [str(eval(f"{value}{first[1:]}")), *rest, "___"] and len(after) == len(before)
+        assert lines[-1].split() == [problem["answer"]] + ["___"] * len(ops)
     assert task.max_completion_chars() == max(len(p["solution"]) for p in task.problems(200))
     with pytest.raises(ValueError, match="restate"):
         ArithTask(restate=True, summary_lines=2)
 
 
 def test_restated_chain_fits_the_window_the_plain_chain_outgrows():
-    # The control's premise, in tokens of the byte-level tokenizer, at the comparison's W = 48 and 8 steps. The
+    # The control's premise, in tokens of the byte-level tokenizer, at the comparison's W = 24 and 4 steps. The
     # token at position p is predicted by the query at p - 1, which sees keys k with (p - 1) - k < W. Restated:
     # each operation of the first line is copied from the prompt's list at a fixed distance d (<= W), and each
     # later line's value is computed from the previous line's value, one line plus a newline back (<= W). Plain:
     # the last step's sign and operand are written after the prompt's last operand (the token before ".\n") has
     # left the window. Catches a comparison whose sliding-window arm fails by construction on both variants.
-    window = 48
+    window = 24
     tokenizer = build_tokenizer()
-    ntok = lambda text: len(tokenizer(text).input_ids)  # noqa: E731
+    ntok = lambda text: len(tokenizer(text).input_ids)
     for restate in (True, False):
-        for problem in ArithTask(num_steps=(8, 8), restate=restate).problems(50, "eval"):
+        for problem in ArithTask(num_steps=(4, 4), restate=restate).problems(50, "eval"):
             prompt = problem["prompt"]
             before_ops = ntok(prompt.split("Apply ")[0] + "Apply ")  # position of the prompt's first operation
             lines = problem["solution"].split("</think>")[0].split("\n")[1:-1]
             if restate:
                 first_op = ntok(prompt) + ntok("<think>\n" + lines[0].split(" ")[0] + " ")
                 assert first_op - before_ops <= window
-                for previous, line in zip(lines, lines[1:]):
+                for previous, line in itertools.pairwise(lines):
                     assert ntok(previous + "\n") + 1 <= window  # line's second digit still sees previous's first
             else:
                 last_operand = ntok(prompt) + ntok("<think>\n" + "\n".join(lines[:-1]) + "\n") + 2  # "h+5": the 5

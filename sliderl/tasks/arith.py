@@ -23,15 +23,16 @@ operations are unknowable.
 
 With ``restate`` the chain's state lives in its last line rather than in the prompt: the first thinking line is
 the start value followed by every operation (copied from the prompt), and each later line the running value
-followed by the operations still to apply, so a window that holds one line and the next can finish the chain
-without the prompt. It is the control for Prefix Sliding against a plain sliding window (``docs/results.md``,
+followed by the operations still to apply (``___`` in the place of each one done, so that every line has one width
+and what a token depends on is always the same distance back), so a window that holds one line and the next can
+finish the chain without the prompt. It is the control for Prefix Sliding against a plain sliding window (``docs/results.md``,
 "Prefix Sliding vs sliding window")::
 
     solution: <think>
               47 a+5 b-3 c+8
-              52 b-3 c+8
-              49 c+8
-              57
+              52 b-3 c+8 ___
+              49 c+8 ___ ___
+              57 ___ ___ ___
               </think>
               Answer: \\boxed{57}
 
@@ -88,7 +89,7 @@ class ArithTask:
     """> 0: problems also carry ``solution_summary``, a summary tool call after every this many step lines (the
     ``summary:N:S`` demonstration); 0: no such solution."""
     restate: bool = False
-    """True: each thinking line restates the running value and the operations left (``52 b-3 c+8``), so the
+    """True: each thinking line restates the running value and the operations left (``52 b-3 c+8 ___``), so the
     chain's state is in its last line; False: one ``a+5=52`` line per step, the operations only in the prompt."""
     summary_call: tuple[str, str] = ("<tool_call>", "</tool_call>")
     """The text before and after the summary in ``solution_summary``'s calls: the engine's summary_tool call
@@ -137,10 +138,10 @@ class ArithTask:
     def max_completion_chars(self) -> int:
         """An upper bound on the characters of any reference solution (tokens, for a byte-level tokenizer)."""
         digits = len(str(self.max_value))
-        if self.restate:  # line i: the value and the n - i operations left, " b-3" each, and "\n"
+        if self.restate:  # n + 1 lines of the value and n operations or pads (" b-3" each), and "\n"
             op = 1 + 1 + 1 + len(str(self.max_operand))
             n = self.num_steps[1]
-            return len(format_restated_solution(0, [])) - 2 + 2 * digits + n * (digits + 1) + op * n * (n + 1) // 2
+            return len(format_restated_solution(0, [])) - 3 + digits + (n + 1) * (digits + op * n + 1)
         line = 1 + 1 + len(str(self.max_operand)) + 1 + digits + 1  # "a+5=52\n"
         return len(format_solution(0, [])) - 2 + 2 * digits + self.num_steps[1] * line
 
@@ -167,11 +168,13 @@ def format_solution(start: int, ops: list[tuple[str, int]]) -> str:
 
 
 def format_restated_solution(start: int, ops: list[tuple[str, int]]) -> str:
-    """The ``restate`` completion: line i is the value after i steps and the operations left (``52 b-3 c+8``),
-    the last line the final value alone; then the boxed final value."""
+    """The ``restate`` completion: line i is the value after i steps, then the operations left, then ``___`` in the
+    place of each operation done (``52 b-3 c+8 ___``), so every line has one width and each token sits one line
+    (minus one operation) after what it is computed or copied from; then the boxed final value."""
     values = run_chain(start, ops)
     names = [f"{STEP_LABELS[i]}{sign}{operand}" for i, (sign, operand) in enumerate(ops)]
-    body = "".join(" ".join([str(values[i]), *names[i:]]) + "\n" for i in range(len(ops) + 1))
+    pad = "_" * len(names[0]) if names else ""
+    body = "".join(" ".join([str(values[i]), *names[i:], *[pad] * i]) + "\n" for i in range(len(ops) + 1))
     return f"<think>\n{body}{END_THINK}\nAnswer: \\boxed{{{values[-1]}}}"
 
 
