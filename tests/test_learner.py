@@ -217,7 +217,7 @@ def test_bad_input_raises_or_is_counted_never_nan(tiny_model_factory):
     assert learner.version == 0
     m = learner.step([nan_group, good])
     assert m.stepped == 1 and m.algorithm["skipped_groups_nonfinite_reward"] == 1 and math.isfinite(m.loss)
-    with pytest.raises(ValueError, match="type must be one of grpo, bonbon, sft, got 'ppo'"):
+    with pytest.raises(ValueError, match="type must be one of grpo, bonbon, sft, planned_diffusion, got 'ppo'"):
         Learner(str(path), algo=dict(type="ppo"))
     with pytest.raises(ValueError, match="got 'chunked'"):
         Learner(str(path), algo=BoNBoNOptions(), window_mode="chunked")
