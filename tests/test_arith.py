@@ -15,6 +15,7 @@ from sliderl.rewards.arith import ArithVerifier
 from sliderl.tasks.arith import ArithTask
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny-arith.yaml"
+SFT_CONFIG = DEFAULT_CONFIG.with_name("sft-tiny-arith.yaml")
 PROMPT = re.compile(r"Start at (\d+)\. Apply ((?:[a-z][+-]\d+ ?)+)\.\n")
 LINE = re.compile(r"([a-z])([+-])(\d+)=(\d+)")
 
@@ -140,26 +141,28 @@ def test_restated_solutions_carry_the_whole_state_in_each_line():
         ArithTask(restate=True, summary_lines=2)
 
 
-def test_restated_chain_fits_the_window_the_plain_chain_outgrows():
-    # The control's premise, in tokens of the byte-level tokenizer, at the comparison's W = 24 and 4 steps. The
-    # token at position p is predicted by the query at p - 1, which sees keys k with (p - 1) - k < W. Restated:
-    # each operation of the first line is copied from the prompt's list at a fixed distance d (<= W), and each
-    # later line's value is computed from the previous line's value, one line plus a newline back (<= W). Plain:
-    # the last step's sign and operand are written after the prompt's last operand (the token before ".\n") has
-    # left the window. Catches a comparison whose sliding-window arm fails by construction on both variants.
-    window = 24
+def test_what_a_sliding_window_can_reach_in_each_variant_of_the_comparison():
+    # The premises of benchmarks/ps_vs_sw.py, in tokens of the byte-level tokenizer, at W = 24 and the recipe's
+    # 2 layers. The token at position p is predicted by the query at p - 1; under sliding_window:W one layer reads
+    # keys up to W - 1 back, L layers up to L·(W - 1) = 46 back. Plain, 4 steps: the last step's operand, given in
+    # the prompt, is within 46 (a 2-layer sliding window can in principle finish). Plain, 8 steps: it is beyond
+    # (it cannot). Restated, 4 steps: each line's first operation copied from the prompt, and each line's value
+    # from the previous line, within one window (W - 1). Catches a comparison whose sliding-window arm fails or
+    # succeeds by construction where the writeup says otherwise (e.g. one layer's W taken for the reach).
+    window, layers = 24, yaml.safe_load(SFT_CONFIG.read_text())["model"]["num_layers"]
+    reach = layers * (window - 1)
+    assert reach == 46
     tokenizer = build_tokenizer()
-    ntok = lambda text: len(tokenizer(text).input_ids)
-    for restate in (True, False):
-        for problem in ArithTask(num_steps=(4, 4), restate=restate).problems(50, "eval"):
+    ntok = lambda text: len(tokenizer(text).input_ids)  # noqa: E731
+    for steps, restate in ((4, False), (8, False), (4, True)):
+        for problem in ArithTask(num_steps=(steps, steps), restate=restate).problems(50, "eval"):
             prompt = problem["prompt"]
-            before_ops = ntok(prompt.split("Apply ")[0] + "Apply ")  # position of the prompt's first operation
             lines = problem["solution"].split("</think>")[0].split("\n")[1:-1]
             if restate:
                 first_op = ntok(prompt) + ntok("<think>\n" + lines[0].split(" ")[0] + " ")
-                assert first_op - before_ops <= window
-                for previous, line in itertools.pairwise(lines):
-                    assert ntok(previous + "\n") + 1 <= window  # line's second digit still sees previous's first
-            else:
-                last_operand = ntok(prompt) + ntok("<think>\n" + "\n".join(lines[:-1]) + "\n") + 2  # "h+5": the 5
-                assert (last_operand - 1) - (ntok(prompt) - 3) >= window  # the prompt's "5" of "h+5.\n" is gone
+                assert (first_op - 1) - ntok(prompt.split("Apply ")[0] + "Apply ") <= window - 1
+                assert all(ntok(previous + "\n") <= window - 1 for previous in lines)
+            else:  # the last step line "h+5=NN": its operand "5" and the prompt's "5" of "h+5.\n"
+                operand = ntok(prompt) + ntok("<think>\n" + "\n".join(lines[:-1]) + "\n") + 2
+                distance = (operand - 1) - (ntok(prompt) - 3)
+                assert distance <= reach if steps == 4 else distance > reach, (steps, distance)

@@ -18,8 +18,9 @@ With byte-level tokens a step line is 7 tokens (every value has two digits by de
 window of 24 tokens holds the last three lines: the running value and the current step letter.
 The operation of the next step is only in the prompt, looked up by its letter, and so is the
 number of steps. Under ``prefix_sliding:W`` the prompt stays visible and the chain can be finished;
-under ``sliding_window:W`` the prompt leaves the window after the first few lines and the remaining
-operations are unknowable.
+under ``sliding_window:W`` the prompt leaves each layer's window after the first few lines. An L-layer model
+still reads L·(W - 1) positions back through its layers (46 at the default W = 24 and 2 layers), so the
+operations a chain needs after that are unknowable: the last ones of an 8-12-step chain, none of a 4-step one.
 
 With ``restate`` the chain's state lives in its last line rather than in the prompt: the first thinking line is
 the start value followed by every operation (copied from the prompt), and each later line the running value
