@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.seed_chains import (  # noqa: E402
     ROOT,
     add_chain_args,
+    mean_sd,
     eval_command,
     read_results,
     run,
@@ -66,9 +67,6 @@ def chain(seed: int, args: argparse.Namespace) -> dict:
     seconds["eval"] = run(eval_command(EVAL, d, seed, args, lambda entry: where[entry["label"]]), d / "eval.log")
     return seconds
 
-
-def mean_sd(values: list[float]) -> tuple[float, float]:
-    return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 
 def summarize(out: Path, seeds: list[int], seconds: dict[int, dict]) -> str:

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -43,6 +42,7 @@ from benchmarks.seed_chains import (
     ROOT,
     SLIDERL,
     add_chain_args,
+    mean_sd,
     run,
     run_seeds,
     sft_command,
@@ -125,10 +125,6 @@ def read_rows(out: Path, seeds: list[int]) -> list[dict]:
     return rows
 
 
-def mean_sd(values: list[float]) -> tuple[float, float]:
-    """Mean and sample SD (n - 1; 0 for one seed)."""
-    return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0
-
 
 def plot(stats: list[dict], path: Path) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -182,15 +178,11 @@ def main() -> None:
                         help="which task variants to train and evaluate (the summary reads every one under --out)")
     parser.add_argument("--problems", type=int, default=64, help="eval problems per variant")
     parser.add_argument("--k", type=int, default=4, help="samples per problem")
-    parser.add_argument("--report-only", action="store_true", help="redraw the summary and plot from --out")
     args = parser.parse_args()
     if min(args.window, args.problems, args.k, args.sft_steps) < 1:
         parser.error(f"--window, --problems, --k and --sft-steps must be >= 1, got {args.window}, {args.problems}, "
                      f"{args.k}, {args.sft_steps}")
     args.out = args.out.resolve()
-    if args.report_only:
-        print(summarize(args.out, args.seeds, {s: {} for s in args.seeds}))
-        return
     run_seeds(args, chain, summarize)
 
 

@@ -9,6 +9,7 @@ import argparse
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -115,21 +116,30 @@ def write_summary(out: Path, title: str, script: str, seeds: list[int], seconds:
     return text
 
 
+def mean_sd(values: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (n - 1) over seeds; 0 for one seed."""
+    return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+
 def add_chain_args(parser: argparse.ArgumentParser, out: str) -> None:
-    """The options every seeds script takes: ``--seeds``, ``--device``, ``--out`` (default ``out``) and
-    ``--sft/--train/--eval KEY=VALUE ...`` (``args.{sft,train,eval}_overrides``)."""
+    """The options every seeds script takes: ``--seeds``, ``--device``, ``--out`` (default ``out``),
+    ``--sft/--train/--eval KEY=VALUE ...`` (``args.{sft,train,eval}_overrides``) and ``--report-only``."""
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--out", type=Path, default=Path(out))
     for stage in ("sft", "train", "eval"):
         parser.add_argument(f"--{stage}", dest=f"{stage}_overrides", nargs="+", default=[], metavar="KEY=VALUE",
                             help=f"settings for every {stage} command (e.g. --sft sft.steps=900)")
+    parser.add_argument("--report-only", action="store_true", help="redraw the summary and plots from --out")
 
 
 def run_seeds(args: argparse.Namespace, chain: Callable[[int, argparse.Namespace], dict],
               summarize: Callable[[Path, list[int], dict[int, dict]], str]) -> None:
     """Every seed's ``chain`` at once (one thread each; a chain returns its seconds per stage), then the summary
-    over seeds printed."""
+    over seeds printed; with ``--report-only``, only the summary, redrawn from ``--out``."""
+    if args.report_only:
+        print(summarize(args.out, args.seeds, {s: {} for s in args.seeds}))
+        return
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     start = time.perf_counter()
     with ThreadPoolExecutor(len(args.seeds)) as pool:

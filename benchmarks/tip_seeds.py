@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.seed_chains import (  # noqa: E402
     ROOT,
     add_chain_args,
+    mean_sd,
     eval_command,
     read_results,
     run,
@@ -100,10 +101,6 @@ def over_seeds(rows: dict[str, list[dict]], seeds: list[int]) -> list[EntryResul
     return results
 
 
-def mean_sd(values: list[float]) -> tuple[float, float]:
-    """Mean and sample SD (n - 1) over seeds; SD 0 for one seed."""
-    return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0
-
 
 def summarize(out: Path, seeds: list[int], seconds: dict[int, dict]) -> str:
     """Mean ± sample sd over seeds of every comparison entry, with ratios to Dense; writes summary.md/jsonl."""
@@ -135,12 +132,8 @@ def main() -> None:
                         help="stage 2's steps (default: the recipe's train.steps; its last checkpoint is evaluated)")
     parser.add_argument("--grpo-seconds", type=float, default=None,
                         help="stop stage 2 after this many seconds and evaluate its last checkpoint (a time-boxed run)")
-    parser.add_argument("--report-only", action="store_true", help="redraw the summary and plots from --out")
     args = parser.parse_args()
     args.out = args.out.resolve()
-    if args.report_only:
-        print(summarize(args.out, args.seeds, {s: {} for s in args.seeds}))
-        return
     run_seeds(args, chain, summarize)
 
 
