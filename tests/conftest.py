@@ -49,20 +49,27 @@ def tiny_model_factory(tmp_path_factory):
     return make
 
 
+def boosted_token_model(directory: Path, tokens: tuple[str, ...]) -> Path:
+    """A tiny untied Qwen3 with ``tokens`` added as special tokens (the last rows of its vocabulary), their lm_head
+    rows scaled to twice the head's spread (seeded) so greedy decoding emits them now and then."""
+    from safetensors.torch import load_file, save_file
+
+    from sliderl.core.tiny import make_tiny_model
+
+    path = make_tiny_model(directory, "qwen3", tie_word_embeddings=False, extra_special_tokens=tuple(tokens))
+    weights = load_file(path / "model.safetensors")
+    head = weights["lm_head.weight"].clone()
+    n = len(tokens)
+    head[-n:] = torch.randn(n, head.shape[1], generator=torch.Generator().manual_seed(1)) * head.std() * 2.0
+    weights["lm_head.weight"] = head
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
 @pytest.fixture(scope="session")
 def register_model(tmp_path_factory):
     """A tiny untied Qwen3 with ``<reg_0..2>`` whose lm_head rows are boosted so greedy decoding emits
     registers often (about one token in five), giving steps that are killed and evicted."""
-    from safetensors.torch import load_file, save_file
-
     from sliderl.core.kv_policy import register_tokens
-    from sliderl.core.tiny import make_tiny_model
 
-    path = make_tiny_model(tmp_path_factory.mktemp("reg") / "m", "qwen3", tie_word_embeddings=False,
-                           extra_special_tokens=tuple(register_tokens(3)))
-    weights = load_file(path / "model.safetensors")
-    head = weights["lm_head.weight"].clone()
-    head[-3:] = torch.randn(3, head.shape[1], generator=torch.Generator().manual_seed(1)) * head.std() * 2.0
-    weights["lm_head.weight"] = head
-    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
-    return path
+    return boosted_token_model(tmp_path_factory.mktemp("reg") / "m", tuple(register_tokens(3)))

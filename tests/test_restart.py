@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import boosted_token_model
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from sliderl.core.kv_policy import KVPolicy
@@ -156,19 +157,9 @@ def test_last_k_overlap_equals_serial(tiny_model_factory):
 def summary_model(tmp_path_factory):
     """A tiny untied Qwen3 with <tool_call>, </tool_call> whose lm_head rows are boosted so greedy decoding calls
     the tool itself now and then (and sometimes closes it itself), beside the calls summary forcing opens."""
-    from safetensors.torch import load_file, save_file
-
     from sliderl.core.restart import RESTART_TOKENS
-    from sliderl.core.tiny import make_tiny_model
 
-    path = make_tiny_model(tmp_path_factory.mktemp("summary") / "m", "qwen3", tie_word_embeddings=False,
-                           extra_special_tokens=RESTART_TOKENS)
-    weights = load_file(path / "model.safetensors")
-    head = weights["lm_head.weight"].clone()
-    head[-2:] = torch.randn(2, head.shape[1], generator=torch.Generator().manual_seed(1)) * head.std() * 2.0
-    weights["lm_head.weight"] = head
-    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
-    return path
+    return boosted_token_model(tmp_path_factory.mktemp("summary") / "m", tuple(RESTART_TOKENS))
 
 
 CHAT = [60, 61, 62, 258, 10, 70, 71]  # "...<|im_end|>\n..." : the summary goes before the <|im_end|> (id 258)
