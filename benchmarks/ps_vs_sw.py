@@ -78,7 +78,7 @@ def eval_config(seed_dir: Path, variant: str, seed: int, args: argparse.Namespac
     cfg = yaml.safe_load((ROOT / "configs" / "sft-tiny-arith.yaml").read_text())
     restate, steps = VARIANTS[variant]
     task = {**cfg["task"], "num_steps": [steps, steps], "restate": restate, "train_size": 64,
-            "eval_size": max(args.problems, 1)}
+            "eval_size": args.problems}
     out = {"task": task, "model": cfg["model"], "warmstart": {"enabled": False},
            "engine": {"num_blocks": 4096, "device": args.device}, "sampling": {"max_tokens": MAX_TOKENS},
            "eval": {"num_problems": args.problems,
