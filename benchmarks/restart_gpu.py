@@ -158,8 +158,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
         args.policies, args.batches, args.tokens = ["prefix_sliding:48", "last_k:48:8", "summary:56:50"], [2], 120
     with tempfile.TemporaryDirectory() as tmp:
         path = args.model or build_model(Path(tmp), args.smoke)
-        rows = [bench(path, spec, batch, args.tokens, args) for batch in args.batches for spec in args.policies]
-    write_report(rows, args.out)
+        rows = []
+        for batch in args.batches:
+            for spec in args.policies:
+                rows.append(bench(path, spec, batch, args.tokens, args))
+                write_report(rows, args.out)  # after each row: a call cut at its time limit keeps what it measured
     return rows
 
 
