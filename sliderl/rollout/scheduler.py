@@ -17,6 +17,7 @@ class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_tokens: list[int] = field(default_factory=list)
     computed: bool = False  # its tokens were marked computed (``mark_computed``)
+    budget_ran_out: bool = False  # running sequences were left out: the token budget ended before their turn
     dead: list[list[int]] = field(default_factory=list)
 
     def add(self, seq: Sequence, n: int, dead: list[int] | None = None) -> None:
@@ -118,15 +119,17 @@ class Scheduler:
         """The next decode step of ``batch``'s sequences, allocated now, before ``batch``'s sampled tokens are known.
 
         Only when that step is certain to be needed as it is: every sequence samples in ``batch``, no
-        request that could be admitted now waits (it would be starved), budget forcing cannot replace a sampled
+        request that could be admitted now waits and the token budget left no running sequence out of ``batch``
+        (either would be starved: the queued steps hold ``batch``'s sequences alone), budget forcing cannot replace a sampled
         token, no Pasta request has a change not yet scheduled (``Sequence.may_run_ahead``), every sequence stays
         within ``max_model_len``, and the pool has the blocks without preempting anyone. ``batch`` is then marked
         computed. A sequence whose row in ``batch`` is its last (``Sequence.samples_on``: a Pasta fork writing
         its ``</async>``) gets none; the rows follow ``batch``'s order. (A register kill is known only once the
         tokens are read: the run-ahead stepper redoes the rows it affects.)
         """
-        if (self.waiting and self.can_admit(self.waiting[0])) or len(batch.sampling_rows()) != len(batch):
-            return None
+        if ((self.waiting and self.can_admit(self.waiting[0])) or batch.budget_ran_out
+                or len(batch.sampling_rows()) != len(batch)):
+            return None  # queued steps hold only ``batch``'s sequences: those left out would wait behind them
         new_blocks, going = 0, [seq for seq in batch.seqs if seq.samples_on]
         for seq in going:
             i = len(seq.token_ids)  # the queued row computes the token sampled in ``batch``, index i
@@ -149,11 +152,16 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             threads = self.running[i].threads()
             for seq in threads:
-                n = self._schedule_thread(batch, seq, budget) if budget > 0 else 0
+                if budget <= 0:
+                    batch.budget_ran_out = True
+                    break
+                n = self._schedule_thread(batch, seq, budget)
                 if n is None:  # its request was preempted: it was the last one running
                     return budget
                 budget -= n
             i += len(threads)
+        if i < len(self.running):
+            batch.budget_ran_out = True
         return budget
 
     def _schedule_thread(self, batch: ScheduledBatch, seq: Sequence, budget: int) -> int | None:
