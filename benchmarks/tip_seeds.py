@@ -9,7 +9,11 @@ For every seed S (all seeds at once, one process chain each)::
     sliderl eval OUT/sS/eval.yaml        # configs/tip-eval.yaml with this seed's checkpoints
 
 (the two SFT stages run side by side; stage 2 starts from the stage-1 checkpoint rather than re-running
-it as its warm start). Then one table over seeds (mean ± sd) of every entry of the comparison — avg@k,
+it as its warm start). ``--dense-arms`` adds the two Dense arms a fair comparison needs (issue 41): **Dense-long**,
+the Dense SFT at twice the recipe's SFT steps (more training than TIP's SFT + GRPO: 500 more steps of 16
+demonstrations against GRPO's 25 steps of 64 rollouts), side by side with the other two, and **Dense-GRPO**, stage
+2's recipe from the Dense checkpoint under ``engine.kv=full`` with the KV penalty removed (``reward.kv_penalty=null``:
+the same RL stage and reward minus its KV term), side by side with stage 2; both are evaluated beside the rest. Then one table over seeds (mean ± sd) of every entry of the comparison — avg@k,
 pass@k, mean live KV, throughput, decode seconds — and each entry's ratios to Dense, in OUT/summary.md
 and OUT/summary.jsonl, and the three Pareto plots over seeds (each point an entry's mean ± sd) in
 OUT/over-seeds/. ``--device cuda`` puts every learner and engine on the GPU (one GPU is shared by
@@ -27,6 +31,8 @@ import argparse
 import statistics
 import sys
 from pathlib import Path
+
+import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.seed_chains import (  # noqa: E402
@@ -48,7 +54,8 @@ from sliderl.cluster.eval.report import write_report  # noqa: E402
 from sliderl.cluster.run.checkpoints import MARKER  # noqa: E402
 
 RECIPES = ("tip", "tip-gpu")  # configs/RECIPE-{sft,grpo,eval}.yaml: the CPU default, the GPU-scale variant
-METRICS = ("avg_at_k", "pass_at_k", "mean_live_kv", "peak_live_kv", "tokens_per_second", "decode_seconds")
+METRICS = ("avg_at_k", "pass_at_k", "mean_live_kv", "peak_live_kv", "kv_token_steps", "tokens_per_second",
+           "decode_seconds")
 
 
 def latest_checkpoint(run_dir: Path) -> Path:
@@ -69,8 +76,24 @@ def compare_command(seed_dir: Path, seed: int, args: argparse.Namespace) -> list
     runs = f"runs/{args.recipe}"
     where = {f"{runs}-dense/": seed_dir / "dense" / "model", f"{runs}-sft/": seed_dir / "sft" / "model",
              f"{runs}-grpo/": latest_checkpoint(seed_dir / "grpo")}  # stage 2: whichever step it reached
-    return eval_command(recipe(args.recipe, "eval"), seed_dir, seed, args, lambda entry: next(
+    template = recipe(args.recipe, "eval")
+    if args.dense_arms:
+        where |= {f"{runs}-dense-long/": seed_dir / "dense-long" / "model",
+                  f"{runs}-dense-grpo/": latest_checkpoint(seed_dir / "dense-grpo")}
+        cfg = yaml.safe_load(template.read_text())
+        cfg["eval"]["compare"]["entries"][1:1] = [
+            {"label": "Dense-long", "checkpoint": f"{runs}-dense-long/model", "kv": "full"},
+            {"label": "Dense-GRPO", "checkpoint": f"{runs}-dense-grpo/model", "kv": "full"}]
+        template = seed_dir / "eval-template.yaml"
+        template.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return eval_command(template, seed_dir, seed, args, lambda entry: next(
         path for prefix, path in where.items() if entry["checkpoint"].startswith(prefix)))
+
+
+def sft_steps(args: argparse.Namespace) -> int:
+    """The SFT steps of this run's recipe (``--sft sft.steps=N`` wins)."""
+    given = [o.split("=", 1)[1] for o in args.sft_overrides if o.startswith("sft.steps=")]
+    return int(given[-1]) if given else int(yaml.safe_load(recipe(args.recipe, "sft").read_text())["sft"]["steps"])
 
 
 def chain(seed: int, args: argparse.Namespace) -> dict:
@@ -79,11 +102,21 @@ def chain(seed: int, args: argparse.Namespace) -> dict:
     d.mkdir(parents=True, exist_ok=True)
     sft_config = recipe(args.recipe, "sft")
     sft = sft_command(sft_config, d / "sft", seed, args)
-    dense = sft_command(sft_config, d / "dense", seed, args, "kv=full", "data.task_solution=solution_dense")
-    seconds = side_by_side({"sft": (sft, d / "sft.log"), "dense": (dense, d / "dense.log")})
+    dense_args = ("kv=full", "data.task_solution=solution_dense")
+    stage1 = {"sft": (sft, d / "sft.log"), "dense": (sft_command(sft_config, d / "dense", seed, args, *dense_args),
+                                                      d / "dense.log")}
+    if args.dense_arms:  # its own steps after --sft's, so that they win over an sft.steps there
+        long = sft_command(sft_config, d / "dense-long", seed, args, *dense_args) + [f"sft.steps={2 * sft_steps(args)}"]
+        stage1["dense-long"] = (long, d / "dense-long.log")
+    seconds = side_by_side(stage1)
     steps = [f"train.steps={args.grpo_steps}"] if args.grpo_steps else []
     train = train_command(recipe(args.recipe, "grpo"), d / "grpo", d / "sft" / "model", seed, args, *steps)
-    seconds["grpo"] = run(train, d / "grpo.log", args.grpo_seconds, why="as --grpo-seconds asks")
+    if args.dense_arms:
+        dense_train = train_command(recipe(args.recipe, "grpo"), d / "dense-grpo", d / "dense" / "model", seed, args,
+                                    *steps, "engine.kv=full", "reward.kv_penalty=null")
+        seconds |= side_by_side({"grpo": (train, d / "grpo.log"), "dense-grpo": (dense_train, d / "dense-grpo.log")})
+    else:
+        seconds["grpo"] = run(train, d / "grpo.log", args.grpo_seconds, why="as --grpo-seconds asks")
     seconds["eval"] = run(compare_command(d, seed, args), d / "eval.log")
     return seconds
 
@@ -106,18 +139,22 @@ def summarize(out: Path, seeds: list[int], seconds: dict[int, dict]) -> str:
     """Mean ± sample sd over seeds of every comparison entry, with ratios to Dense; writes summary.md/jsonl."""
     rows = read_results(out, seeds)
     dense = rows["Dense"]
-    body = ["| entry | avg@k | pass@k | mean live KV | KV / Dense | tok/s | tok/s / Dense | decode s |",
-            "|---|---|---|---|---|---|---|---|"]
+    body = [("| entry | avg@k | pass@k | mean live KV | KV / Dense | peak live KV | KV x steps | KV x steps / Dense "
+             "| tok/s | tok/s / Dense | decode s |"), "|---" * 11 + "|"]
     summary = []
     for label, runs in rows.items():
-        stat = {m: mean_sd([r[m] for r in runs]) for m in METRICS}
+        stat = {m: mean_sd([r.get(m, 0.0) for r in runs]) for m in METRICS}  # kv_token_steps: 0 in old rows
         kv_ratio = statistics.mean(r["mean_live_kv"] / d["mean_live_kv"] for r, d in zip(runs, dense))
+        steps_ratio = statistics.mean(r.get("kv_token_steps", 0.0) / d["kv_token_steps"] if d.get("kv_token_steps")
+                                      else float("nan") for r, d in zip(runs, dense))
         tps_ratio = statistics.mean(r["tokens_per_second"] / d["tokens_per_second"] for r, d in zip(runs, dense))
         summary.append({"label": label, "seeds": seeds, **{m: v[0] for m, v in stat.items()},
                         **{f"{m}_sd": v[1] for m, v in stat.items()}, "kv_over_dense": kv_ratio,
-                        "tps_over_dense": tps_ratio, "per_seed": [r["avg_at_k"] for r in runs]})
+                        "tps_over_dense": tps_ratio, "kv_steps_over_dense": steps_ratio,
+                        "per_seed": [r["avg_at_k"] for r in runs]})
         f = lambda m, p: f"{stat[m][0]:.{p}f} ± {stat[m][1]:.{p}f}"  # noqa: E731
         body.append(f"| {label} | {f('avg_at_k', 3)} | {f('pass_at_k', 3)} | {f('mean_live_kv', 1)} | {kv_ratio:.2f} "
+                    f"| {f('peak_live_kv', 0)} | {f('kv_token_steps', 0)} | {steps_ratio:.2f} "
                     f"| {f('tokens_per_second', 0)} | {tps_ratio:.2f} | {f('decode_seconds', 1)} |")
     write_report(over_seeds(rows, seeds), out / "over-seeds")  # results.md/jsonl and pareto_*.png, mean ± sd
     return write_summary(out, "TIP in miniature", "tip_seeds.py", seeds, seconds, body, summary)
@@ -130,6 +167,8 @@ def main() -> None:
                         help="configs/RECIPE-{sft,grpo,eval}.yaml: tip (the CPU default) or tip-gpu (GPU scale)")
     parser.add_argument("--grpo-steps", type=int, default=None,
                         help="stage 2's steps (default: the recipe's train.steps; its last checkpoint is evaluated)")
+    parser.add_argument("--dense-arms", action="store_true",
+                        help="add Dense-long (2x the SFT steps) and Dense-GRPO (stage 2 under kv=full, no KV penalty)")
     parser.add_argument("--grpo-seconds", type=float, default=None,
                         help="stop stage 2 after this many seconds and evaluate its last checkpoint (a time-boxed run)")
     args = parser.parse_args()

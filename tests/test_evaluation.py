@@ -26,7 +26,8 @@ class Completion:
     """The fields of a RequestOutput that scoring reads."""
 
     def __init__(self, text: str, tokens: int, mean_kv: float, peak_kv: int):
-        self.text, self.token_ids, self.kv = text, list(range(tokens)), KVUsage(peak_kv, mean_kv, 1)
+        self.text, self.token_ids = text, list(range(tokens))
+        self.kv = KVUsage(peak_kv, mean_kv, 1, round(mean_kv * tokens))  # token steps: mean live KV x length
 
 
 def test_pass_at_k_is_the_unbiased_estimate():
@@ -51,7 +52,8 @@ def test_score_samples_against_hand_computed_values():
     # - samples read sample-major (outputs[j * P + i]) instead of problem-major: each problem's "samples"
     #   then hold other problems' answers (correct counts 0, 1, 2: avg 0.25);
     # - mean live KV averaged over peaks (70), or peak taken as the largest mean (120);
-    # - throughput from the mean tokens per completion instead of all tokens (10.5 / 2 = 5.25 tok/s).
+    # - throughput from the mean tokens per completion instead of all tokens (10.5 / 2 = 5.25 tok/s);
+    # - KV x steps taken as mean live KV x mean length (65 x 10.5 = 682.5) instead of each completion's own sum.
     problems = [Problem("p0", "q0", "11"), Problem("p1", "q1", "22"), Problem("p2", "q2", "33")]
     k = 4
     # problem 0: 0 of 4 correct, problem 1: 1 of 4, problem 2: 4 of 4
@@ -68,6 +70,9 @@ def test_score_samples_against_hand_computed_values():
     assert result.mean_live_kv == pytest.approx(65.0) and result.peak_live_kv == 125
     # tokens = 5 + 6 + ... + 16 = 12 * (5 + 16) / 2 = 126; throughput = 126 / 2 s = 63 tok/s
     assert result.generated_tokens == 126 and result.tokens_per_second == pytest.approx(63.0)
+    # KV x steps per completion: 10 (n + 1) (5 + n) for n = 0 .. 11, i.e. 10 * sum(n^2 + 6n + 5)
+    # = 10 * (506 + 396 + 60) = 9620 over 12 completions = 801.67 (not 65 x 10.5 = 682.5)
+    assert result.kv_token_steps == pytest.approx(9620 / 12)
     assert result.decode_seconds == 2.0 and result.num_problems == 3 and result.k == 4
     with pytest.raises(ValueError, match="3 problems x k=4"):
         score_samples(outputs[:-1], problems, k, VERIFIER, 2.0)

@@ -57,7 +57,7 @@ def test_grpo_ratio_uses_the_sampler_logprob_of_each_token(tiny_model_factory):
     # Catches: the sampler's logprobs entering the loss misaligned with the tokens (flipped, shifted
     # by one). The loss is recomputed here by hand from the model's own logprobs and the per-token
     # sampler logprobs: token t's ratio is exp(lp_t - b_t), clipped to [1 - 0.2, 1 + 0.28], loss
-    # -mean(min(r A, clip(r) A)). Planted by reversing the behaviour slice in Learner._trace_rows,
+    # -mean(min(r A, clip(r) A)). Planted by reversing the behaviour slice in TraceWindows.rows (trainer.trace_rows),
     # the loss differs.
     path = tiny_model_factory(arch="qwen3")
     model = load_model(path)

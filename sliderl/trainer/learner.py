@@ -25,9 +25,6 @@ import torch
 
 from sliderl.core.kv_policy import KVPolicy, register_tokens
 from sliderl.core.loader import DTYPES, load_model, load_tokenizer
-from sliderl.core.pasta import PastaLayout, PastaTokenIds
-from sliderl.core.restart import segments
-from sliderl.core.planned_diffusion import NoisedLayout, PDLayout, PDTokenIds, SpanNoise
 from sliderl.core.trace import Trace
 from sliderl.core.vocab import bind_policy_vocab, policy_tokens
 from sliderl.trainer.algorithms import Algorithm, Row, Selection, Totals, make_algorithm
@@ -54,10 +51,7 @@ from sliderl.trainer.manifest import Manifest, check_intact
 from sliderl.trainer.metrics import Evaluation, StepMetrics
 from sliderl.trainer.optimizer import make_optimizer
 from sliderl.trainer.parallel import Parallel
-from sliderl.trainer.restarts import segment_windows
-from sliderl.trainer.windows import training_windows
-
-WINDOWED_KINDS = ("prefix_sliding", "sliding_window", "streaming")
+from sliderl.trainer.trace_rows import TraceWindows, check_trace
 
 
 @dataclass
@@ -106,9 +100,7 @@ class Learner:
         self.optimizer: torch.optim.Optimizer | None = None  # made once the vocabulary is complete
         self.version = 0
         self._policies: dict[str, KVPolicy] = {}
-        self._pasta_tags: PastaTokenIds | None = None  # looked up at the first pasta trace
-        self._pd_tokens: PDTokenIds | None = None  # looked up at the first planned_diffusion trace
-        self._noise: torch.Generator | None = None  # this step's span noise (None while evaluating: t = 1)
+        self.windows = TraceWindows(args, self.tokenizer, self.algorithm)  # each trace's windows and rows
         self.vocab_policy = self._bind(args.vocab_policy) if args.vocab_policy else None
         self._bind("full")  # grows the model when the tokenizer already has more tokens, as the engine does
         self._parallelize()
@@ -170,7 +162,7 @@ class Learner:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         self._check_groups(groups)
-        self._noise = torch.Generator().manual_seed(self.args.seed * 1_000_003 + self.version)
+        self.windows.noise = torch.Generator().manual_seed(self.args.seed * 1_000_003 + self.version)
         selection = self.algorithm.select(groups)
         units, inputs, skipped = self._units(selection)
         lr = self.args.lr_at(self.version)
@@ -243,68 +235,7 @@ class Learner:
     def _trace_rows(self, index: int, trace: Trace, advantage: float = 0.0, role: str = "",
                     group_size: int = 0) -> list[tuple[Row, WindowInput]]:
         """The trace's training windows under its own policy, those with a loss token, as (row, input)."""
-        policy = self._trace_policy(trace)
-        if not trace.completion_token_ids:
-            return []
-        forced = trace.forced or [False] * len(trace.completion_token_ids)
-        sampler = torch.tensor(trace.logprobs, dtype=torch.float32) if trace.logprobs else None
-        out = []
-        for item, offset in self._windows(trace, policy):
-            w = item.window
-            mask = item.loss_mask(forced[offset:offset + w.num_generated])
-            if mask.any():
-                # a planned_diffusion trace's diffusion targets have no sampler logprob
-                aligned = sampler is not None and item.num_targets == w.num_targets
-                behaviour = sampler[offset + w.target_start:offset + w.target_end] if aligned else None
-                noise_t = item.layout.noise.t if isinstance(item.layout, NoisedLayout) else 1.0
-                out.append((Row(index, advantage, role, mask, behaviour, group_size=group_size,
-                                target_kind=item.target_kind(), noise_t=noise_t), item))
-        return out
-
-    def _windows(self, trace: Trace, policy: KVPolicy) -> list[tuple[WindowInput, int]]:
-        """The trace's windows, each with the completion index of its window's first generated token: the whole
-        trace's windows (offset 0), or one per segment of a restart trace (``trainer.restarts``)."""
-        prompt_len, num_generated = len(trace.prompt_token_ids), len(trace.completion_token_ids)
-        if policy.restarts:
-            tail = self.args.window if self.args.window_mode == "truncated" else None
-            return [(w.item, w.offset) for w in segment_windows(trace.prompt_token_ids, trace.completion_token_ids,
-                                                                trace.restarts, trace.temperature, tail)]
-        layout = {"pasta": self._pasta_layout, "planned_diffusion": self._pd_layout}.get(policy.kind,
-                                                                                       lambda _: None)(trace)
-        window = self.args.window or (policy.window if policy.kind in WINDOWED_KINDS else None)
-        windows = training_windows(self.args.window_mode, prompt_len, num_generated, window, self.args.multiplier)
-        ids = torch.tensor([*trace.prompt_token_ids, *trace.completion_token_ids], dtype=torch.int64)
-        death = policy.death_positions(prompt_len, ids, trace.death_ranges)  # h2o: the engine's evictions too
-        return [(WindowInput(ids, death, w, trace.temperature, layout), 0) for w in windows]
-
-    def _pd_layout(self, trace: Trace) -> NoisedLayout:
-        """The spans of a planned_diffusion trace with this step's noise draw (t = 1 while evaluating)."""
-        self._whole_trace_only(trace, "planned_diffusion")
-        if not self.algorithm.trains_spans:
-            raise ValueError(f"trace {trace.trace_id!r} has KV policy planned_diffusion, whose spans train with the "
-                             f"hybrid objective only: learner.algo.type must be planned_diffusion, got "
-                             f"{self.algorithm.name}")
-        if self._pd_tokens is None:
-            self._pd_tokens = PDTokenIds.from_tokenizer(self.tokenizer)
-        layout = PDLayout.parse(len(trace.prompt_token_ids), trace.completion_token_ids, self._pd_tokens,
-                                self.tokenizer.decode, trace.forced)
-        t = None if self._noise is not None else 1.0
-        noise = SpanNoise.draw(layout, self._noise or torch.Generator().manual_seed(0), t)
-        return NoisedLayout(layout, noise, self._pd_tokens.mask)
-
-    def _whole_trace_only(self, trace: Trace, kind: str) -> None:
-        if self.args.window_mode != "full":
-            raise ValueError(f"trace {trace.trace_id!r} has KV policy {kind}, which trains on the whole trace only "
-                             f"(its {'forks' if kind == 'pasta' else 'spans'}' keys and position ids span it): "
-                             f"window_mode={self.args.window_mode!r} is not valid for it; set window_mode='full'")
-
-    def _pasta_layout(self, trace: Trace) -> PastaLayout:
-        """The threads of a pasta trace; they span the whole trace, so it trains only with window_mode 'full'."""
-        self._whole_trace_only(trace, "pasta")
-        if self._pasta_tags is None:
-            self._pasta_tags = PastaTokenIds.from_tokenizer(self.tokenizer)
-        return PastaLayout.parse(len(trace.prompt_token_ids), trace.completion_token_ids, self._pasta_tags,
-                                 self.tokenizer.decode, trace.forced)
+        return self.windows.rows(index, trace, self._trace_policy(trace), advantage, role, group_size)
 
     def _trace_policy(self, trace: Trace) -> KVPolicy:
         try:
@@ -313,48 +244,7 @@ class Learner:
             raise ValueError(f"trace {trace.trace_id!r}: {err}") from None
 
     def _check_trace(self, trace: Trace) -> None:
-        name, n = f"trace {trace.trace_id!r}", len(trace.completion_token_ids)
-        self._check_restarts(name, trace)
-        if not trace.prompt_token_ids:
-            raise ValueError(f"{name} has an empty prompt; a trace needs at least one prompt token")
-        sft_data = not trace.logprobs and not self.algorithm.needs_sampler_logprobs
-        if len(trace.logprobs) != n and not sft_data:
-            raise ValueError(f"{name} has {len(trace.logprobs)} sampler logprobs for {n} completion tokens"
-                             + ("" if trace.logprobs else f" ({self.algorithm.name} needs the sampler's; only sft "
-                                                          "trains on traces without them)"))
-        if trace.forced and len(trace.forced) != n:
-            raise ValueError(f"{name} has {len(trace.forced)} forced flags for {n} completion tokens")
-        length = len(trace.prompt_token_ids) + n
-        for start, end, death in trace.death_ranges:  # raises unless (start, end, death) triples
-            if not 0 <= start < end <= length or death < end:
-                raise ValueError(f"{name} has the kv_deaths range ({start}, {end}, {death}), which does not fit its "
-                                 f"{length} positions (need 0 <= start < end <= {length} and death >= end)")
-        if not all(math.isfinite(x) for x in trace.logprobs):
-            raise ValueError(f"{name} has non-finite sampler logprobs")
-        vocab = self.model.config.vocab_size
-        tails = [t for r in trace.restarts for t in r.context_tail]
-        bad = [t for t in (*trace.prompt_token_ids, *trace.completion_token_ids, *tails) if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"{name} has token id {bad[0]} outside the vocabulary [0, {vocab})")
-        if not (trace.temperature >= 0 and math.isfinite(trace.temperature)):
-            raise ValueError(f"{name} has temperature {trace.temperature}; it must be a finite number >= 0")
-
-    def _check_restarts(self, name: str, trace: Trace) -> None:
-        """A restart trace's restarts fit it (in order, inside it, keeping at most its prompt); no other has any."""
-        if not self._trace_policy(trace).restarts:
-            if trace.restarts:
-                raise ValueError(f"{name} has {len(trace.restarts)} restarts but KV policy {trace.kv_policy!r}, "
-                                 "which never restarts (only last_k and summary do)")
-            return
-        try:
-            segments(trace.prompt_token_ids, len(trace.completion_token_ids), trace.restarts)
-        except ValueError as err:
-            raise ValueError(f"{name}: {err}") from None
-        for r in trace.restarts:
-            if not 0 <= r.kept_prompt <= len(trace.prompt_token_ids) or not r.kept_prompt + len(r.context_tail):
-                raise ValueError(f"{name} has a restart at {r.at} keeping {r.kept_prompt} prompt tokens and "
-                                 f"{len(r.context_tail)} more: it must keep 0..{len(trace.prompt_token_ids)} of the "
-                                 "prompt and leave a non-empty context")
+        check_trace(trace, self._trace_policy(trace), self.model.config.vocab_size, self.algorithm)
 
     def _totals(self, units: list[list[Row]]) -> Totals:
         per_trace: dict[int, int] = {}
@@ -464,7 +354,7 @@ class Learner:
         traces = [t for group in groups for t in group]
         for trace in traces:
             self._trace_policy(trace)
-        self._noise = None  # planned_diffusion: every span body token masked
+        self.windows.noise = None  # planned_diffusion: every span body token masked
         per_trace = [self._trace_rows(i, trace) for i, trace in enumerate(traces)]
         rows = [[row] for pairs in per_trace for row, _ in pairs]
         if not rows:

@@ -73,6 +73,8 @@ class SampledEval:
     lengths: tuple[int, ...] = field(default=(), repr=False)  # each sample's completion tokens (i * k + j)
     critical_paths: tuple[int, ...] = field(default=(), repr=False)  # each sample's longest sequential chain
     speedup: float | None = None  # geometric mean theoretical speedup over a baseline entry (``with_speedup``)
+    kv_token_steps: float = 0.0  # mean over completions of their KV-token-steps: the live KV summed over the
+    # generation (a completion's memory x time; rows written before this field read 0)
 
     @property
     def mean_critical_path(self) -> float:
@@ -146,4 +148,5 @@ def score_samples(outputs: list, problems: list[Problem], k: int, verifier, deco
         tokens_per_second=tokens / decode_seconds if decode_seconds > 0 else 0.0,
         lengths=tuple(len(o.token_ids) for o in outputs),
         critical_paths=tuple(critical_path(o) for o in outputs),
+        kv_token_steps=sum(o.kv.token_steps for o in outputs) / len(outputs),
     )
