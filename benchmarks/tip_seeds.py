@@ -96,6 +96,17 @@ def sft_steps(args: argparse.Namespace) -> int:
     return int(given[-1]) if given else int(yaml.safe_load(recipe(args.recipe, "sft").read_text())["sft"]["steps"])
 
 
+def finished(log: Path) -> bool:
+    """Whether the stage logging to ``log`` completed: an SFT's model manifest or a run's summary.txt is written."""
+    out = log.with_suffix("")
+    return (out / "model" / "manifest.json").is_file() or (out / "summary.txt").is_file()
+
+
+def todo(stages: dict[str, tuple[list[str], Path]], args: argparse.Namespace) -> dict[str, tuple[list[str], Path]]:
+    """The stages to run: all of them, or with ``--keep-done`` those not finished in ``--out`` already."""
+    return {k: v for k, v in stages.items() if not (args.keep_done and finished(v[1]))}
+
+
 def chain(seed: int, args: argparse.Namespace) -> dict:
     """Stage 1 and the Dense baseline side by side, then stage 2, then the comparison; seconds per stage."""
     d = args.out / f"s{seed}"
@@ -108,14 +119,15 @@ def chain(seed: int, args: argparse.Namespace) -> dict:
     if args.dense_arms:  # its own steps after --sft's, so that they win over an sft.steps there
         long = sft_command(sft_config, d / "dense-long", seed, args, *dense_args) + [f"sft.steps={2 * sft_steps(args)}"]
         stage1["dense-long"] = (long, d / "dense-long.log")
-    seconds = side_by_side(stage1)
+    seconds = side_by_side(todo(stage1, args))
     steps = [f"train.steps={args.grpo_steps}"] if args.grpo_steps else []
     train = train_command(recipe(args.recipe, "grpo"), d / "grpo", d / "sft" / "model", seed, args, *steps)
     if args.dense_arms:
         dense_train = train_command(recipe(args.recipe, "grpo"), d / "dense-grpo", d / "dense" / "model", seed, args,
                                     *steps, "engine.kv=full", "reward.kv_penalty=null")
-        seconds |= side_by_side({"grpo": (train, d / "grpo.log"), "dense-grpo": (dense_train, d / "dense-grpo.log")})
-    else:
+        seconds |= side_by_side(todo({"grpo": (train, d / "grpo.log"),
+                                      "dense-grpo": (dense_train, d / "dense-grpo.log")}, args))
+    elif todo({"grpo": (train, d / "grpo.log")}, args):
         seconds["grpo"] = run(train, d / "grpo.log", args.grpo_seconds, why="as --grpo-seconds asks")
     seconds["eval"] = run(compare_command(d, seed, args), d / "eval.log")
     return seconds
@@ -135,6 +147,11 @@ def over_seeds(rows: dict[str, list[dict]], seeds: list[int]) -> list[EntryResul
 
 
 
+def metric(row: dict, name: str) -> float:
+    """An entry's value of ``name`` (its seed's run's where the entry row predates the column; 0 if neither has it)."""
+    return row[name] if name in row else row["runs"][0].get(name, 0.0)
+
+
 def summarize(out: Path, seeds: list[int], seconds: dict[int, dict]) -> str:
     """Mean ± sample sd over seeds of every comparison entry, with ratios to Dense; writes summary.md/jsonl."""
     rows = read_results(out, seeds)
@@ -143,10 +160,10 @@ def summarize(out: Path, seeds: list[int], seconds: dict[int, dict]) -> str:
              "| tok/s | tok/s / Dense | decode s |"), "|---" * 11 + "|"]
     summary = []
     for label, runs in rows.items():
-        stat = {m: mean_sd([r.get(m, 0.0) for r in runs]) for m in METRICS}  # kv_token_steps: 0 in old rows
+        stat = {m: mean_sd([metric(r, m) for r in runs]) for m in METRICS}
         kv_ratio = statistics.mean(r["mean_live_kv"] / d["mean_live_kv"] for r, d in zip(runs, dense))
-        steps_ratio = statistics.mean(r.get("kv_token_steps", 0.0) / d["kv_token_steps"] if d.get("kv_token_steps")
-                                      else float("nan") for r, d in zip(runs, dense))
+        steps_ratio = statistics.mean(metric(r, "kv_token_steps") / metric(d, "kv_token_steps")
+                                      if metric(d, "kv_token_steps") else float("nan") for r, d in zip(runs, dense))
         tps_ratio = statistics.mean(r["tokens_per_second"] / d["tokens_per_second"] for r, d in zip(runs, dense))
         summary.append({"label": label, "seeds": seeds, **{m: v[0] for m, v in stat.items()},
                         **{f"{m}_sd": v[1] for m, v in stat.items()}, "kv_over_dense": kv_ratio,
@@ -169,6 +186,8 @@ def main() -> None:
                         help="stage 2's steps (default: the recipe's train.steps; its last checkpoint is evaluated)")
     parser.add_argument("--dense-arms", action="store_true",
                         help="add Dense-long (2x the SFT steps) and Dense-GRPO (stage 2 under kv=full, no KV penalty)")
+    parser.add_argument("--keep-done", action="store_true",
+                        help="do not run again a stage whose output in --out is complete (e.g. to add --dense-arms)")
     parser.add_argument("--grpo-seconds", type=float, default=None,
                         help="stop stage 2 after this many seconds and evaluate its last checkpoint (a time-boxed run)")
     args = parser.parse_args()

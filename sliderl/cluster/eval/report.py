@@ -21,6 +21,7 @@ COLUMNS = (
     ("pass_at_k", "pass@k", "{:.3f}"),
     ("mean_live_kv", "mean live KV", "{:.1f}"),
     ("peak_live_kv", "peak live KV", "{:.0f}"),
+    ("kv_token_steps", "KV x steps", "{:.0f}"),  # per completion: live KV summed over its generation
     ("generated_tokens", "tokens", "{:.0f}"),
     ("tokens_per_second", "tok/s", "{:.1f}"),
     ("decode_seconds", "decode s", "{:.2f}"),
@@ -30,6 +31,7 @@ OPTIONAL = ("speedup",)  # columns and plots left out when no entry has the metr
 # filename, x metric, x axis label, whether a lower x is better
 PLOTS = (
     ("pareto_live_kv.png", "mean_live_kv", "mean live KV tokens", True),
+    ("pareto_kv_steps.png", "kv_token_steps", "KV x steps per completion (live KV summed over the generation)", True),
     ("pareto_throughput.png", "tokens_per_second", "aggregate throughput (tokens/s)", False),
     ("pareto_decode_time.png", "decode_seconds", "total decode time (s)", True),
     ("pareto_speedup.png", "speedup", "geometric-mean theoretical speedup", False),
