@@ -13,7 +13,8 @@ it as its warm start). ``--dense-arms`` adds the two Dense arms a fair compariso
 the Dense SFT at twice the recipe's SFT steps (more training than TIP's SFT + GRPO: 500 more steps of 16
 demonstrations against GRPO's 25 steps of 64 rollouts), side by side with the other two, and **Dense-GRPO**, stage
 2's recipe from the Dense checkpoint under ``engine.kv=full`` with the KV penalty removed (``reward.kv_penalty=null``:
-the same RL stage and reward minus its KV term), side by side with stage 2; both are evaluated beside the rest. Then one table over seeds (mean ± sd) of every entry of the comparison — avg@k,
+the same RL stage and reward minus its KV term), side by side with stage 2; both are evaluated beside the rest,
+with StreamingLLM and PH2O (on the Dense model) also at 100% of Dense's and of TIP's *peak* live KV. Then one table over seeds (mean ± sd) of every entry of the comparison — avg@k,
 pass@k, mean live KV, throughput, decode seconds — and each entry's ratios to Dense, in OUT/summary.md
 and OUT/summary.jsonl, and the three Pareto plots over seeds (each point an entry's mean ± sd) in
 OUT/over-seeds/. ``--device cuda`` puts every learner and engine on the GPU (one GPU is shared by
@@ -81,9 +82,13 @@ def compare_command(seed_dir: Path, seed: int, args: argparse.Namespace) -> list
         where |= {f"{runs}-dense-long/": seed_dir / "dense-long" / "model",
                   f"{runs}-dense-grpo/": latest_checkpoint(seed_dir / "dense-grpo")}
         cfg = yaml.safe_load(template.read_text())
-        cfg["eval"]["compare"]["entries"][1:1] = [
-            {"label": "Dense-long", "checkpoint": f"{runs}-dense-long/model", "kv": "full"},
-            {"label": "Dense-GRPO", "checkpoint": f"{runs}-dense-grpo/model", "kv": "full"}]
+        entries = cfg["eval"]["compare"]["entries"]
+        entries[1:1] = [{"label": "Dense-long", "checkpoint": f"{runs}-dense-long/model", "kv": "full"},
+                        {"label": "Dense-GRPO", "checkpoint": f"{runs}-dense-grpo/model", "kv": "full"}]
+        for name, kv in (("StreamingLLM", "streaming:4:{budget-4}"), ("PH2O", "h2o:{budget}")):
+            for of in ("Dense", "TIP"):  # the eviction baselines at Dense's peak and TIP's peak live KV
+                entries.append({"label": f"{name}/{of}", "checkpoint": f"{runs}-dense/model", "kv": kv,
+                                "budget_of": of, "budgets": [1.0], "budget_metric": "peak_live_kv"})
         template = seed_dir / "eval-template.yaml"
         template.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return eval_command(template, seed_dir, seed, args, lambda entry: next(

@@ -108,6 +108,21 @@ def test_budgets_are_fractions_of_the_reference_mean_live_kv():
         expand(tiny, "ckpt", reference)  # 0.05 x 50 = 2.5 -> 3, window 3 - 4 < 1
 
 
+def test_budgets_of_the_reference_peak_when_asked():
+    # Catches: budget_metric ignored (the mean, 50, used: 25 and 50), and peak-budgeted entries labelled like
+    # mean-budgeted ones (two "S@100%" rows in one table). Issue 41 asks for H2O and sliding windows at Dense's
+    # peak live KV as well as its mean.
+    reference = EntryResult("Dense", "ckpt", "full", (_run(0.5, 40.0), _run(0.7, 60.0)), (0, 1))  # peaks 41, 61
+    entry = CompareConfig(entries=[{"label": "Dense"}, {"label": "S", "kv": "h2o:{budget}", "budget_of": "Dense",
+                                                        "budgets": [0.5, 1.0], "budget_metric": "peak_live_kv"}]
+                          ).entries[1]
+    half, full = expand(entry, "ckpt", reference)
+    # mean peak over seeds (41 + 61) / 2 = 51; 0.5 x 51 = 25.5 -> 26 (half up)
+    assert (half.label, half.budget, half.kv) == ("S@50% of peak", 26, "h2o:26")
+    assert (full.label, full.budget, full.kv) == ("S@100% of peak", 51, "h2o:51")
+    assert entry.expanded_labels() == ["S@50% of peak", "S@100% of peak"]
+
+
 def test_a_template_cannot_be_a_reference():
     # Catches: chained templates (a budget of a budget), which would run before their reference exists.
     with pytest.raises(ValueError, match="budget_of 'S' is itself a budget template; plain entries: Dense"):

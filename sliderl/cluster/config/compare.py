@@ -8,7 +8,7 @@ per fraction in ``budgets`` (``cluster.eval.comparison``). The budget enters the
 from __future__ import annotations
 
 import re
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
@@ -25,9 +25,9 @@ def fill_budget(template: str, budget: int) -> str:
     return BUDGET.sub(lambda m: str(budget - int(m.group(1) or 0)), template)
 
 
-def budget_label(label: str, fraction: float) -> str:
-    """The label of a template entry expanded at ``fraction``: ``StreamingLLM@25%``."""
-    return f"{label}@{100 * fraction:g}%"
+def budget_label(label: str, fraction: float, metric: str = "mean_live_kv") -> str:
+    """A template's expanded label: ``label@25%``, or ``label@100% of peak`` for a budget of the peak live KV."""
+    return f"{label}@{100 * fraction:g}%" + (" of peak" if metric == "peak_live_kv" else "")
 
 
 class CompareEntry(Section):
@@ -44,6 +44,9 @@ class CompareEntry(Section):
     """Label of the entry whose measured mean live KV the budgets are fractions of (itself not a template)."""
     budgets: list[Annotated[float, Field(gt=0)]] = []
     """Fractions (> 0) of the reference's mean live KV, one expanded entry each, e.g. [0.25, 0.5, 1.0]."""
+    budget_metric: Literal["mean_live_kv", "peak_live_kv"] = "mean_live_kv"
+    """What of the reference the budgets are fractions of: its mean live KV (averaged over completions) or its
+    peak (the most any completion held; labels then read ``label@100% of peak``)."""
 
     @model_validator(mode="after")
     def _template_consistent(self) -> CompareEntry:
@@ -59,7 +62,8 @@ class CompareEntry(Section):
         return self
 
     def expanded_labels(self) -> list[str]:
-        return [budget_label(self.label, f) for f in self.budgets] if self.budgets else [self.label]
+        return ([budget_label(self.label, f, self.budget_metric) for f in self.budgets] if self.budgets
+                else [self.label])
 
 
 class CompareConfig(Section):

@@ -74,19 +74,20 @@ class PlannedEntry:
 
 
 def expand(entry: CompareEntry, checkpoint: str, reference: EntryResult) -> list[PlannedEntry]:
-    """A template entry's concrete entries, budgeted from ``reference``'s measured mean live KV."""
-    planned = []
+    """A template entry's concrete entries, budgeted from ``reference``'s measured mean (or peak) live KV."""
+    planned, metric = [], entry.budget_metric
+    what = "mean" if metric == "mean_live_kv" else "peak"
     for fraction in entry.budgets:
-        budget = max(1, int(fraction * reference.mean("mean_live_kv") + 0.5))
+        budget = max(1, int(fraction * reference.mean(metric) + 0.5))
         spec = fill_budget(entry.kv, budget)
         try:
             kv = KVPolicy.parse(spec).spec
         except ValueError as err:
-            raise ValueError(f"entry {entry.label!r} at {fraction:g} x {reference.label}'s mean live KV "
-                             f"({reference.mean('mean_live_kv'):.1f}) has budget {budget}, giving {spec!r}: {err}; "
+            raise ValueError(f"entry {entry.label!r} at {fraction:g} x {reference.label}'s {what} live KV "
+                             f"({reference.mean(metric):.1f}) has budget {budget}, giving {spec!r}: {err}; "
                              "raise the fraction") from None
-        planned.append(PlannedEntry(budget_label(entry.label, fraction), checkpoint, kv, reference.label, fraction,
-                                    budget))
+        planned.append(PlannedEntry(budget_label(entry.label, fraction, metric), checkpoint, kv, reference.label,
+                                    fraction, budget))
     return planned
 
 
