@@ -50,6 +50,8 @@ def run(cmd: list[str], log: Path, seconds: float | None = None, why: str = "its
 
 def side_by_side(commands: dict[str, tuple[list[str], Path]]) -> dict[str, float]:
     """``name: (command, log)`` all run at once; each one's wall seconds by name, in the order given."""
+    if not commands:
+        return {}
     with ThreadPoolExecutor(len(commands)) as pool:
         running = {name: pool.submit(run, cmd, log) for name, (cmd, log) in commands.items()}
         return {name: job.result() for name, job in running.items()}
