@@ -241,8 +241,10 @@ def test_groups_that_keep_arriving_too_stale_end_the_run(ray_session, model_dir,
     monkeypatch.setattr(WeightSync, "publish", lambda self, version, learner, workers: SyncReport(version, 0.0, []))
     cfg = tiny_job(model_dir, tmp_path / "run", "train.mode=async", "train.steps=3", "train.max_staleness=0",
                    "rollout.max_inflight_groups=2", "train.max_stale_streak=6")
-    with pytest.raises(RunError, match=r"7 groups in a row arrived too stale to train \(the last sampled at version 0, "
-                                       r"the learner at 1; train.max_staleness=0\) with \d+ groups \(1 workers x "
+    # The streak passes the limit of 6 at 7, or at 8 when the last two dropped groups arrive in one take (the
+    # count is of groups, and with 2 in flight a take holds at most two: seen once in a full-suite run), never later.
+    with pytest.raises(RunError, match=r"[78] groups in a row arrived too stale to train \(the last sampled at version "
+                                       r"0, the learner at 1; train.max_staleness=0\) with \d+ groups \(1 workers x "
                                        r"rollout.max_inflight_groups=2\) in flight and a mean learner step of "
                                        r"\d+\.\d s"):
         train(cfg)
