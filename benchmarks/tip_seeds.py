@@ -14,7 +14,8 @@ the Dense SFT at twice the recipe's SFT steps (more training than TIP's SFT + GR
 demonstrations against GRPO's 25 steps of 64 rollouts), side by side with the other two, and **Dense-GRPO**, stage
 2's recipe from the Dense checkpoint under ``engine.kv=full`` with the KV penalty removed (``reward.kv_penalty=null``:
 the same RL stage and reward minus its KV term), side by side with stage 2; both are evaluated beside the rest,
-with StreamingLLM and PH2O (on the Dense model) also at 100% of Dense's and of TIP's *peak* live KV. Then one table over seeds (mean ± sd) of every entry of the comparison — avg@k,
+with StreamingLLM and PH2O (on the Dense model) also at 100% of Dense's and of TIP's *peak* live KV. Then one
+table over seeds (mean ± sd) of every entry of the comparison — avg@k,
 pass@k, mean live KV, throughput, decode seconds — and each entry's ratios to Dense, in OUT/summary.md
 and OUT/summary.jsonl, and the three Pareto plots over seeds (each point an entry's mean ± sd) in
 OUT/over-seeds/. ``--device cuda`` puts every learner and engine on the GPU (one GPU is shared by
@@ -151,7 +152,6 @@ def over_seeds(rows: dict[str, list[dict]], seeds: list[int]) -> list[EntryResul
     return results
 
 
-
 def metric(row: dict, name: str) -> float:
     """An entry's value of ``name`` (its seed's run's where the entry row predates the column; 0 if neither has it)."""
     return row[name] if name in row else row["runs"][0].get(name, 0.0)
@@ -196,6 +196,9 @@ def main() -> None:
     parser.add_argument("--grpo-seconds", type=float, default=None,
                         help="stop stage 2 after this many seconds and evaluate its last checkpoint (a time-boxed run)")
     args = parser.parse_args()
+    if args.dense_arms and args.grpo_seconds is not None:
+        parser.error("--grpo-seconds time-boxes stage 2 run alone; with --dense-arms stage 2 runs beside Dense-GRPO "
+                     "untimed: use --grpo-steps instead")
     args.out = args.out.resolve()
     run_seeds(args, chain, summarize)
 
