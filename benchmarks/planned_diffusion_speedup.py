@@ -15,8 +15,11 @@
   of the first ``--latency-problems`` generated alone, per system and PD setting.
 
 Per row: sequential forward passes, wall seconds, and for PD the wall split into its denoising and commit forwards
-(``PDRuntime.stats``, eager: no CUDA graphs) and the rest (autoregressive steps, CUDA graphs on GPU). Speedups are
-ratios against the autoregressive engine in the same run.
+(``PDRuntime.stats``) and the rest (autoregressive steps, CUDA graphs on GPU). On CUDA the engines keep their default
+``cuda_graphs=True``, so PD's denoising forwards replay captured graphs of padded buckets (``span_graphs``; commits
+stay eager); a PD row records whether they did (``pd_graphs``) and how many buckets its engine had captured by then
+(``pd_graph_captures``: a problem's new buckets are captured in its untimed first run, its timed repeats replay).
+Speedups are ratios against the autoregressive engine in the same run.
 """
 
 from __future__ import annotations
@@ -76,7 +79,8 @@ def ar_script(tokenizer, prompt_len: int, planned: list[int]) -> list[int]:
     return [t for t, k in zip(planned, keep) if k]
 
 
-def row(problem: str, system: str, knobs: dict, seconds: float, out, denoise: float, correct: bool | None = None):
+def row(problem: str, system: str, knobs: dict, seconds: float, out, denoise: float, llm: LLM,
+        correct: bool | None = None):
     passes = forward_passes(out, system)
     r = {"problem": problem, "system": system, **knobs, "tokens": len(out.token_ids), "forward_passes": passes,
          "seconds": seconds, "ms_per_forward": 1e3 * seconds / passes}
@@ -86,6 +90,8 @@ def row(problem: str, system: str, knobs: dict, seconds: float, out, denoise: fl
         r.update(denoising_forwards=pd.denoising_forwards, commit_forwards=pd.commit_forwards,
                  denoise_seconds=denoise, ms_per_denoise_forward=1e3 * denoise / n if n else None,
                  ms_per_ar_step=1e3 * (seconds - denoise) / max(passes - n, 1), rounds=len(pd.rounds))
+        graphs = llm.mode.graphs  # SpanGraphs, None under cuda_graphs=False
+        r.update(pd_graphs=graphs is not None and graphs.capture, pd_graph_captures=graphs.captures if graphs else 0)
     if correct is not None:
         r["correct"] = correct
     return r
@@ -128,7 +134,7 @@ def run_scripted(args) -> list[dict]:
                         script, n = {0: ar_script(tok, len(prompt), ids) + [eos]}, len(ids) + 1
                     params = SamplingParams(max_tokens=n, temperature=0.0)
                     seconds, out, denoise = timed(llm, prompt, params, script, args.repeats)
-                    rows.append(row(p["prompt_id"], name.split()[0], knobs, seconds, out, denoise))
+                    rows.append(row(p["prompt_id"], name.split()[0], knobs, seconds, out, denoise, llm))
                     print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -160,7 +166,7 @@ def run_trained(args) -> list[dict]:
                     prompt = llm.tokenizer(p["prompt"]).input_ids
                     seconds, out, denoise = timed(llm, prompt, params, None, args.repeats)
                     r = row(p["prompt_id"], system, knobs, seconds, out, denoise,
-                            verifier(out.text, p["answer"]).total >= 1.0)
+                            llm, verifier(out.text, p["answer"]).total >= 1.0)
                     rows.append({"run": run.name, "accuracy": accuracy, **r})
                     print(json.dumps(rows[-1]), flush=True)
     return rows
@@ -217,11 +223,13 @@ def main() -> None:
     rows = run_scripted(args) if args.mode == "scripted" else run_trained(args)
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     text = summary(rows)
+    graphs = "/".join(sorted({"on" if r["pd_graphs"] else "off" for r in rows if "pd_graphs" in r})) or "n/a"
     print(f"# planned_diffusion_speedup {args.mode}  torch {torch.__version__}  device {device}  "
-          f"{time.perf_counter() - start:.0f} s\n{text}")
+          f"PD denoise graphs {graphs}  {time.perf_counter() - start:.0f} s\n{text}")
     if args.out:
-        Path(args.out).write_text(json.dumps({"mode": args.mode, "device": device, "argv": sys.argv, "rows": rows,
-                                              "summary": text}, indent=1) + "\n")
+        Path(args.out).write_text(json.dumps({"mode": args.mode, "device": device, "argv": sys.argv,
+                                              "pd_denoise_graphs": graphs, "rows": rows, "summary": text},
+                                             indent=1) + "\n")
 
 
 if __name__ == "__main__":

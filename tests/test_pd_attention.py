@@ -29,6 +29,10 @@ from sliderl.core.loader import load_model, load_tokenizer
 from sliderl.core.model import DenseAttention
 from sliderl.core.planned_diffusion import PD_TOKENS, NoisedLayout, PDLayout, PDTokenIds, SpanNoise
 from sliderl.core.vocab import bind_policy_vocab
+from sliderl.rollout.model_runner import ModelRunner
+from sliderl.rollout.planned_diffusion import span_graphs
+from sliderl.rollout.planned_diffusion.span_attention import SpanAttention, SpanBatch
+from sliderl.rollout.planned_diffusion.span_graphs import SpanGraphs, bucket_of
 from sliderl.trainer.logprobs import pack_windows, recompute_logprobs, window_input
 
 PROMPT = "Q: chains\n"
@@ -216,8 +220,8 @@ def engine_run(path, prompt: list[int], script: list[int], device: str = "cpu", 
     llm = LLM(str(path), kv="planned_diffusion", num_blocks=64, device=device, **knobs)
     calls, forward = [], llm.mode._forward
 
-    def recording(ids, pos, batch, rows):
-        logits = forward(ids, pos, batch, rows)
+    def recording(ids, pos, prefixes, span_ids, views, rows, writes=None):
+        logits = forward(ids, pos, prefixes, span_ids, views, rows, writes)
         if rows is not None:
             calls.append((list(ids), list(pos), list(rows), logits.cpu().clone()))  # _draw bans tags in place
         return logits
@@ -304,3 +308,145 @@ def test_requests_denoised_together_write_what_they_write_alone(setup):
     for a, b in zip(together, alone):
         assert a.token_ids == b.token_ids and len(a.planned_diffusion.rounds) == len(b.planned_diffusion.rounds)
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+
+
+# ---- denoising forwards padded to buckets (rollout.planned_diffusion.span_graphs) ----------------------
+
+
+def span_runner(path, device: str):
+    """A float32 ``ModelRunner`` (no decode graphs) whose pool holds random K/V (seeded)."""
+    runner = ModelRunner(load_model(path, device=device), 64, 16, torch.device(device), torch.float32, 4, 1024,
+                         cuda_graphs=False)
+    fill_pool(runner)
+    return runner
+
+
+def fill_pool(runner, seed: int = 0) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for pool in runner.cache.k + runner.cache.v:
+        pool.copy_(torch.randn(pool.shape, generator=gen))
+
+
+def span_inputs(requests: list[tuple[int, list[int]]], seed: int) -> tuple[list, ...]:
+    """A denoising forward's inputs, random but valid: per request (its prefix length, its spans' lengths), the
+    prefix in distinct pool slots of a 64 x 16 pool, each span's view a position inside the prefix, token ids
+    below the tiny vocabulary, positions after the prefix, and every other token a wanted row."""
+    gen = torch.Generator().manual_seed(seed)
+    slots = torch.randperm(64 * 16, generator=gen).tolist()
+    ids, pos, prefixes, span_ids, views = [], [], [], [], []
+    for length, spans in requests:
+        prefixes.append(slots[:length])
+        slots = slots[length:]
+        span_ids.append([k for k, n in enumerate(spans) for _ in range(n)])
+        seen = torch.randint(0, length, (len(spans),), generator=gen).tolist()
+        views.append([seen[k] for k in span_ids[-1]])
+        ids += torch.randint(0, 200, (len(span_ids[-1]),), generator=gen).tolist()
+        pos += range(length, length + len(span_ids[-1]))
+    return ids, pos, prefixes, span_ids, views, list(range(0, len(ids), 2))
+
+
+def exact_logits(runner, ids, pos, prefixes, span_ids, views, rows) -> torch.Tensor:
+    """The denoising forward at its exact shape, eagerly (``PDRuntime._forward`` with ``cuda_graphs=False``, which
+    the float64 dense tests above check)."""
+    dev, model = runner.device, runner.model
+    batch = SpanBatch.build(prefixes, span_ids, views, dev)
+    with torch.inference_mode():
+        hidden = model(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev),
+                       SpanAttention(runner.cache, batch, runner.scale))
+        return model.compute_logits(hidden[rows])
+
+
+# Three requests of different prefix lengths (5, 37, 300) and span counts (1, 2, 3): exact shape R=3, S=12+24=36,
+# L=300, N=3+36+28=67; bucket R'=4 (a pad request), S'=64, L'=512, so every request has pad prefix columns (the
+# longest 212, read from pool slot 0, which holds random K/V) and pad key slots, and 4 x 64 - 67 = 189 pad tokens
+# follow the span tokens.
+BUCKET_REQUESTS = [(5, [3]), (37, [12, 24]), (300, [7, 1, 20])]
+
+
+# catches: a pad prefix column visible to a real query (planted: SpanBatch.mask's prefix term true for every
+# column: logits off by up to 7.8), a pad key slot visible to a real query (planted: pad span ids 0 instead of -1
+# and the own-span term without query_valid: off by up to 6.9), the flat stream's span tokens not first (planted:
+# the pad tokens in front of them: every logit off, by up to 9.2), a wrong bucket (hand-computed here).
+def test_padded_bucket_forward_equals_the_exact_forward(setup):
+    path = setup[0]
+    runner = span_runner(path, "cpu")
+    inputs = span_inputs(BUCKET_REQUESTS, seed=1)
+    assert bucket_of(3, 36, 300) == (4, 64, 512)  # 3 -> 4, ceil(36 / 32) x 32, ceil(300 / 256) x 256
+    assert bucket_of(1, 1, 1) == (1, 32, 256) and bucket_of(5, 64, 256) == (8, 64, 256)
+    graphs = SpanGraphs(runner)
+    assert not graphs.capture  # CPU: the padded forward runs eagerly
+    with torch.inference_mode():
+        padded = graphs.logits(*inputs)
+    assert padded.shape == (34, runner.model.config.vocab_size)
+    torch.testing.assert_close(padded, exact_logits(runner, *inputs), rtol=1e-5, atol=1e-5)
+
+
+# catches: a generation that changes when its denoising forwards are padded to buckets (with cuda_graphs on, CPU
+# pads them too): each of the three bugs planted for the test above changed the span tokens drawn here; a pad
+# request (three rounds denoise together: bucket R' = 4) disturbing the real rows' draws.
+def test_generation_with_buckets_equals_generation_at_exact_shapes(setup):
+    from sliderl.rollout import LLM, SamplingParams
+
+    path, tok, _, _ = setup
+    jobs = [("Q: one\n", ('a<promise topic="A" tokens="2"/><sync/>b<promise topic="B" tokens="1"/><promise topic="F" '
+                          'tokens="1"/><sync/>c')),
+            ("Q: a longer prompt\n", 'x<promise topic="C" tokens="1"/><sync/>yz<promise topic="D" tokens="1"/><sync/>w'),
+            ("Q: three\n", 'q<promise topic="E" tokens="1"/><sync/>r')]
+    scripts = [tok(s, add_special_tokens=False).input_ids + [tok.eos_token_id] for _, s in jobs]
+
+    def run(cuda_graphs: bool):
+        llm = LLM(str(path), kv="planned_diffusion", num_blocks=128, pd_steps_ratio=0.5, cuda_graphs=cuda_graphs)
+        assert (llm.mode.graphs is not None) == cuda_graphs
+        seqs = []
+        for i, (prompt, _) in enumerate(jobs):
+            seqs.append(llm.add_request(tok(prompt).input_ids, SamplingParams(max_tokens=200, temperature=0.0, seed=i)))
+            llm.force(seqs[-1], scripts[i])
+        while llm.has_unfinished():
+            llm.step()
+        return [llm.output(s) for s in seqs], llm.mode.stats
+
+    padded, stats = run(True)
+    exact, _ = run(False)
+    # ratio 0.5: 5 forwards of the three first rounds together (spans of 20, 10 and 10 body tokens), 5 more of the
+    # first request's 20-token span alone, then its second round (5) and the second request's (5): 30 in 20
+    assert [o.planned_diffusion.denoising_forwards for o in padded] == [15, 10, 5] and stats.denoising_forwards == 20
+    for a, b in zip(padded, exact):
+        assert a.token_ids == b.token_ids
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
+
+
+# catches: a replayed graph that is not the eager forward: a static input not copied in before the replay (the
+# reused bucket's second content differs from its first in every field), the mask computed once at capture
+# instead of at each replay (SpanAttention made outside the graph), a bucket captured again on its second use,
+# the least recently used bucket not the one dropped past MAX_GRAPHS, a graph still reading a released pool.
+@pytest.mark.gpu
+def test_span_graphs_replay_equals_the_eager_forward(setup, monkeypatch):
+    path = setup[0]
+    runner = span_runner(path, "cuda")
+    graphs, eager = SpanGraphs(runner), SpanGraphs(runner, capture=False)
+    assert graphs.capture and not eager.capture
+    small = [span_inputs([(40, [10])], seed=2), span_inputs([(100, [4, 16])], seed=3)]  # both (1, 32, 256)
+    large = span_inputs(BUCKET_REQUESTS, seed=4)  # (4, 64, 512)
+    third = span_inputs([(20, [40]), (9, [2])], seed=5)  # (2, 64, 256)
+
+    def check(inputs, captures: int) -> None:
+        with torch.inference_mode():
+            got = graphs.logits(*inputs)
+            same_shape = eager.logits(*inputs)
+        assert graphs.captures == captures
+        torch.testing.assert_close(got, same_shape, rtol=1e-4, atol=1e-4)  # the same kernels, replayed
+        exact = exact_logits(runner, *inputs)
+        assert (got - exact).abs().max() < 1e-2  # other shapes: the float32 matmuls may run in TF32
+
+    check(small[0], 1)
+    check(large, 2)
+    check(small[1], 2)  # the first bucket replays, not captured again
+    assert list(graphs.graphs) == [(4, 64, 512), (1, 32, 256)]  # least recently used first
+    monkeypatch.setattr(span_graphs, "MAX_GRAPHS", 2)
+    check(third, 3)
+    assert list(graphs.graphs) == [(1, 32, 256), (2, 64, 256)]  # (4, 64, 512) dropped
+    runner.release()  # the pool goes (sleep); its graphs with it
+    assert not graphs.graphs
+    runner.allocate()
+    fill_pool(runner, seed=6)
+    check(small[0], 4)

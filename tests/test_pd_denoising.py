@@ -46,6 +46,7 @@ class ScriptedRunner:
     def __init__(self, model):
         self.model = model
         self.cache = PagedKVCache.allocate(1, 32, 16, 1, 2, torch.float32, "cpu")
+        self.mode_graphs = []
 
     @staticmethod
     def host_tensor(values, dtype=None):

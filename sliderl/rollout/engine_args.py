@@ -48,7 +48,7 @@ class EngineArgs:
     seed: int = 0
     """Engine seed; a request without its own seed derives one from it and its request index."""
     cuda_graphs: bool = True
-    """On CUDA, replay decode steps as captured CUDA graphs (outputs are the same without)."""
+    """On CUDA, replay decode steps as captured CUDA graphs, and under kv=planned_diffusion its denoising forwards padded to buckets (on CPU those run padded, eagerly); outputs are the same without."""
     overlap: bool | None = None
     """Queue each decode step before the previous one's tokens are read back; None: on for CUDA."""
     gemv: bool = False

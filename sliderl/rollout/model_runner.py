@@ -62,6 +62,7 @@ class ModelRunner:
         self.use_graphs = device.type == "cuda" and cuda_graphs
         self.max_num_seqs, self.max_blocks = max_num_seqs, math.ceil(max_model_len / block_size) + 1
         self.cache, self.graphs = None, None
+        self.mode_graphs: list = []  # a decoding mode's own graphs over the pool (PD's SpanGraphs): .close() on release
         self.forced = ForcedTokens()  # teacher forcing (``LLM.force``)
         self.allocate()
 
@@ -76,9 +77,11 @@ class ModelRunner:
 
     def release(self) -> None:
         """Drop the CUDA graphs and the KV pool, keeping the model; ``allocate`` builds them again (the graphs
-        point into the pool, so they go with it)."""
+        point into the pool, so they go with it; a mode's graphs are captured again on their next use)."""
         if self.graphs is not None:
             self.graphs.close()
+        for graphs in self.mode_graphs:
+            graphs.close()
         self.graphs = self.cache = None
 
     def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, AttentionMetadata]:
@@ -192,6 +195,7 @@ class ModelRunner:
         """Drop the CUDA graphs, the KV cache and the model: their device memory is freed once the engine
         drops this runner too (nothing here needs a garbage collection)."""
         self.release()
+        self.mode_graphs.clear()  # they point back at this runner
         self.model = None
 
     def set_death(self, slots: list[int], death: int) -> None:

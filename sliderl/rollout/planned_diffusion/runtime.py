@@ -22,11 +22,12 @@ The grammar, the layout and the visibility rule are ``core.planned_diffusion``'s
   ``<sync/>`` is the request's next uncomputed token: the engine's next step computes it over everything before,
   spans included, and autoregression goes on, planning again or not, until eos.
 
-Draws are counter-based (``rollout.sampling``): a request draws the same tokens whatever shares its batch. The
-denoising forwards run eagerly on the device (no CUDA graphs yet: their shapes change every step, as the masked
-positions and the requests denoising do). That costs: on the H200 an eager denoising forward of the 1.7B shape
-takes 29-36 ms against 2.5 ms for a graph-replayed decode step, which erases PD's speedup in forwards
-(docs/results.md, "Planned Diffusion": padded buckets and captured graphs are the open item).
+Draws are counter-based (``rollout.sampling``): a request draws the same tokens whatever shares its batch. A
+denoising forward's shape changes every step (the requests denoising, their spans, their prefixes), so it runs
+padded up to a bucket and, on CUDA, as a graph captured on the bucket's first use and replayed after
+(``span_graphs``; on CPU the padded forward runs eagerly). Eager, a denoising forward of the 1.7B shape took
+29-36 ms on the H200 against 2.5 ms for a graph-replayed decode step (docs/results.md, "Planned Diffusion").
+Under ``cuda_graphs=False`` denoising forwards run eagerly at their exact shape; commit forwards always do.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from sliderl.rollout.mode import DecodingMode, EngineContext, TokenSteps
 from sliderl.rollout.planned_diffusion.records import PDOutput, PDRequestOutput
 from sliderl.rollout.planned_diffusion.request import PDSequence
 from sliderl.rollout.planned_diffusion.span_attention import SpanAttention, SpanBatch
+from sliderl.rollout.planned_diffusion.span_graphs import SpanGraphs
 from sliderl.rollout.planned_diffusion.unmasking import DenoisingKnobs, choose_reveals, reveal
 from sliderl.rollout.sampling import SamplingParams, sample, uniform_noise
 from sliderl.rollout.scheduler import ScheduledBatch
@@ -75,6 +77,7 @@ class PDRuntime(DecodingMode):
         self.banned = sorted(tags.tags | {tags.mask})  # a span body holds content and <null> only
         self.diffusing: list[PDSequence] = []
         self.stats = DenoisingStats()
+        self.graphs = SpanGraphs(self.runner) if args.cuda_graphs else None  # denoising forwards in buckets
 
     # ---- the seam ---------------------------------------------------------------------------------
     def new_request(self, request_id: int, prompt: list[int], params: SamplingParams, seed: int,
@@ -152,7 +155,7 @@ class PDRuntime(DecodingMode):
             prefixes.append(self._prefix_slots(seq))
             span_ids.append(spans)
             views.append(seen)
-        logits = self._forward(ids, pos, SpanBatch.build(prefixes, span_ids, views, self.runner.device), rows)
+        logits = self._forward(ids, pos, prefixes, span_ids, views, rows)
         tokens, logprobs, priority, confidence = self._draw(logits, where)
         self._reveal(where, tokens, logprobs, priority, confidence)
         self.stats.denoising_forwards += 1
@@ -169,11 +172,16 @@ class PDRuntime(DecodingMode):
             r.prefix_slots = [seq.blocks[p // bs] * bs + p % bs for p in range(r.start)]
         return r.prefix_slots
 
-    def _forward(self, ids: list[int], pos: list[int], batch: SpanBatch, rows: list[int] | None) -> torch.Tensor | None:
-        """The model over the span tokens; logits ``[len(rows), V]`` at ``rows`` (None: a commit, no logits)."""
+    def _forward(self, ids: list[int], pos: list[int], prefixes: list[list[int]], span_ids: list[list[int]],
+                 views: list[list[int]], rows: list[int] | None, writes: list[int] | None = None) -> torch.Tensor | None:
+        """The model over the span tokens (the layout as ``SpanBatch.build`` takes it); logits ``[len(rows), V]`` at
+        ``rows``, or for a commit (``rows`` None) none, the K/V written at ``writes``. A denoising forward runs
+        padded to a bucket (``self.graphs``, unless ``cuda_graphs`` is off), a commit eagerly at its exact shape."""
+        if rows is not None and self.graphs is not None:
+            return self.graphs.logits(ids, pos, prefixes, span_ids, views, rows)
         runner = self.runner
         dev, host = runner.device, runner.host_tensor
-        attn = SpanAttention(runner.cache, batch, runner.scale)
+        attn = SpanAttention(runner.cache, SpanBatch.build(prefixes, span_ids, views, dev, writes), runner.scale)
         hidden = runner.model(host(ids, torch.long).to(dev, non_blocking=True),
                               host(pos, torch.long).to(dev, non_blocking=True), attn)
         if rows is None:
@@ -236,7 +244,7 @@ class PDRuntime(DecodingMode):
             span_ids.append(r.span_ids())
             views.append(r.token_views())
             writes += [seq.blocks[p // bs] * bs + p % bs for p in range(r.start, r.end)]
-        self._forward(ids, pos, SpanBatch.build(prefixes, span_ids, views, self.runner.device, writes), None)
+        self._forward(ids, pos, prefixes, span_ids, views, None, writes)
         self.stats.commit_forwards += 1
         for seq in seqs:
             seq.mark_computed(seq.round.end - seq.round.start)

@@ -11,12 +11,14 @@ them with the engine's kernels.
 
 The requests form one padded batch: queries ``[R, S, H, D]`` (S the most span tokens of a request) against keys
 ``[R, L + S, H_kv, D]`` (L the longest prefix), one ``scaled_dot_product_attention`` with a bool mask per layer
-(GQA-aware). Pad rows see one key and are dropped.
+(GQA-aware). Pad rows see one key and are dropped. A batch may also be padded further, to a bucket's shape, for a
+captured CUDA graph (``SpanBatch.build``'s ``bucket``, ``span_graphs``); the mask is computed from the batch's
+tensors when ``SpanAttention`` is made, so a graph that makes it inside its capture recomputes it on replay.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
@@ -40,12 +42,21 @@ class SpanBatch:
 
     @classmethod
     def build(cls, prefix_slots: list[list[int]], span_ids: list[list[int]], views: list[list[int]],
-              device: torch.device, write_slots: list[int] | None = None) -> SpanBatch:
+              device: torch.device, write_slots: list[int] | None = None,
+              bucket: tuple[int, int, int] | None = None) -> SpanBatch:
         """``prefix_slots[r]``: the pool slots of request r's cached positions in order; ``span_ids[r]`` and
         ``views[r]``: its span tokens' span ids (tokens of one span share an id) and views, in flattened order;
-        ``write_slots``: commit only."""
+        ``write_slots``: commit only.
+
+        ``bucket``: (R', S', L'), at least the exact (R, S, L), pads the batch to that shape (``span_graphs``):
+        rows past R are pad requests (every slot a pad query, prefix slots 0), prefix columns past a request's
+        own lie past all its views, and the flat stream is R' * S' tokens, the N span tokens first, then pad
+        tokens that no query sees (each takes slot 0's output, which is dropped)."""
         r = len(span_ids)
         width, longest = max(len(s) for s in span_ids), max(1, max(len(p) for p in prefix_slots))
+        if bucket is not None:
+            assert bucket[0] >= r and bucket[1] >= width and bucket[2] >= longest, (bucket, (r, width, longest))
+            r, width, longest = bucket
         slots = torch.zeros(r, longest, dtype=torch.int64)
         seen = torch.full((r, width), -1, dtype=torch.int64)
         gather = torch.zeros(r, width, dtype=torch.int64)
@@ -59,9 +70,24 @@ class SpanBatch:
             ids[i, :len(spans)] = torch.tensor(spans, dtype=torch.int64)
             scatter.extend(range(i * width, i * width + len(spans)))
             start += len(spans)
-        move = lambda x: x.to(device, non_blocking=True)  # noqa: E731
-        return cls(move(slots), move(seen), move(gather), move(ids >= 0), move(torch.tensor(scatter)), move(ids),
-                   None if write_slots is None else move(torch.tensor(write_slots, dtype=torch.int64)))
+        if bucket is not None:
+            scatter.extend([0] * (r * width - start))  # pad tokens
+        writes = None if write_slots is None else torch.tensor(write_slots, dtype=torch.int64)
+        return cls(slots, seen, gather, ids >= 0, torch.tensor(scatter, dtype=torch.int64), ids, writes).to(device)
+
+    def to(self, device: torch.device) -> SpanBatch:
+        """This batch (built on the host) on ``device``; to CUDA from pinned memory, so the host does not wait."""
+        if device.type == "cpu":
+            return self
+        tensors = (getattr(self, f.name) for f in fields(self))
+        return SpanBatch(*(None if x is None else x.pin_memory().to(device, non_blocking=True) for x in tensors))
+
+    def copy_(self, other: SpanBatch) -> None:
+        """Copy ``other`` (the same shape, on the host) into this batch's tensors: a captured graph's inputs."""
+        for f in fields(self):
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            if mine is not None:
+                mine.copy_(theirs.pin_memory() if mine.is_cuda else theirs, non_blocking=True)
 
     def mask(self) -> Tensor:
         """``[R, S, L + S]`` bool: a valid query sees its request's cached keys up to its view and its own span's
