@@ -180,8 +180,30 @@ def async_grpo_run(ray_session, model_dir, tmp_path_factory):
             seen["learner"] = ray_session.get(session.learner.parameter.remote(WEIGHT))
 
     cfg = tiny_job(model_dir, tmp_path_factory.mktemp("async") / "run", "train.mode=async", "train.max_staleness=0",
-                   "rollout.num_workers=2", "rollout.max_inflight_groups=3", "weight_sync.backend=broadcast")
+                   "rollout.num_workers=2", "rollout.max_inflight_groups=3", "weight_sync.backend=broadcast",
+                   "eval.before=true", "task.eval_size=5", "eval.num_problems=5")
     return train(cfg, on_step=read_weights), seen
+
+
+def test_eval_split_over_two_workers_scores_each_problem_with_its_own_completion(async_grpo_run, model_dir, tmp_path):
+    # catches: eval's shares put back out of order (planted: the refs reversed, or the shares' bounds off by one:
+    # completions then sit beside other problems' ids, or one is lost), and a share left out. The reference is one
+    # engine in this process generating every eval prompt at once from the initial model (eval before = version 0),
+    # with the job's own engine settings and eval sampling (greedy); 5 problems over 2 workers: shares of 2 and 3.
+    from sliderl.cluster.run.plan import prepare
+    from sliderl.rollout.backend import build_engine
+
+    result, _ = async_grpo_run
+    rows = [json.loads(line) for line in (Path(result.run_dir) / "eval" / "before.jsonl").read_text().splitlines()]
+    cfg = load_config(TrainConfig, Path(result.run_dir) / "config.yaml", [f"run_dir={tmp_path / 'plan'}"])
+    plan = prepare(cfg)
+    plan.finish()
+    engine = build_engine(cfg.rollout.backend, str(model_dir), cfg.engine)
+    texts = [o.text for o in engine.generate([p.engine_prompt for p in plan.eval_problems], cfg.eval_sampling())]
+    assert [r["prompt_id"] for r in rows] == [p.prompt_id for p in plan.eval_problems] and len(rows) == 5
+    assert [r["completion"] for r in rows] == texts and len(set(texts)) > 1
+    assert {r["version"] for r in rows} == {0}
+    assert result.eval_before.num_problems == 5
 
 
 def test_async_grpo_drops_stale_groups_and_trains_fresh_ones(async_grpo_run):

@@ -19,11 +19,17 @@ from sliderl.cluster.records import EvalResult, Problem
 from sliderl.rewards import RewardInput
 
 
-def score(outputs: list, problems: list[Problem], verifier, kv_policy: str) -> EvalResult:
-    """``outputs[i]`` (a RequestOutput) answers ``problems[i]``; ``verifier.score(RewardInput)``."""
+def score(outputs: list, problems: list[Problem], verifier, kv_policy: str,
+          rows: list[dict] | None = None) -> EvalResult:
+    """``outputs[i]`` (a RequestOutput) answers ``problems[i]``; ``verifier.score(RewardInput)``. ``rows``, when
+    given, receives one dict per problem (prompt_id, answer, completion, tokens, correct), for the run's files."""
     if len(outputs) != len(problems) or not problems:
         raise ValueError(f"got {len(outputs)} outputs for {len(problems)} problems; need one per problem, at least one")
-    correct = sum(verifier.score(RewardInput(o.text, p.answer)).total >= 1.0 for o, p in zip(outputs, problems))
+    hits = [verifier.score(RewardInput(o.text, p.answer)).total >= 1.0 for o, p in zip(outputs, problems)]
+    if rows is not None:
+        rows.extend({"prompt_id": p.prompt_id, "answer": p.answer, "completion": o.text, "tokens": len(o.token_ids),
+                     "correct": hit} for o, p, hit in zip(outputs, problems, hits))
+    correct = sum(hits)
     n = len(problems)
     return EvalResult(
         num_problems=n,

@@ -27,6 +27,7 @@ latest checkpoint (``train.max_learner_restarts`` times); a run that cannot cont
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 import time
@@ -54,6 +55,7 @@ from sliderl.cluster.storage.data import PromptStream
 from sliderl.cluster.storage.model_files import ModelFiles
 from sliderl.trainer.metrics import StepMetrics
 
+EVAL_DIR = "eval"  # run_dir/eval/{before,after}.jsonl: the completions eval scored, one row per problem
 SKIP_REASONS = ("zero_variance_groups", "no_pair_groups", "skipped_groups_nonfinite_reward")  # algorithm counts
 
 
@@ -437,11 +439,22 @@ class Session:
     def _evaluate(self, label: str) -> EvalResult:
         import ray
 
-        problems = self.plan.eval_problems
-        wid, worker = next(iter(self.pool.live().items()))
-        outputs = ray.get(worker.evaluate.remote([p.engine_prompt for p in problems], self.cfg.eval_sampling()))
-        result = score(outputs, problems, self.cfg.verifier(), self.cfg.engine.kv)
-        print(f"sliderl: eval {label} (version {self.state.version}, worker {wid}): {result.line()}", flush=True)
+        problems, live = self.plan.eval_problems, list(self.pool.live().items())
+        # contiguous shares, one per live worker, generated at once (each request's sampling is seeded by the
+        # request, not by its batch, so the split does not change what is generated)
+        shares = [problems[i * len(problems) // len(live):(i + 1) * len(problems) // len(live)]
+                  for i in range(len(live))]
+        refs = [worker.evaluate.remote([p.engine_prompt for p in share], self.cfg.eval_sampling())
+                for (_, worker), share in zip(live, shares) if share]
+        outputs = [out for ref in refs for out in ray.get(ref)]
+        rows: list[dict] = []
+        result = score(outputs, problems, self.cfg.verifier(), self.cfg.engine.kv, rows)
+        path = self.plan.local_dir / EVAL_DIR / f"{label}.jsonl"  # every completion, to read what the number counts
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(json.dumps({"version": self.state.version, **row}) + "\n" for row in rows))
+        workers = ", ".join(str(wid) for (wid, _), share in zip(live, shares) if share)
+        print(f"sliderl: eval {label} (version {self.state.version}, workers {workers}): {result.line()} -> {path}",
+              flush=True)
         return result
 
     def _report(self, batch: list[RolloutGroup], trained_at: int, sync_seconds: float | None,
