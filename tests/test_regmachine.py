@@ -25,7 +25,7 @@ from sliderl.tasks.regmachine import RegisterMachineTask, register_schedule
 LINE = re.compile(r"^(?:<reg_(\d+)>)?(?:(\d+) )?([a-z])=(\d+)([+-])(\d)=(\d+)$")
 
 
-def simulate(prompt: str, solution: str) -> dict:
+def simulate(prompt: str, solution: str, printed: str | None = None) -> dict:
     """Replay an annotated solution. Returns the answer it boxes, whether every step read a *live* step
     holding its variable's current value, and whether the printed variable's step is live at the end.
 
@@ -60,7 +60,7 @@ def simulate(prompt: str, solution: str) -> dict:
         reads_ok &= source is None or source not in dead
         assert int(old) == value[var] and int(new) == value[var] + (int(operand) if sign == "+" else -int(operand))
         value[var], holder_of_value[var] = int(new), index
-    printed = head[0]  # the first variable, a
+    printed = printed or head[0]  # the first variable, a, unless given
     boxed = re.search(r"\\boxed\{(\d+)\}", answer_part).group(1)
     return {"answer": int(boxed), "expected": value[printed], "reads_live": reads_ok,
             "answer_live": holder_of_value[printed] not in dead, "writes_printed": holder_of_value[printed] is not None}
@@ -186,6 +186,35 @@ def test_a_window_at_the_register_budget_cannot_see_the_answer(case):
         assert ids[first_step - len(p)] in reg_ids
         step_len = 1 + len(tokenizer(prologue_line + "\n").input_ids)  # <reg_i> + the line
         assert all(tracker.death[k] > reg_answer for k in range(first_step, first_step + step_len))
+
+
+# Catches: answer=last ignored (the answer still the prologue's a: planted by print_last=False in program(), this
+# fails) or pointing at another variable than the loop's last, and schedules that kill the answer's step. The
+# variant exists for the eviction baselines (issue 41): the step the answer reads is the trace's last line, so a
+# sliding window at the register traces' own mean live KV keeps every token of it for the answer's first digit —
+# the mirror of the test above, where the same window cannot see the prologue step.
+def test_answer_last_asks_for_the_loop_s_last_variable_which_a_window_can_see():
+    task = replace(recipe_task(), answer="last")
+    tokenizer, reg_ids, end_think = _tokenizer(task)
+    for row in task.problems(40):
+        last_var = row["prompt"].split("x ", 1)[1].split()[-1][0]  # "... 9x b+1 c-1" -> c
+        assert last_var != "a"
+        for key in ("solution", "solution_optimal", "solution_dense"):
+            result = simulate(row["prompt"], row[key], printed=last_var)
+            assert result["answer"] == result["expected"] == int(row["answer"])
+            assert result["reads_live"] and result["answer_live"], (row["prompt"], key)
+        dense = row["solution_dense"]
+        think = dense.partition("</think>")[0]
+        last_line = think.splitlines()[-1] + "\n"
+        assert last_line.partition("=")[0].endswith(last_var) and last_line.rstrip().endswith("=" + row["answer"])
+        budget = int(_live_kv(tokenizer, reg_ids, end_think, row["prompt"], row["solution"],
+                              f"registers:{task.num_registers}")[1])
+        p = tokenizer(row["prompt"]).input_ids
+        end = len(p) + len(tokenizer(think).input_ids)  # the last line ends where </think> starts
+        step = range(end - len(tokenizer(last_line).input_ids), end)
+        answer_pos = len(p) + len(tokenizer(dense.rpartition("{")[0] + "{").input_ids)
+        _, _, tracker = _live_kv(tokenizer, reg_ids, end_think, row["prompt"], dense, f"sliding_window:{budget}")
+        assert all(tracker.death[k] > answer_pos for k in step), (budget, row["prompt"])
 
 
 # Catches: lazy_spread ignored (every lazy annotation filling the same number of registers, so the SFT

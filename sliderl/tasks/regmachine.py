@@ -63,7 +63,7 @@ import random
 import string
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from sliderl.core.vocab import END_THINK
 from sliderl.tasks.arith import is_eval_prompt, split_rng
@@ -100,10 +100,13 @@ class Program:
     repeats: int
     label_width: int = 1
     """Digits of every iteration label (zero-padded), so all loop lines have one width."""
+    print_last: bool = False
+    """The printed variable is the loop body's last one (its final value is the trace's last line), not the
+    prologue's."""
 
     @property
     def printed(self) -> str:
-        return self.start[0][0]
+        return self.body[-1][0] if self.print_last else self.start[0][0]
 
     def prompt(self) -> str:
         values = " ".join(f"{v}={x}" for v, x in self.start)
@@ -210,6 +213,12 @@ class RegisterMachineTask:
     """Each problem's lazy schedule fills a number of registers drawn from
     ``lazy_registers - lazy_spread .. lazy_registers`` (>= 0): annotations that are lazy by varying
     amounts, so the SFT model samples earlier kills now and then and RL can reinforce them."""
+    answer: Literal["prologue", "last"] = "prologue"
+    """The variable the problem asks for: ``prologue`` (the first, written once before the loop and read only by
+    the answer, so its step must stay live through the whole loop) or ``last`` (the loop body's last variable,
+    whose final value is the trace's last line: every step the answer needs is recent, so a recency window or an
+    attention-mass budget that holds the last iteration can answer; the variant where eviction baselines can in
+    principle succeed, issue 41). The prompt is the same; the model learns which one by position."""
     seed: int = 0
     """Problems are a pure function of (settings, seed, split, index)."""
 
@@ -250,7 +259,8 @@ class RegisterMachineTask:
         k = rng.randint(1, self.max_operand)
         signs = [s for s, x in (("+", start[kept] + k), ("-", start[kept] - k)) if lo <= x <= hi]
         prologue = (kept, rng.choice(signs), k) if self.prologue else None
-        return Program(tuple((v, start[v]) for v in names), prologue, tuple(body), repeats, len(str(self.repeats[1])))
+        return Program(tuple((v, start[v]) for v in names), prologue, tuple(body), repeats, len(str(self.repeats[1])),
+                       self.answer == "last")
 
     def problems(self, n: int, split: str = "train") -> list[dict]:
         """The first ``n`` problems of ``split``: ``{prompt_id, prompt, answer, solution, solution_dense,
