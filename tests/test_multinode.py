@@ -335,7 +335,7 @@ def two_runs(tmp_path_factory, tiny_model_factory):
     out = tmp_path_factory.mktemp("multinode")
     model = tiny_model_factory("qwen3")
     spec = out / "spec.json"
-    spec.write_text(json.dumps([job(model, 2), job(model, 4, "resume=true")]))
+    spec.write_text(json.dumps([job(model, 2, "eval.after=true"), job(model, 4, "resume=true")]))
     harness = f"{sys.executable} -c \"{LOOPBACK_UP}\" && exec {sys.executable} {ROOT / 'tests' / 'multinode_cluster.py'} " \
               f"{out} {spec}"
     start = time.monotonic()
@@ -380,6 +380,10 @@ def test_a_run_on_two_nodes_writes_checkpoints_traces_and_state_to_the_bucket(tw
     assert len(traces(out, 1)) == 2 * GROUPS * SAMPLES  # sync: exactly the trained groups, read by pyarrow
     assert bucket_file(out, 1, "run/config.yaml").is_file()
     assert [json.loads(line)["step"] for line in bucket_file(out, 1, "run/metrics.jsonl").read_text().splitlines()] == [1, 2]
+    # the evaluation's rows reach the bucket with the driver's other files (planted: EVAL_DIR left out of
+    # push_driver_files, they stay in the driver's temporary folder, which is deleted)
+    rows = [json.loads(line) for line in bucket_file(out, 1, "run/eval/after.jsonl").read_text().splitlines()]
+    assert len(rows) == 4 and {r["version"] for r in rows} == {state["version"]}
     node_a, node_b = (out / "node_a1.txt").read_text().split(), (out / "node_b1.txt").read_text().split()
     # the warm start's checkpoint on the head, and node b's own copy of it, written from the object store
     assert any(p.startswith("./sliderl-warmstart/sft-") and p.endswith("/model.safetensors") for p in node_a), node_a

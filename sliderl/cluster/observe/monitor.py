@@ -30,6 +30,7 @@ METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.txt"
 WANDB_ID_FILE = "wandb_run_id"
 WANDB_DIR = "wandb"  # W&B's own folder under run_dir (offline runs)
+EVAL_DIR = "eval"  # eval/{before,after}.jsonl under run_dir: the completions the evaluations scored
 PLOTS = {KEYS.reward: ("reward.png", "reward"), KEYS.visible_kv: ("visible_kv.png", "visible KV tokens")}
 # the files a Monitor writes in run_dir, metrics first (a resumed Monitor reads the first two back)
 DRIVER_FILES = (METRICS_FILE, WANDB_ID_FILE, SUMMARY_FILE, *(name for name, _ in PLOTS.values()))

@@ -43,7 +43,7 @@ from sliderl.cluster.config.train import TrainConfig
 from sliderl.cluster.errors import RunError
 from sliderl.cluster.eval.evaluation import score
 from sliderl.cluster.observe.dashboard import job_metadata, warn_if_submitted_without_metadata
-from sliderl.cluster.observe.monitor import METRICS_FILE
+from sliderl.cluster.observe.monitor import EVAL_DIR, METRICS_FILE
 from sliderl.cluster.records import EvalResult, PromptGroup, RolloutGroup, StepReport
 from sliderl.cluster.run.checkpoints import Checkpoints, DriverState
 from sliderl.cluster.run.guards import StaleStreak, failed_save, stale_streak_limit, stale_streak_message
@@ -55,7 +55,6 @@ from sliderl.cluster.storage.data import PromptStream
 from sliderl.cluster.storage.model_files import ModelFiles
 from sliderl.trainer.metrics import StepMetrics
 
-EVAL_DIR = "eval"  # run_dir/eval/{before,after}.jsonl: the completions eval scored, one row per problem
 SKIP_REASONS = ("zero_variance_groups", "no_pair_groups", "skipped_groups_nonfinite_reward")  # algorithm counts
 
 

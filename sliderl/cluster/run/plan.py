@@ -24,7 +24,7 @@ from sliderl.cluster.config.base import check_device, check_outlives_job, to_yam
 from sliderl.cluster.config.prompts import PromptFormat, prompt_format
 from sliderl.cluster.config.train import TrainConfig
 from sliderl.cluster.errors import ConfigError
-from sliderl.cluster.observe.monitor import DRIVER_FILES, WANDB_DIR
+from sliderl.cluster.observe.monitor import DRIVER_FILES, EVAL_DIR, WANDB_DIR
 from sliderl.cluster.records import Problem
 from sliderl.cluster.run.checkpoints import Checkpoints, DamagedCheckpoint, DriverState
 from sliderl.cluster.run.lock import RunLock
@@ -56,15 +56,16 @@ class RunPlan:
 
     def push_driver_files(self, final: bool = False) -> bool:
         """Copy the driver's own files to a remote root: metrics.jsonl, and when ``final`` also the summary,
-        plots and W&B's folder (nothing to do for a local root). False when a copy failed (with a warning)."""
+        plots, W&B's folder and the evaluations' rows (nothing to do for a local root). False when a copy failed (with a warning)."""
         if self.storage.local:
             return True
         try:
             for name in DRIVER_FILES if final else DRIVER_FILES[:1]:
                 if (self.local_dir / name).is_file():
                     self.storage.write_bytes(self.storage.path(name), (self.local_dir / name).read_bytes())
-            if final and (self.local_dir / WANDB_DIR).is_dir():
-                self.storage.upload(self.local_dir / WANDB_DIR, self.storage.path(WANDB_DIR))
+            for folder in (WANDB_DIR, EVAL_DIR) if final else ():
+                if (self.local_dir / folder).is_dir():
+                    self.storage.upload(self.local_dir / folder, self.storage.path(folder))
         except OSError as err:  # the checkpoints are what a resume needs; these files can wait for the next copy
             print(f"sliderl: warning: could not copy the driver's files from {self.local_dir} to "
                   f"{self.storage.location}: {err}", file=sys.stderr, flush=True)
