@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The open H200 measurements of issues 36, 39 and 40, batched into device calls of at most 10 minutes each
+# (a session has 30 minutes of device time, machine start included). Run from the repository root on the GPU
+# machine, with the wheels installed as ../shared/tools/device-wheels.sh says; every item has its own time
+# limit, writes its rows and log under $OUT/<item>/, and the call ends with one line per item (rc, seconds).
+#
+#   bash benchmarks/device_session.sh A    # ~9 min: restarts at batch 256 (39), PD's GPU test and speedups (40)
+#   bash benchmarks/device_session.sh B    # ~10 min: the 7B step with --offload cpu on one GPU (36)
+#
+# carry: .whl and runs/pd-long (the trained PD models, 7 MB). The commands are the ones docs/results.md gives.
+set -u
+OUT=${OUT:?set OUT to the folder whose files come back}
+group=${1:?name a group: A or B}
+summary=()
+
+item() {  # item NAME SECONDS COMMAND...: run with a limit, tee its log, note rc and seconds
+  local name=$1 limit=$2
+  shift 2
+  mkdir -p "$OUT/$name"
+  local start=$SECONDS
+  timeout --signal=INT --kill-after=15 "$limit" "$@" 2>&1 | tee "$OUT/$name/log.txt" | tail -n 40
+  local rc=${PIPESTATUS[0]}
+  summary+=("$(printf '%-28s rc=%-4s %5ss' "$name" "$rc" "$((SECONDS - start))")")
+}
+
+export HF_HUB_OFFLINE=1
+case "$group" in
+  A)
+    # issue 39: last_k at batch 256 on the engine with the run-ahead fix (8bd064b), beside PS in the same call
+    item restarts-256 240 python benchmarks/restart_gpu.py --batches 256 --tokens 5000 --kv-gb 124 \
+      --policies prefix_sliding:4096 last_k:4096:256 --out "$OUT/restarts-256"
+    # issue 40: the denoise graphs against eager and the float64 reference, then the realised batch-1 speedups
+    item pd-gpu-test 60 python -m pytest -q tests/test_pd_attention.py -m gpu
+    item pd-scripted 150 python benchmarks/planned_diffusion_speedup.py scripted --device cuda --problems 6 \
+      --repeats 3 --knobs 1.0 0.5 0.25 0.125 --out "$OUT/pd-scripted/pd_speedup_scripted.json"
+    item pd-trained 90 python benchmarks/planned_diffusion_speedup.py trained --runs runs/pd-long --device cuda \
+      --problems 64 --latency-problems 8 --repeats 3 --knobs 0.5 1.0 0.25 0.125 0.5:0.9 0.25:0.9 0.5:uniform \
+      --out "$OUT/pd-trained/pd_speedup_trained.json"
+    ;;
+  B)
+    # issue 36: one H200 holds 7B's float32 masters only with the optimizer state in host memory (128 GiB here)
+    item scaling-7b-offload 570 python benchmarks/learner_scaling.py --shape 7b --ranks 1 --seq 32768 \
+      --offload cpu --steps 2 --out "$OUT/scaling-7b-offload"
+    ;;
+  *)
+    echo "unknown group $group: A or B" >&2
+    exit 2
+    ;;
+esac
+printf '%s\n' "${summary[@]}" | tee "$OUT/summary-$group.txt"
