@@ -381,6 +381,27 @@ def test_padded_bucket_forward_equals_the_exact_forward(setup):
     torch.testing.assert_close(padded, exact_logits(runner, *inputs), rtol=1e-5, atol=1e-5)
 
 
+# catches: a graph's static inputs filled wrong, checked on the CPU without a graph: the all-pad buffers
+# SpanGraphs._capture builds, then this step's layout copied into them with SpanBatch.copy_ (what a replay reads),
+# must give the exact forward's logits. Planted: copy_ skipping span_ids (the static batch keeps the all-pad -1
+# ids, so every query sees only its request's first key) fails this; so would a static batch of another shape.
+def test_static_buffers_filled_by_copy_give_the_exact_forward(setup):
+    path = setup[0]
+    runner = span_runner(path, "cpu")
+    ids, pos, prefixes, span_ids, views, rows = inputs = span_inputs(BUCKET_REQUESTS, seed=6)
+    bucket = bucket_of(len(span_ids), max(map(len, span_ids)), max(map(len, prefixes)))
+    n = bucket[0] * bucket[1]
+    static = SpanBatch.build([[]], [[]], [[]], runner.device, bucket=bucket)  # as at capture: every slot a pad
+    static_ids, static_pos = torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.long)
+    static.copy_(SpanBatch.build(prefixes, span_ids, views, torch.device("cpu"), bucket=bucket))
+    static_ids.copy_(torch.tensor(ids + [0] * (n - len(ids))))
+    static_pos.copy_(torch.tensor(pos + [0] * (n - len(pos))))
+    with torch.inference_mode():
+        hidden = runner.model(static_ids, static_pos, SpanAttention(runner.cache, static, runner.scale))
+        logits = runner.model.compute_logits(hidden[rows])
+    torch.testing.assert_close(logits, exact_logits(runner, *inputs), rtol=1e-5, atol=1e-5)
+
+
 # catches: a generation that changes when its denoising forwards are padded to buckets (with cuda_graphs on, CPU
 # pads them too): each of the three bugs planted for the test above changed the span tokens drawn here; a pad
 # request (three rounds denoise together: bucket R' = 4) disturbing the real rows' draws.
