@@ -22,6 +22,21 @@ SMALL = 4  # buckets up to this many rows are captured at every split count up f
 BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
 
+def capture(forward, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """``forward()`` run twice on a side stream (allocations and autotuning settle there), then captured into a
+    graph in memory pool ``pool``; the graph and its output tensor, which each replay overwrites."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            forward()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        output = forward()
+    return graph, output
+
+
 class DecodeGraphs:
     """The captured decode forwards of one ``ModelRunner`` (its model, cache, scale and scratch slot)."""
 
@@ -116,14 +131,5 @@ class DecodeGraphs:
             block_tables=st["block_tables"][:bucket], block_index=st["block_index"][:bucket],
             num_live_blocks=st["num_live_blocks"][:bucket], max_query_len=1, max_live_blocks=self.max_blocks)
         attn = PagedAttention(r.cache, meta, r.scale, r.impl, decode_config=config)
-        forward = lambda: r.model(st["ids"][:bucket], st["pos"][:bucket], attn)  # noqa: E731
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                forward()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            hidden = forward()
+        graph, hidden = capture(lambda: r.model(st["ids"][:bucket], st["pos"][:bucket], attn), self.pool)
         return graph, st, hidden

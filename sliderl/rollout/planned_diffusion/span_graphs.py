@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from sliderl.rollout.decode_graphs import capture
 from sliderl.rollout.planned_diffusion.span_attention import SpanAttention, SpanBatch
 
 SPAN_MULTIPLE = 32  # S, the most span tokens of a request, is padded up to a multiple of this
@@ -123,14 +124,6 @@ class SpanGraphs:
         def forward() -> Tensor:  # SpanAttention made inside the graph: the mask is recomputed at each replay
             return r.model(ids, pos, SpanAttention(r.cache, batch, r.scale))
 
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                forward()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            hidden = forward()
+        graph, hidden = capture(forward, self.pool)
         self.captures += 1
         return SpanGraph(graph, ids, pos, batch, hidden)
