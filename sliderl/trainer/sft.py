@@ -22,6 +22,7 @@ marker is a finished checkpoint for exactly those inputs, returned without train
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -180,12 +181,9 @@ def run_sft(model_path: str | Path, out_dir: str | Path, train_examples: list[SF
     tool = sft_args.summary_tool
     # training examples are tokenized when their step first needs them: a stage that stops at its target reads
     # only part of a long list (the default job's warm start: 675 of 1,500 steps' 24,000 examples)
-    train: dict[int, Trace] = {}
-
+    @functools.cache
     def train_trace(i: int) -> Trace:
-        if i not in train:
-            train[i] = sft_trace(learner.tokenizer, train_examples[i], specs[i % len(specs)], i, tool)
-        return train[i]
+        return sft_trace(learner.tokenizer, train_examples[i], specs[i % len(specs)], i, tool)
 
     held_out = [sft_trace(learner.tokenizer, e, specs[i % len(specs)], -1 - i, tool)
                 for i, e in enumerate(held_out_examples)]

@@ -441,17 +441,18 @@ class Session:
         problems, live = self.plan.eval_problems, list(self.pool.live().items())
         # contiguous shares, one per live worker, generated at once (each request's sampling is seeded by the
         # request, not by its batch, so the split does not change what is generated)
-        shares = [problems[i * len(problems) // len(live):(i + 1) * len(problems) // len(live)]
-                  for i in range(len(live))]
+        n, k = len(problems), len(live)
+        shares = [(wid, worker, problems[i * n // k:(i + 1) * n // k]) for i, (wid, worker) in enumerate(live)]
+        shares = [(wid, worker, share) for wid, worker, share in shares if share]
         refs = [worker.evaluate.remote([p.engine_prompt for p in share], self.cfg.eval_sampling())
-                for (_, worker), share in zip(live, shares) if share]
+                for _, worker, share in shares]
         outputs = [out for ref in refs for out in ray.get(ref)]
         rows: list[dict] = []
         result = score(outputs, problems, self.cfg.verifier(), self.cfg.engine.kv, rows)
         path = self.plan.local_dir / EVAL_DIR / f"{label}.jsonl"  # every completion, to read what the number counts
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text("".join(json.dumps({"version": self.state.version, **row}) + "\n" for row in rows))
-        workers = ", ".join(str(wid) for (wid, _), share in zip(live, shares) if share)
+        workers = ", ".join(str(wid) for wid, _, _ in shares)
         print(f"sliderl: eval {label} (version {self.state.version}, workers {workers}): {result.line()} -> {path}",
               flush=True)
         return result

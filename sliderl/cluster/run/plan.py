@@ -56,7 +56,8 @@ class RunPlan:
 
     def push_driver_files(self, final: bool = False) -> bool:
         """Copy the driver's own files to a remote root: metrics.jsonl, and when ``final`` also the summary,
-        plots, W&B's folder and the evaluations' rows (nothing to do for a local root). False when a copy failed (with a warning)."""
+        plots, W&B's folder and the evaluations' rows (nothing to do for a local root). False when a copy failed
+        (with a warning)."""
         if self.storage.local:
             return True
         try:
