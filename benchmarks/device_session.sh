@@ -33,7 +33,7 @@ case "$group" in
     item pd-gpu-test 60 python -m pytest -q tests/test_pd_attention.py -m gpu
     item pd-scripted 150 python benchmarks/planned_diffusion_speedup.py scripted --device cuda --problems 6 \
       --repeats 3 --knobs 1.0 0.5 0.25 0.125 --out "$OUT/pd-scripted/pd_speedup_scripted.json"
-    item pd-trained 90 python benchmarks/planned_diffusion_speedup.py trained --runs runs/pd-long --device cuda \
+    item pd-trained 300 python benchmarks/planned_diffusion_speedup.py trained --runs runs/pd-long --device cuda \
       --problems 64 --latency-problems 8 --repeats 3 --knobs 0.5 1.0 0.25 0.125 0.5:0.9 0.25:0.9 0.5:uniform \
       --out "$OUT/pd-trained/pd_speedup_trained.json"
     ;;
@@ -42,8 +42,21 @@ case "$group" in
     item scaling-7b-offload 570 python benchmarks/learner_scaling.py --shape 7b --ranks 1 --seq 32768 \
       --offload cpu --steps 2 --out "$OUT/scaling-7b-offload"
     ;;
+  C)
+    # issue 41: the trained Pasta models' realised batch-1 speedup (Pasta-BoNBoN and Pasta-SFT vs Baseline-SFT,
+    # the fresh seeds 3-5 of docs/results.md "Pasta"); carry runs/pasta-h200 (their model folders, 11 MB)
+    for s in 3 4 5; do
+      item pasta-realised-s$s 100 python benchmarks/pasta_speedup.py trained --device cuda --problems 6 --repeats 3 \
+        --pasta-model runs/pasta-h200/s$s/bonbon/model --baseline-model runs/pasta-h200/s$s/base/model \
+        --out "$OUT/pasta-realised-s$s/bonbon.json"
+    done
+    # issue 40: the trained PD models' speedups with the denoise graphs (A's last item, alone)
+    item pd-trained 300 python benchmarks/planned_diffusion_speedup.py trained --runs runs/pd-long --device cuda \
+      --problems 64 --latency-problems 8 --repeats 3 --knobs 0.5 1.0 0.25 0.125 0.5:0.9 0.25:0.9 0.5:uniform \
+      --out "$OUT/pd-trained/pd_speedup_trained.json"
+    ;;
   *)
-    echo "unknown group $group: A or B" >&2
+    echo "unknown group $group: A, B or C" >&2
     exit 2
     ;;
 esac

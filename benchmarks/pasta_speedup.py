@@ -275,6 +275,7 @@ def run_trained(args) -> list[Row]:
         correct = (verify(out.text, p["answer"]).total == 1.0, verify(base_out.text, p["answer"]).total == 1.0)
         rows.append(Row(p["prompt_id"], len(layout.forks), len(plain), len(flat), layout.critical_path, out.pasta.steps,
                         base_steps, layout.speedup(len(plain)), *serial_times(times, last), correct))
+        print(json.dumps({**asdict(rows[-1]), "realised": rows[-1].realised}), flush=True)  # kept if cut short
     for llm in engines.values():
         llm.close()
     return rows
