@@ -6,6 +6,8 @@
 #
 #   bash benchmarks/device_session.sh A    # ~9 min: restarts at batch 256 (39), PD's GPU test and speedups (40)
 #   bash benchmarks/device_session.sh B    # ~10 min: the 7B step with --offload cpu on one GPU (36)
+#   bash benchmarks/device_session.sh C    # ~6 min: trained Pasta's realised speedup (41), PD's trained rows (40)
+#   bash benchmarks/device_session.sh D    # ~10 min: h2o under CUDA graphs, its tests and speed (38.4); regress.py (38.1)
 #
 # carry: .whl and runs/pd-long (the trained PD models, 7 MB). The commands are the ones docs/results.md gives.
 set -u
@@ -55,8 +57,17 @@ case "$group" in
       --problems 64 --latency-problems 8 --repeats 3 --knobs 0.5 1.0 0.25 0.125 0.5:0.9 0.25:0.9 0.5:uniform \
       --out "$OUT/pd-trained/pd_speedup_trained.json"
     ;;
+  D)
+    # issue 38, item 4: h2o decodes from CUDA graphs (its page mass in the graphs' static buffer): the GPU tests
+    # (graphs vs eager vs the CPU reference), then h2o against prefix_sliding at equal live KV, 32K and 128K
+    item h2o-gpu-tests 180 python -m pytest -q tests/test_h2o.py tests/test_engine_gpu.py -m gpu
+    item h2o-vs-ps 300 python benchmarks/engine_gpu.py --positions 32768 131072 --policies h2o:4096 \
+      prefix_sliding:4096 --hf-batch 0 --steps 100 --warmup 40 --out "$OUT/h2o-vs-ps/engine_gpu.json"
+    # issue 38, item 1: every recorded headline measured again (a drop over 10% fails its row)
+    item regress 110 python benchmarks/regress.py --only decode batch1 --out "$OUT/regress"
+    ;;
   *)
-    echo "unknown group $group: A, B or C" >&2
+    echo "unknown group $group: A, B, C or D" >&2
     exit 2
     ;;
 esac

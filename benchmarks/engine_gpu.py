@@ -14,7 +14,7 @@ positions. Dead blocks are never allocated (they would never be read). Then the 
 sampled token is replaced by its next register every 256 tokens, the sequences staggered so that
 about batch/256 of them kill a step at every engine step (each kill redoes that row's queued step).
 Under ``h2o:B`` the history keeps the budget's pages (the recent half and older pages spread evenly)
-and the engine evicts by the attention mass its decode kernel outputs (no CUDA graphs for h2o).
+and the engine evicts by the attention mass its decode kernel outputs (from CUDA graphs as for every policy).
 The batch is sized to the KV memory budget (at most 256 sequences).
 transformers' ``generate`` (static cache, greedy) on the same model is the peer row.
 """

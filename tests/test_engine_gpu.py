@@ -14,9 +14,12 @@ pytestmark = pytest.mark.gpu
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
-@pytest.mark.parametrize("spec", ["full", "prefix_sliding:24", "sliding_window:24", "streaming:4:24", "registers:4"])
+@pytest.mark.parametrize("spec", ["full", "prefix_sliding:24", "sliding_window:24", "streaming:4:24", "registers:4",
+                                  "h2o:32"])
 @pytest.mark.parametrize("graphs", [True, False])
 def test_gpu_matches_cpu_fp32(tiny_model_factory, spec, graphs):
+    """h2o: the CPU engine's mass (the torch reference) against the decode kernel's, eager or replayed; a wrong mass
+    evicts other pages and the greedy tokens part."""
     path = tiny_model_factory(arch="qwen3", hidden_size=128, num_heads=8, num_kv_heads=2, intermediate_size=256)
     prompts = [list(range(10, 10 + n)) for n in (3, 17, 40, 64, 5)]
     sp = SamplingParams(max_tokens=120, **GREEDY)

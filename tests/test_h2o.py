@@ -185,15 +185,18 @@ def test_h2o_specs_and_budget_errors(tiny_model_factory):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("overlap", [False, True])
-def test_cuda_h2o_traces_rescore_on_the_cpu_trainer(tiny_model_factory, overlap):
+@pytest.mark.parametrize("graphs", [False, True])
+def test_cuda_h2o_traces_rescore_on_the_cpu_trainer(tiny_model_factory, overlap, graphs):
     """On CUDA the decode kernel's mass output drives the evictions (prefill chunks: the torch reference),
-    without CUDA graphs; whatever it evicts, the recorded deaths let the CPU trainer rescore the trace.
-    Catches a GPU-only death or mass path that disagrees with what the kernels attended to."""
+    eagerly or from captured graphs (the mass in their static buffer); whatever it evicts, the recorded deaths
+    let the CPU trainer rescore the trace. Catches a GPU-only death or mass path that disagrees with what the
+    kernels attended to."""
     path = tiny_model_factory(arch="qwen3")
-    llm = LLM(str(path), kv="h2o:32", device="cuda", dtype="float32", block_size=8, num_blocks=256, overlap=overlap)
-    assert llm.runner.graphs is None
+    llm = LLM(str(path), kv="h2o:32", device="cuda", dtype="float32", block_size=8, num_blocks=256, overlap=overlap,
+              cuda_graphs=graphs)
     outs = llm.generate([list(range(10, 90)), [5, 6, 7]],
                         SamplingParams(max_tokens=100, temperature=0.8, seed=1, ignore_eos=True))
+    assert (llm.runner.graphs is not None and llm.runner.graphs.replays > 0) == graphs
     model = load_model(path)
     for out in outs:
         assert out.kv_deaths and out.kv.peak_blocks <= max(4, -(-(len(out.prompt_token_ids) + 2) // 8))
@@ -202,3 +205,28 @@ def test_cuda_h2o_traces_rescore_on_the_cpu_trainer(tiny_model_factory, overlap)
         with torch.no_grad():
             err = (trace_logprobs(model, trace).double() - torch.tensor(out.logprobs).double()).abs().max()
         assert err < 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("overlap", [False, True])
+def test_cuda_h2o_graph_replay_evicts_what_the_eager_engine_evicts(tiny_model_factory, overlap):
+    """Decode steps replayed from CUDA graphs pick the same pages as eager steps: same greedy tokens, same recorded
+    deaths, logprobs within fp32 noise. Catches the graphs' static mass buffer not zeroed before each replay
+    (mass would accumulate across steps), the mass not passed to the captured decode kernel (all zeros: the
+    oldest candidate goes), or a mass copy read after the next replay rewrote the buffer (run-ahead on)."""
+    path = tiny_model_factory(arch="qwen3")
+    prompts = [list(range(10, 90)), [5, 6, 7], list(range(40, 73))]
+    sp = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
+    outs = {}
+    for graphs in (False, True):
+        llm = LLM(str(path), kv="h2o:32", device="cuda", dtype="float32", block_size=8, num_blocks=256,
+                  overlap=overlap, cuda_graphs=graphs)
+        outs[graphs] = llm.generate(prompts, sp)
+        if graphs:
+            assert llm.runner.graphs.replays > 0
+        llm.close()
+    for eager, replayed in zip(outs[False], outs[True]):
+        assert eager.kv_deaths  # the budget evicted pages, so the mass chose them
+        assert replayed.token_ids == eager.token_ids
+        assert replayed.kv_deaths == eager.kv_deaths
+        assert max(abs(a - b) for a, b in zip(eager.logprobs, replayed.logprobs)) < 1e-3

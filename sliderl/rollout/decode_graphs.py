@@ -46,6 +46,7 @@ class DecodeGraphs:
         self.max_blocks = max_blocks
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, dict, torch.Tensor]] = {}
+        self.replays = 0  # decode steps run from a graph
         dev, n = runner.device, self.buckets[-1]
         self.static = {
             "ids": torch.zeros(n, dtype=torch.long, device=dev),
@@ -58,6 +59,8 @@ class DecodeGraphs:
             "block_index": torch.full((n, max_blocks), -1, dtype=torch.int32, device=dev),
             "num_live_blocks": torch.zeros(n, dtype=torch.int32, device=dev),
         }
+        if runner.track_mass:  # h2o: each replay zeroes it, then every layer adds its page mass (decode kernel)
+            self.static["mass"] = torch.zeros(n, max_blocks, dtype=torch.float32, device=dev)
         for bucket in (b for b in self.buckets if b <= SMALL):
             for e in range(max(0, max_blocks - 1).bit_length() + 1):  # every rounded width up to max_blocks
                 key = (bucket, self._splits(bucket, 1 << e))
@@ -67,8 +70,11 @@ class DecodeGraphs:
     def fits(self, meta: AttentionMetadata) -> bool:
         return meta.num_seqs <= self.buckets[-1] and meta.max_live_blocks <= self.max_blocks
 
-    def run(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Copy this step's tensors into the static buffers, replay; hidden states ``[S, hidden]``."""
+    def run(self, ids: torch.Tensor, pos: torch.Tensor,
+            meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Copy this step's tensors into the static buffers, replay; hidden states ``[S, hidden]``, and under h2o the
+        step's page mass ``[S, max_live_blocks]`` (a copy: the next replay, queued before it is read, rewrites the
+        buffer), else None."""
         s, width = meta.num_seqs, meta.max_live_blocks
         bucket = next(b for b in self.buckets if b >= s)
         key = (bucket, self._splits(bucket, width))
@@ -77,7 +83,9 @@ class DecodeGraphs:
         graph, st, hidden = self.graphs[key]
         self._fill(ids, pos, meta, bucket)
         graph.replay()
-        return hidden[:s]
+        self.replays += 1
+        mass = st.get("mass")
+        return hidden[:s], None if mass is None else mass[:s, :width].clone()
 
     def close(self) -> None:
         """Release the captured graphs (their memory pool), the static buffers and the runner they point to."""
@@ -130,6 +138,13 @@ class DecodeGraphs:
             slot_mapping=st["slot_mapping"][:bucket], slot_death=st["slot_death"][:bucket],
             block_tables=st["block_tables"][:bucket], block_index=st["block_index"][:bucket],
             num_live_blocks=st["num_live_blocks"][:bucket], max_query_len=1, max_live_blocks=self.max_blocks)
-        attn = PagedAttention(r.cache, meta, r.scale, r.impl, decode_config=config)
-        graph, hidden = capture(lambda: r.model(st["ids"][:bucket], st["pos"][:bucket], attn), self.pool)
+        mass = st["mass"][:bucket] if "mass" in st else None
+        attn = PagedAttention(r.cache, meta, r.scale, r.impl, decode_config=config, mass=mass)
+
+        def forward():
+            if mass is not None:
+                mass.zero_()
+            return r.model(st["ids"][:bucket], st["pos"][:bucket], attn)
+
+        graph, hidden = capture(forward, self.pool)
         return graph, st, hidden

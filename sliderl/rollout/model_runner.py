@@ -2,7 +2,7 @@
 
 On CUDA, decode steps replay CUDA graphs captured per batch-size bucket; prefill runs eagerly. Under
 h2o (``track_mass``) every forward also returns its attention mass per block-table column
-(``PageMass``), and runs eagerly.
+(``PageMass``): a replayed decode step writes it into the graphs' static buffer, copied out after the replay.
 Host work per step is proportional to the batch and its live blocks, never to sequence length.
 Nothing here waits for the device: tensors cross to it from pinned memory, results stay on it.
 """
@@ -147,12 +147,14 @@ class ModelRunner:
         if dead:  # slots a Pasta thread left empty: no query may read them (written before the step's K/V)
             self.set_death(dead, 0)
         mass = None
+        ends = [s.num_computed + n for s, n in zip(batch.seqs, batch.num_tokens)] if self.track_mass else None
         if self.graphs is not None and meta.is_decode and self.graphs.fits(meta):
-            hidden = self.graphs.run(ids, pos, meta)
+            hidden, values = self.graphs.run(ids, pos, meta)
+            if values is not None:
+                mass = PageMass(values, meta.block_index.numpy(), ends)
         else:
             dev = self.device
             if self.track_mass:
-                ends = [s.num_computed + n for s, n in zip(batch.seqs, batch.num_tokens)]
                 mass = PageMass(torch.zeros(meta.block_index.shape, dtype=torch.float32, device=dev),
                                 meta.block_index.numpy(), ends)
             meta = meta.to(dev)

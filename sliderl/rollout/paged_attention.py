@@ -28,7 +28,8 @@ class PagedAttention:
         self.impl.write_kv(self.cache, layer, k, v, self.meta)
         if self.decode_config is not None:
             from sliderl.kernels.decode import decode_attention
-            return decode_attention(q, self.cache, layer, self.meta, self.scale, config=self.decode_config)
+            return decode_attention(q, self.cache, layer, self.meta, self.scale, config=self.decode_config,
+                                    mass=self.mass)
         if self.mass is not None:
             return self.impl.paged_attention(q, self.cache, layer, self.meta, self.scale, mass=self.mass)
         return self.impl.paged_attention(q, self.cache, layer, self.meta, self.scale)
