@@ -8,8 +8,12 @@
 #   bash benchmarks/device_session.sh B    # ~10 min: the 7B step with --offload cpu on one GPU (36)
 #   bash benchmarks/device_session.sh C    # ~6 min: trained Pasta's realised speedup (41), PD's trained rows (40)
 #   bash benchmarks/device_session.sh D    # ~10 min: h2o under CUDA graphs, its tests and speed (38.4); regress.py (38.1)
+#   bash benchmarks/device_session.sh E    # ~9 min: TIP's GPU-scale arms with decode wall time (41); carry .whl (Ray)
 #
-# carry: .whl and runs/pd-long (the trained PD models, 7 MB). The commands are the ones docs/results.md gives.
+# carry: .whl and runs/pd-long (the trained PD models, 7 MB) for A, .whl for B and E, a Ray-less copy of .whl
+# (runs/whl-light) with runs/pasta-h200 and runs/pd-long for C, runs/whl-light for D: everything carried must
+# stay under 64 MiB with the tree (~9 MB), and Ray's wheel alone is 47 MB. The commands are the ones
+# docs/results.md gives.
 set -u
 OUT=${OUT:?set OUT to the folder whose files come back}
 group=${1:?name a group: A or B}
@@ -66,8 +70,13 @@ case "$group" in
     # issue 38, item 1: every recorded headline measured again (a drop over 10% fails its row)
     item regress 110 python benchmarks/regress.py --only decode batch1 --out "$OUT/regress"
     ;;
+  E)
+    # issue 41, TIP: the GPU-scale recipe's arms with their decode wall time on the H200 (summary.md's "decode s")
+    item tip-gpu 560 python benchmarks/tip_seeds.py --recipe tip-gpu --device cuda --seeds 0 --out "$OUT/tip" \
+      --grpo-seconds 135 --sft sft.max_seconds=235
+    ;;
   *)
-    echo "unknown group $group: A, B, C or D" >&2
+    echo "unknown group $group: A, B, C, D or E" >&2
     exit 2
     ;;
 esac
