@@ -115,7 +115,9 @@ def rank_main(args: argparse.Namespace) -> None:
               for _ in range(args.groups)]
     started = time.perf_counter()
     progress = lambda what: print(f"rank {args.rank}: {what} at {time.perf_counter() - started:.0f} s", flush=True)  # noqa: E731
-    progress("model loaded and sharded")
+    progress(f"model loaded and sharded ({torch.get_num_threads()} CPU threads)")
+    if args.offload != "none":
+        trace_phases(learner, progress)
     learner.step(groups)  # warm-up: compiles
     progress("warm-up step done")
     metrics = []
@@ -128,6 +130,25 @@ def rank_main(args: argparse.Namespace) -> None:
         row["sync_s"] = sync_seconds(args, learner)
     if args.rank == 0:
         Path(args.row_file).write_text(json.dumps(row))
+
+
+def trace_phases(learner, progress) -> None:
+    """Print when each decoder layer 0 forward (one per micro-batch, and its recomputation under checkpointing) and
+    each optimizer step start and end: where an offloaded step's time goes, as it happens."""
+    import itertools
+
+    calls = itertools.count(1)
+    learner.model.model.layers[0].register_forward_pre_hook(lambda module, inputs: progress(
+        f"layer 0 forward {next(calls)}"))
+    step = learner.optimizer.step
+
+    def timed_step(*args, **kwargs):
+        progress("optimizer step starts")
+        out = step(*args, **kwargs)
+        progress("optimizer step done")
+        return out
+
+    learner.optimizer.step = timed_step
 
 
 def _peaks(metrics) -> list[float] | None:
@@ -202,8 +223,11 @@ def run_row(args: argparse.Namespace, model: Path, ranks: int, seq: int, out: Pa
               *_passed(args)]
     procs, logs = [], []
     roles = [("rank", r, r) for r in range(ranks)] + ([("receiver", 0, max(ranks - 1, 1))] if args.sync else [])
+    # offloaded, AdamW and the gradient accumulation run on the host: give each process its share of the cores
+    # (with one thread each, the 7B step's first offloaded call had not finished its warm-up step after ~450 s)
+    threads = max(1, (os.cpu_count() or 1) // len(roles)) if args.offload == "cpu" else 1
     for role, rank, gpu in roles:
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
         if not args.cpu_smoke:
             env["CUDA_VISIBLE_DEVICES"] = str(gpu)
         log = open(out / f"{role}{rank}-{ranks}-{seq}.log", "w")
