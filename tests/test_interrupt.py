@@ -56,3 +56,26 @@ def test_ctrl_c_exits_130_in_one_line_and_keeps_the_checkpoints(tiny_model_facto
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=60)
+
+
+def test_a_ctrl_c_that_library_code_swallowed_is_raised_again_at_the_next_check():
+    # Catches: a SIGINT whose KeyboardInterrupt is caught inside library code leaving the job running (the test
+    # above once saw `sliderl train` step on for 120 s after its SIGINT, with no exception anywhere). Planted by
+    # dropping the handler's record (`_received.set()`): check() then stays silent and this fails.
+    from sliderl.cluster.run import interrupt
+
+    interrupt.install()
+    try:
+        interrupt.check()  # nothing arrived yet: no exception
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)  # the handler raises here, in the main thread
+            pytest.fail("the SIGINT raised no KeyboardInterrupt")
+        except KeyboardInterrupt:
+            pass  # what code that swallows it does
+        with pytest.raises(KeyboardInterrupt):
+            interrupt.check()
+        interrupt.install()  # a new job in the same process starts clean
+        interrupt.check()
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)

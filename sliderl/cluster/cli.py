@@ -32,6 +32,7 @@ from sliderl.cluster.config.base import (
 from sliderl.cluster.config.sft import SFTJobConfig
 from sliderl.cluster.config.train import TrainConfig
 from sliderl.cluster.errors import ConfigError
+from sliderl.cluster.run import interrupt
 
 RUN_FAILED = 1
 USER_ERROR = 2
@@ -44,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if hasattr(signal, "SIGUSR1") and sys.__stderr__ is not None:  # `kill -USR1 <pid>`: where a hung job is
         faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)  # every thread's stack; goes on
+    interrupt.install()  # a Ctrl-C that library code swallows is raised again at the driver's next check
     parser = build_parser(_help_request(argv))
     try:
         args = parser.parse_args(argv)

@@ -46,6 +46,7 @@ from sliderl.cluster.observe.dashboard import job_metadata, warn_if_submitted_wi
 from sliderl.cluster.observe.monitor import EVAL_DIR, METRICS_FILE
 from sliderl.cluster.records import EvalResult, PromptGroup, RolloutGroup, StepReport
 from sliderl.cluster.run.checkpoints import Checkpoints, DriverState
+from sliderl.cluster.run import interrupt
 from sliderl.cluster.run.guards import StaleStreak, failed_save, stale_streak_limit, stale_streak_message
 from sliderl.cluster.run.ledger import GroupLedger
 from sliderl.cluster.run.plan import RunPlan, prepare
@@ -204,6 +205,7 @@ class Session:
             self.eval_before = self._unlogged_eval_before = self._evaluate("before")
         stopped = False
         while self.state.step < self.cfg.train.steps and not stopped:
+            interrupt.check()
             report = self._step()
             stopped = self.on_step is not None and self.on_step(self, self.state.step, report) is False
         if not stopped and not self.checkpoints.is_complete(self.state.step):
@@ -284,6 +286,7 @@ class Session:
         batch: list = []
         deadline = time.monotonic() + self.cfg.train.group_timeout_s
         while True:
+            interrupt.check()
             take = self.ledger.take(n - len(batch), self.state.version, max_staleness)
             batch += take.groups
             self._step_counters.stale += len(take.stale)
@@ -316,6 +319,7 @@ class Session:
         self._learner_busy = True
         try:
             while not ray.wait([ref], timeout=0)[0]:
+                interrupt.check()
                 room = self.cfg.train.groups_per_step - len(self.ledger.ready)
                 if prefetch and room > 0:
                     self._feed(0)
