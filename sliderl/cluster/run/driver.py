@@ -45,8 +45,8 @@ from sliderl.cluster.eval.evaluation import score
 from sliderl.cluster.observe.dashboard import job_metadata, warn_if_submitted_without_metadata
 from sliderl.cluster.observe.monitor import EVAL_DIR, METRICS_FILE
 from sliderl.cluster.records import EvalResult, PromptGroup, RolloutGroup, StepReport
-from sliderl.cluster.run.checkpoints import Checkpoints, DriverState
 from sliderl.cluster.run import interrupt
+from sliderl.cluster.run.checkpoints import Checkpoints, DriverState
 from sliderl.cluster.run.guards import StaleStreak, failed_save, stale_streak_limit, stale_streak_message
 from sliderl.cluster.run.ledger import GroupLedger
 from sliderl.cluster.run.plan import RunPlan, prepare
