@@ -70,8 +70,9 @@ case "$group" in
     ;;
   E)
     # issue 41, TIP: the GPU-scale recipe's arms with their decode wall time on the H200 (summary.md's "decode s")
-    item tip-gpu 560 python benchmarks/tip_seeds.py --recipe tip-gpu --device cuda --seeds 0 --out "$OUT/tip" \
-      --grpo-seconds 135 --sft sft.max_seconds=235
+    # (the GPU machine's Python has no wandb: the run logs to its own files only)
+    item tip-gpu 585 python benchmarks/tip_seeds.py --recipe tip-gpu --device cuda --seeds 0 --out "$OUT/tip" \
+      --grpo-seconds 120 --sft sft.max_seconds=170 --grpo monitor.wandb.mode=disabled
     ;;
   *)
     echo "unknown group $group: A, B, C, D or E" >&2

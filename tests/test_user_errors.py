@@ -127,6 +127,25 @@ def test_an_unreachable_ray_address_is_one_line_before_the_config_dump(tmp_path,
     assert out == ""
 
 
+def test_wandb_asked_for_but_not_installed_is_exit_2_before_ray(tmp_path, capsys, monkeypatch):
+    # Catches: monitor.wandb.mode=offline on a machine without wandb (the H200 image) failing with an ImportError
+    # traceback from the driver after Ray and the actors started (seen on the device, 2026-12-04). The package is
+    # made unimportable the way Python itself spells it (a None in sys.modules). Planted by dropping check_wandb
+    # from plan.prepare, Ray starts and this fails.
+    import sys
+
+    import ray
+
+    was_running = ray.is_initialized()
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    code = main(["train", "monitor.wandb.mode=offline", f"run_dir={tmp_path / 'run'}", "ray.num_cpus=1",
+                 f"warmstart.cache_dir={tmp_path / 'cache'}"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert "monitor.wandb.mode=offline needs the wandb package" in err and "monitor.wandb.mode=disabled" in err, err
+    assert ray.is_initialized() == was_running
+
+
 def _placement_groups(ray) -> int:
     from ray.util import placement_group_table
 

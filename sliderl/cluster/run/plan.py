@@ -88,6 +88,7 @@ def prepare(cfg: TrainConfig) -> RunPlan:
     """Storage root (locked for this driver), resolved config, data (fields checked), initial model and warm-start
     examples; no Ray yet. The config is recorded in run_dir once every check passed."""
     check_devices(cfg)
+    check_wandb(cfg)
     check_outlives_job(cfg.run_dir, "run_dir")
     check_cluster_address(cfg)
     baseline = baseline_model_path(cfg) if cfg.reward.speedup is not None else None
@@ -246,6 +247,18 @@ def check_cluster_address(cfg: TrainConfig) -> None:
     address = cluster_address(cfg)
     if address is not None:
         check_reachable(address)
+
+
+def check_wandb(cfg: TrainConfig) -> None:
+    """W&B asked for (online or offline) without the wandb package is a ConfigError before Ray starts, not an
+    ImportError from the driver after the placement group."""
+    if cfg.monitor.wandb.mode == "disabled":
+        return
+    try:
+        import wandb  # noqa: F401
+    except ImportError:
+        raise ConfigError(f"monitor.wandb.mode={cfg.monitor.wandb.mode} needs the wandb package, which this Python "
+                          "lacks: pip install wandb, or set monitor.wandb.mode=disabled") from None
 
 
 def check_devices(cfg: TrainConfig) -> None:
