@@ -104,7 +104,7 @@ def place(llm: LLM, n: int, position: int, max_new: int) -> None:
             seq.block_completed(j)
         if seq.heavy is not None:  # h2o: the history's mass is scored; heavy pages carry some mass
             seq.heavy.scored_through = position
-            seq.heavy.mass = {j: 1.0 for j in live}
+            seq.heavy.set_mass(live, 1.0)
         seq.status = Status.RUNNING
         llm.scheduler.running.append(seq)
 

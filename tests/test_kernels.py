@@ -546,7 +546,9 @@ def test_h2o_page_mass_matches_dense_softmax_per_page(block_size, group, splits,
     column (logical index instead of column, or a tile spanning blocks credited to one); dead or
     unseen keys counted; the output overwritten instead of added to (layers accumulate into it); the
     mass of one query head per GQA group. Planted: each split storing its own normaliser, column =
-    logical block, no visibility mask, store instead of atomic add, one head per group — each fails.
+    logical block, no visibility mask, store instead of atomic add, one head per group — each fails. The single
+    pass (per-segment log2 sums rescaled after the merge): a segment's sum stored without its tile's max fails
+    every case but one; only a column's first segment counted (32-key blocks over 16-key tiles) fails that case.
     """
     gen = torch.Generator().manual_seed(500 + 10 * block_size + splits)
     seqs = [random_seq(gen, 45, 1, window=13, prefix=5, spans=3), random_seq(gen, 70, 1, window=29, prefix=9, spans=6),

@@ -6,13 +6,16 @@ tiles with an online softmax in fp32 (base 2), and either writes the normalised 
 split) or its partial (max, sum, unnormalised acc); the last split of a (sequence, head) to finish
 merges the partials into the output in the same launch.
 
-Page mass (Paged H2O, ``mass`` given): the kernel is compiled with ``OUTPUT_MASS`` and also stores
-each query head's final softmax normaliser — its running max and sum, after the merge of every
-split's partial when split-K is on — and a second small kernel (``_page_mass_kernel``, same grid)
-walks the same tiles again: p = exp2(s - max) / sum is each key's probability under the global
-normaliser, summed over the GQA group and atomically added to the key's block-table column. Reading
-the keys twice costs h2o alone; without ``mass`` the flag is off and the decode kernel is the code
-every other policy runs.
+Page mass (Paged H2O, ``mass`` given): the kernel is compiled with ``OUTPUT_MASS`` and, in the same pass
+over the keys, stores for every segment of ``SEG`` keys (a power of two dividing both the tile and the
+block, so a segment lies in one block-table column) and every query head the log2 of its probability
+sum under the running max of its tile, ``m + log2(sum p)``; it also stores each head's final softmax
+normaliser (max and sum, after the merge of every split's partial when split-K is on). A small second
+kernel (``_page_mass_kernel``) then reads those per-segment values — one float per head per segment,
+1/64 of the keys' bytes at head dim 128 and 16-key blocks — rescales them by the final normaliser
+(``exp2(lse - max) / sum``), sums over the GQA group and atomically adds them to the segment's column.
+The keys are read once, as for every other policy; without ``mass`` the flag is off and the decode
+kernel is the code every other policy runs.
 """
 
 from __future__ import annotations
@@ -33,12 +36,12 @@ from sliderl.kernels.metadata import AttentionMetadata, PagedKVCache
 @triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, death_ptr, block_tables_ptr, block_index_ptr, num_live_ptr,
                    query_start_ptr, query_pos_ptr, out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, counter_ptr,
-                   norm_max_ptr, norm_sum_ptr,
+                   norm_max_ptr, norm_sum_ptr, seg_lse_ptr,
                    stride_qn, stride_qh, stride_kb, stride_ks, stride_kh,
-                   stride_bt, stride_bi, stride_on, stride_oh, num_q_heads, num_kv_heads, scale_log2,
+                   stride_bt, stride_bi, stride_on, stride_oh, num_q_heads, num_kv_heads, scale_log2, max_segs,
                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                   PRECISION: tl.constexpr, UPCAST: tl.constexpr, OUTPUT_MASS: tl.constexpr):
+                   PRECISION: tl.constexpr, UPCAST: tl.constexpr, OUTPUT_MASS: tl.constexpr, SEG: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -92,6 +95,12 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, death_ptr, block_tables_ptr, block_index
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
         m_i = m_new
+        if OUTPUT_MASS:  # each segment's probability sum, as a log2 under this tile's max (-inf: none visible)
+            seg_sum = tl.sum(tl.reshape(p, [GROUP_PAD, TILE_N // SEG, SEG]), 2)  # [GROUP_PAD, TILE_N // SEG]
+            seg = tile * (TILE_N // SEG) + tl.arange(0, TILE_N // SEG)
+            seg_ptrs = seg_lse_ptr + (row64 * num_q_heads + head)[:, None] * max_segs + seg[None, :]
+            tl.store(seg_ptrs, m_new[:, None] + tl.log2(seg_sum),
+                     mask=row_ok[:, None] & (seg * SEG < num_live * BLOCK_SIZE)[None, :])
         offset, pos, death, in_range = next_tile
 
     if NUM_SPLITS == 1:
@@ -135,55 +144,32 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, death_ptr, block_tables_ptr, block_index
 
 
 @triton.jit
-def _page_mass_kernel(q_ptr, k_ptr, death_ptr, block_tables_ptr, block_index_ptr, num_live_ptr,
-                      query_start_ptr, query_pos_ptr, norm_max_ptr, norm_sum_ptr, mass_ptr,
-                      stride_qn, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_bi, stride_mass,
-                      num_q_heads, scale_log2,
-                      GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
-                      BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                      PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """mass[seq, column] += sum over the group's heads of exp2(s - max) / sum over the column's visible keys."""
+def _page_mass_kernel(query_start_ptr, num_live_ptr, norm_max_ptr, norm_sum_ptr, seg_lse_ptr, mass_ptr,
+                      stride_mass, num_q_heads, max_segs,
+                      GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, SEG: tl.constexpr,
+                      CHUNK: tl.constexpr):
+    """mass[seq, column] += sum over the group's heads and the column's segments of exp2(lse - max) / sum."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
-    split = tl.program_id(2)
     row = tl.load(query_start_ptr + seq)
     num_q = tl.minimum(tl.load(query_start_ptr + seq + 1) - row, 1)
-    q_pos = tl.load(query_pos_ptr + row, mask=num_q > 0, other=-1)
-    num_live = tl.load(num_live_ptr + seq) * num_q
-    num_tiles = tl.cdiv(num_live * BLOCK_SIZE, TILE_N)
-    per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-    first = split * per_split
-    last = tl.minimum(first + per_split, num_tiles)
-
+    num_segs = tl.load(num_live_ptr + seq) * num_q * (BLOCK_SIZE // SEG)
     g = tl.arange(0, GROUP_PAD)
-    d = tl.arange(0, DIM_PAD)
     head = kv_head * GROUP + g
     row_ok = g < GROUP * num_q
-    d_ok = d < HEAD_DIM
     row64 = row.to(tl.int64)
-    q = tl.load(q_ptr + row64 * stride_qn + head[:, None] * stride_qh + d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    if UPCAST:
-        q = q.to(tl.float32)
     m_i = tl.load(norm_max_ptr + row64 * num_q_heads + head, mask=row_ok, other=0.0)
     l_i = tl.load(norm_sum_ptr + row64 * num_q_heads + head, mask=row_ok, other=0.0)
     inv_l = tl.where(row_ok & (l_i > 0), 1.0 / tl.where(l_i > 0, l_i, 1.0), 0.0)  # [GROUP_PAD]
-    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    bi_row = block_index_ptr + seq.to(tl.int64) * stride_bi
+    lse_rows = seg_lse_ptr + (row64 * num_q_heads + head)[:, None] * max_segs
     mass_row = mass_ptr + seq.to(tl.int64) * stride_mass
-    for tile in range(first, last):
-        offset, pos, death, in_range = live_key_tile(bt_row, bi_row, death_ptr, num_live, tile,
-                                                     stride_kb, stride_ks, BLOCK_SIZE, TILE_N)
-        visible = in_range & (pos <= q_pos) & (q_pos < death)
-        k = tl.load(k_ptr + offset[:, None] + kv_head * stride_kh + d[None, :],
-                    mask=in_range[:, None] & d_ok[None, :], other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [GROUP_PAD, TILE_N]
-        p = tl.exp2(s - m_i[:, None]) * inv_l[:, None]
-        p = tl.where(visible[None, :] & row_ok[:, None], p, 0.0)
-        column = (tile * TILE_N + tl.arange(0, TILE_N)) // BLOCK_SIZE
-        tl.atomic_add(mass_row + column, tl.sum(p, 0), mask=visible)
+    for start in range(0, num_segs, CHUNK):
+        seg = start + tl.arange(0, CHUNK)
+        ok = seg < num_segs
+        both = row_ok[:, None] & ok[None, :]
+        lse = tl.load(lse_rows + seg[None, :], mask=both, other=float("-inf"))
+        p = tl.where(both, tl.exp2(lse - m_i[:, None]) * inv_l[:, None], 0.0)
+        tl.atomic_add(mass_row + seg * SEG // BLOCK_SIZE, tl.sum(p, 0), mask=ok)
 
 
 _COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
@@ -298,12 +284,15 @@ def decode_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: Att
     part_max = torch.empty((n, h_q, splits) if splits > 1 else (1,), dtype=torch.float32, device=q.device)
     part_sum = torch.empty_like(part_max)
     counters = split_counters(q.device, meta.num_seqs * h_kv) if splits > 1 else part_max
+    seg = math.gcd(cfg.tile_n, block_size)  # a power of two: a segment lies in one tile and one block
+    max_segs = triton.cdiv(meta.block_tables.shape[1] * block_size, cfg.tile_n) * (cfg.tile_n // seg)
     if mass is not None:
         _check_mass(mass, meta, q.device)
         norm_max = torch.empty((n, h_q), dtype=torch.float32, device=q.device)
         norm_sum = torch.empty_like(norm_max)
+        seg_lse = torch.empty((n, h_q, max_segs), dtype=torch.float32, device=q.device)
     else:
-        norm_max = norm_sum = part_max
+        norm_max = norm_sum = seg_lse = part_max
     grid = (meta.num_seqs, h_kv, splits)
     shape = dict(GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=dim, DIM_PAD=dim_pad,
                  BLOCK_SIZE=block_size, TILE_N=cfg.tile_n, NUM_SPLITS=splits,
@@ -311,16 +300,14 @@ def decode_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: Att
                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     _decode_kernel[grid](
         q, k, v, cache.death, meta.block_tables, meta.block_index, meta.num_live_blocks,
-        meta.query_start, meta.query_pos, out, part_acc, part_max, part_sum, counters, norm_max, norm_sum,
+        meta.query_start, meta.query_pos, out, part_acc, part_max, part_sum, counters, norm_max, norm_sum, seg_lse,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
         meta.block_tables.stride(0), meta.block_index.stride(0), out.stride(0), out.stride(1), h_q, h_kv,
-        scale * LOG2E, OUTPUT_MASS=mass is not None, **shape)
+        scale * LOG2E, max_segs, OUTPUT_MASS=mass is not None, SEG=seg, **shape)
     if mass is not None:
-        _page_mass_kernel[grid](
-            q, k, cache.death, meta.block_tables, meta.block_index, meta.num_live_blocks,
-            meta.query_start, meta.query_pos, norm_max, norm_sum, mass,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
-            meta.block_tables.stride(0), meta.block_index.stride(0), mass.stride(0), h_q, scale * LOG2E, **shape)
+        _page_mass_kernel[(meta.num_seqs, h_kv)](
+            meta.query_start, meta.num_live_blocks, norm_max, norm_sum, seg_lse, mass, mass.stride(0), h_q, max_segs,
+            GROUP=group, GROUP_PAD=shape["GROUP_PAD"], BLOCK_SIZE=block_size, SEG=seg, CHUNK=128, num_warps=4)
     return out
 
 

@@ -26,24 +26,38 @@ import numpy as np
 
 
 class HeavyHitters:
-    """Mass per live logical page of one sequence; ``victims`` picks the pages to evict."""
+    """Mass per logical page of one sequence (a float64 array indexed by page, grown on demand: a logical page
+    never comes back once evicted, so a dead page's entry is simply never read again); ``victims`` picks the
+    pages to evict."""
 
     def __init__(self, budget_pages: int, recent_pages: int, prompt_len: int):
         assert 1 <= recent_pages <= budget_pages, (recent_pages, budget_pages)
         self.budget_pages = budget_pages
         self.recent_pages = recent_pages
         self.prompt_len = prompt_len
-        self.mass: dict[int, float] = {}
+        self.mass = np.zeros(64)
         self.scored_through = 0  # queries at positions below this have added their mass
 
-    def add(self, pages: np.ndarray, values: list[float], live: dict[int, int], through: int) -> None:
+    def add(self, pages: np.ndarray, values: np.ndarray, through: int) -> None:
         """Add one step's mass: ``values[c]`` for block-table column c, which held logical page ``pages[c]``
-        (-1: padding) when the step was launched; pages evicted since are skipped. ``through``: one past
-        the step's last query position."""
-        for page, value in zip(pages.tolist(), values):
-            if page >= 0 and page in live:
-                self.mass[page] = self.mass.get(page, 0.0) + value
+        (-1: padding) when the step was launched. ``through``: one past the step's last query position."""
+        width = min(len(pages), len(values))
+        pages, values = pages[:width], values[:width]
+        held = pages >= 0
+        pages = pages[held]
+        if pages.size:
+            self._grow(int(pages.max()))
+            self.mass[pages] += values[held]  # a block table holds each page once: no repeated index
         self.scored_through = max(self.scored_through, through)
+
+    def set_mass(self, pages: list[int], value: float) -> None:
+        """Give ``pages`` the mass ``value`` (benchmarks that synthesise a long history)."""
+        self._grow(max(pages))
+        self.mass[pages] = value
+
+    def _grow(self, page: int) -> None:
+        if page >= len(self.mass):
+            self.mass = np.concatenate([self.mass, np.zeros(max(page + 1, 2 * len(self.mass)) - len(self.mass))])
 
     def victims(self, live: list[int], writing: int) -> list[int]:
         """Logical pages to evict before the page ``writing`` is written (it may already be in ``live``),
@@ -53,9 +67,8 @@ class HeavyHitters:
         over = len(held) - self.budget_pages
         if over <= 0 or self.scored_through < self.prompt_len:
             return []
-        candidates = sorted((j for j in held if j <= writing - self.recent_pages),
-                            key=lambda j: (self.mass.get(j, 0.0), j))
+        candidates = np.array(sorted(j for j in held if j <= writing - self.recent_pages), dtype=np.int64)
         assert len(candidates) >= over, (sorted(held), writing, self.recent_pages, self.budget_pages)
-        for j in candidates[:over]:
-            self.mass.pop(j, None)
-        return sorted(candidates[:over])
+        self._grow(writing)
+        order = np.lexsort((candidates, self.mass[candidates]))  # by mass, then by page (older first)
+        return sorted(candidates[order[:over]].tolist())

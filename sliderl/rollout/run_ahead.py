@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from sliderl.rollout.model_runner import ModelRunner, PageMass
@@ -51,13 +52,13 @@ class Flight:
         """The mass tensor to read back with the sampled tokens (none without h2o)."""
         return [] if self.mass is None else [self.mass.values]
 
-    def add_mass(self, values: list[list[float]] | None = None) -> None:
-        """h2o: add the read-back mass (``[S][M]``) to each running sequence's pages."""
+    def add_mass(self, values: np.ndarray | None = None) -> None:
+        """h2o: add the read-back mass (``[S, M]``) to each running sequence's pages."""
         if values is None:
             return
         for i, seq in enumerate(self.batch.seqs):
             if seq.status is Status.RUNNING:
-                seq.heavy.add(self.mass.pages[i], values[i], seq.blocks, self.mass.ends[i])
+                seq.heavy.add(self.mass.pages[i], values[i], self.mass.ends[i])
 
     def without_finished(self, host_tensor) -> Flight | None:
         """This queued decode step minus the sequences that finished meanwhile and the rows that went stale
@@ -127,22 +128,24 @@ class RunAhead:
         """Forget the queued step (its inputs are stale); its sequences are scheduled afresh."""
         self.queued = None
 
-    def read_back(self, *tensors: torch.Tensor) -> Callable[[], list[list]]:
-        """Start copying ``tensors`` to the host; the returned function waits for them and gives lists.
+    def read_back(self, tokens: torch.Tensor, logprobs: torch.Tensor,
+                  *arrays: torch.Tensor) -> Callable[[], list]:
+        """Start copying the step's outputs to the host; the returned function waits for them and gives
+        ``tokens`` and ``logprobs`` as lists, ``arrays`` (h2o's mass) as numpy arrays.
 
         ``tensor.tolist()`` would wait for everything queued on the stream, the next step included.
         """
         if self.runner.device.type != "cuda":
-            return lambda: [t.tolist() for t in tensors]
-        host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
-        for h, t in zip(host, tensors):
+            return lambda: [tokens.tolist(), logprobs.tolist(), *(a.numpy().copy() for a in arrays)]
+        host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in (tokens, logprobs, *arrays)]
+        for h, t in zip(host, (tokens, logprobs, *arrays)):
             h.copy_(t, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
 
-        def wait() -> list[list]:
+        def wait() -> list:
             done.synchronize()
-            return [h.tolist() for h in host]
+            return [host[0].tolist(), host[1].tolist(), *(h.numpy() for h in host[2:])]
         return wait
 
     def _redo(self, flight: Flight) -> None:
