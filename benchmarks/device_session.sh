@@ -7,7 +7,7 @@
 #   bash benchmarks/device_session.sh A    # ~8 min: restarts at batch 256 (39), PD's GPU test and scripted speedups (40)
 #   bash benchmarks/device_session.sh B    # ~10 min: the 7B step with --offload cpu on one GPU (36)
 #   bash benchmarks/device_session.sh C    # ~6 min: trained Pasta's realised speedup (41), PD's trained rows (40)
-#   bash benchmarks/device_session.sh D    # ~10 min: h2o under CUDA graphs, its tests and speed (38.4); regress.py (38.1)
+#   bash benchmarks/device_session.sh D    # ~9 min: h2o under CUDA graphs, its tests and speed (38.4); registers at the trained cadence (38.5)
 #   bash benchmarks/device_session.sh E    # ~9 min: TIP's GPU-scale arms with decode wall time (41); carry .whl (Ray)
 #
 # carry: .whl for A, .whl for B and E, a Ray-less copy of .whl
@@ -60,13 +60,15 @@ case "$group" in
       --out "$OUT/pd-trained/pd_speedup_trained.json"
     ;;
   D)
-    # issue 38, item 4: h2o decodes from CUDA graphs (its page mass in the graphs' static buffer): the GPU tests
-    # (graphs vs eager vs the CPU reference), then h2o against prefix_sliding at equal live KV, 32K and 128K
-    item h2o-gpu-tests 180 python -m pytest -q tests/test_h2o.py tests/test_engine_gpu.py -m gpu
-    item h2o-vs-ps 300 python benchmarks/engine_gpu.py --positions 32768 131072 --policies h2o:4096 \
+    # issue 38, item 4: h2o decodes from CUDA graphs (its page mass in the graphs' static buffer, one pass over the
+    # keys): the GPU tests (graphs vs eager vs the CPU reference), then h2o against prefix_sliding at equal live KV
+    item h2o-gpu-tests 150 python -m pytest -q tests/test_h2o.py tests/test_engine_gpu.py tests/test_kernels.py -m gpu
+    item h2o-vs-ps 200 python benchmarks/engine_gpu.py --positions 32768 131072 --policies h2o:4096 \
       prefix_sliding:4096 --hf-batch 0 --steps 100 --warmup 40 --out "$OUT/h2o-vs-ps/engine_gpu.json"
-    # issue 38, item 1: every recorded headline measured again (a drop over 10% fails its row)
-    item regress 110 python benchmarks/regress.py --only decode batch1 --out "$OUT/regress"
+    # issue 38, item 5: registers at the trained TIP model's kill cadence (a register every 14 tokens,
+    # docs/results/engine/register-cadence.json), at equal live KV: 4,096 / 14 = 292 registers
+    item registers-cadence 200 python benchmarks/engine_gpu.py --positions 131072 --policies prefix_sliding:4096 \
+      registers:292 --step-tokens 14 --hf-batch 0 --steps 100 --warmup 40 --out "$OUT/registers-cadence/engine_gpu.json"
     ;;
   E)
     # issue 41, TIP: the GPU-scale recipe's arms with their decode wall time on the H200 (summary.md's "decode s")

@@ -408,8 +408,15 @@ def main() -> None:
                              "queued/redone/preempted counts)")
     parser.add_argument("--host-profile", type=int, default=0, metavar="STEPS",
                         help="also cProfile this many overlapped steps: host functions by own time")
+    parser.add_argument("--step-tokens", type=int, default=STEP_TOKENS, metavar="N",
+                        help="registers: a register (a kill, once every register holds a step) every N tokens; "
+                             "the trained TIP model's cadence is 14 (benchmarks/register_cadence.py), which at "
+                             "equal live KV (4,096) means registers:292")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    if args.step_tokens < 2:
+        parser.error(f"--step-tokens {args.step_tokens}: a step needs its register and at least one more token")
+    globals()["STEP_TOKENS"] = args.step_tokens
     w = args.window
     policies = args.policies or ["full", f"prefix_sliding:{w}", f"sliding_window:{w}", "registers:16"]
     rows = []
@@ -421,6 +428,8 @@ def main() -> None:
                     rows.append(bench_engine(path, spec, position, args.steps, args.kv_gb, args.max_seqs,
                                              args.profile, gemv == "on", args.warmup, args.sync_debug,
                                              args.phases, args.host_profile))
+                    if spec.startswith("registers"):
+                        rows[-1]["step_tokens"] = STEP_TOKENS
                     print(json.dumps(rows[-1]), flush=True)
         if args.hf_batch:
             rows.append(bench_transformers(path, min(args.positions), args.hf_batch, 64))
