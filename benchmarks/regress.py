@@ -3,6 +3,7 @@
     python benchmarks/regress.py                      # measure every headline, print recorded vs measured
     python benchmarks/regress.py --only batch1 decode # the headlines whose id starts with these
     python benchmarks/regress.py --record --out DIR   # also write the rows and the new record to DIR
+    python benchmarks/regress.py --from DIR           # compare the rows an earlier run left in DIR (no run)
 
 Each headline is one number one benchmark script prints in its JSON rows (``HEADLINES``: the script's
 arguments, the row it is read from, higher or lower is better). The recorded values live in
@@ -83,7 +84,7 @@ HEADLINES = (
 
 def run_script(run: Run, out: Path) -> list[dict]:
     """Run one benchmark script; its rows (a JSON list, or JSON lines in its --out folder)."""
-    target = out / (f"{run.name}.json" if not run.rows_file else run.name)
+    target = rows_target(run, out)
     cmd = [sys.executable, *run.args, "--out", str(target)]
     print("regress:", " ".join(cmd), flush=True)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
@@ -93,9 +94,24 @@ def run_script(run: Run, out: Path) -> list[dict]:
     if code != 0:
         print(f"regress: {run.name} exited {code}", flush=True)
         return []
+    return read_rows(run, out)
+
+
+def rows_target(run: Run, out: Path) -> Path:
+    """Where ``run``'s script writes its rows under ``out`` (its ``--out``)."""
+    return out / (f"{run.name}.json" if not run.rows_file else run.name)
+
+
+def read_rows(run: Run, out: Path) -> list[dict]:
+    """The rows ``run``'s script left under ``out``; none if it never wrote them (a run cut short)."""
+    target = rows_target(run, out)
+    path = target / run.rows_file if run.rows_file else target
+    if not path.is_file():
+        print(f"regress: no rows of {run.name} at {path}", flush=True)
+        return []
     if not run.rows_file:
-        return json.loads(target.read_text())
-    return [json.loads(line) for line in (target / run.rows_file).read_text().splitlines() if line.strip()]
+        return json.loads(path.read_text())
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def value_of(headline: Headline, rows: list[dict]) -> float | None:
@@ -136,14 +152,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="where the scripts' rows (and, with --record, headlines.json) go")
     parser.add_argument("--commit", default=os.environ.get("SLIDERL_COMMIT", "unknown"))
     parser.add_argument("--machine", default="1x H200")
+    parser.add_argument("--from", dest="source", type=Path, metavar="DIR",
+                        help="compare the rows an earlier run wrote to DIR (its --out) instead of running the "
+                             "scripts: a device call cut short keeps what finished")
     args = parser.parse_args(argv)
+    if args.source is not None and not args.source.is_dir():
+        parser.error(f"--from {args.source}: no such folder (give an earlier run's --out)")
     chosen = [h for h in HEADLINES if not args.only or any(h.id.startswith(p) for p in args.only)]
     if not chosen:
         parser.error(f"--only {args.only} matches no headline; ids: {', '.join(h.id for h in HEADLINES)}")
     record = json.loads(RECORD.read_text()) if RECORD.exists() else {}
-    out = args.out or Path(tempfile.mkdtemp(prefix="regress-"))
+    out = args.out or args.source or Path(tempfile.mkdtemp(prefix="regress-"))
     out.mkdir(parents=True, exist_ok=True)
-    rows = {name: run_script(RUNS[name], out) for name in dict.fromkeys(h.run for h in chosen)}
+    names = dict.fromkeys(h.run for h in chosen)
+    if args.source is not None:
+        rows = {name: read_rows(RUNS[name], args.source) for name in names}
+    else:
+        rows = {name: run_script(RUNS[name], out) for name in names}
     results = []
     for h in chosen:
         recorded = record.get(h.id, {}).get("value")

@@ -334,6 +334,25 @@ def test_regress_flags_a_drop_beyond_the_tolerance_either_way_round():
         main(["--only", "no-such-headline"])
 
 
+def test_regress_from_compares_the_rows_a_cut_short_run_left(tmp_path, capsys):
+    # catches: --from re-running the scripts (on a CPU machine that would fail), reading a run's rows from the
+    # wrong file, or a headline whose rows never came (batch1's script killed by the device call's limit)
+    # counted as passing. The decode rows below are the H200's of 2026-12-04 (the PS 8K one: 7,782 tok/s
+    # against the record's 7,964: 0.98, ok); the 32K one is planted at 5,000 (0.62 of 8,026: DROP).
+    from benchmarks.regress import main
+
+    rows = [{"policy": "prefix_sliding:4096", "position": 8192, "batch": 217, "tokens_per_s": 7782.0},
+            {"policy": "prefix_sliding:4096", "position": 32768, "batch": 217, "tokens_per_s": 5000.0}]
+    (tmp_path / "decode.json").write_text(json.dumps(rows))
+    code = main(["--only", "decode.prefix_sliding.8k", "--from", str(tmp_path)])
+    assert code == 0 and "regress:" not in capsys.readouterr().out.replace("regress: no rows", "")
+    assert main(["--only", "decode.prefix_sliding.32k", "--from", str(tmp_path)]) == 1
+    assert "DROP" in capsys.readouterr().out
+    assert main(["--only", "batch1", "--from", str(tmp_path)]) == 1  # no batch1.json: missing, not ok
+    out = capsys.readouterr().out
+    assert "missing" in out and "no rows of batch1" in out
+
+
 # ---------------------------------------------------------------------------- benchmarks/learner_scaling.py
 
 
