@@ -9,14 +9,15 @@
 #   bash benchmarks/device_session.sh C    # ~6 min: trained Pasta's realised speedup (41), PD's trained rows (40)
 #   bash benchmarks/device_session.sh D    # ~9 min: h2o under CUDA graphs, its tests and speed (38.4); registers at the trained cadence (38.5)
 #   bash benchmarks/device_session.sh E    # ~9 min: TIP's GPU-scale arms with decode wall time (41); carry .whl (Ray)
+#   bash benchmarks/device_session.sh F    # ~10 min: the paper's Table 1 way at 8K, prefix_sliding vs full (38.6)
 #
 # carry: .whl for A, .whl for B and E, a Ray-less copy of .whl
-# (runs/whl-light) with runs/pasta-h200 and runs/pd-long for C, runs/whl-light for D: everything carried must
+# (runs/whl-light) with runs/pasta-h200 and runs/pd-long for C, runs/whl-light for D and F: everything carried must
 # stay under 64 MiB with the tree (~9 MB), and Ray's wheel alone is 47 MB. The commands are the ones
 # docs/results.md gives.
 set -u
 OUT=${OUT:?set OUT to the folder whose files come back}
-group=${1:?name a group: A, B, C, D or E}
+group=${1:?name a group: A, B, C, D, E or F}
 summary=()
 
 item() {  # item NAME SECONDS COMMAND...: run with a limit, tee its log, note rc and seconds
@@ -76,8 +77,16 @@ case "$group" in
     item tip-gpu 585 python benchmarks/tip_seeds.py --recipe tip-gpu --device cuda --seeds 0 --out "$OUT/tip" \
       --grpo-seconds 110 --sft sft.max_seconds=150 --train monitor.wandb.mode=disabled eval.before=false eval.after=false
     ;;
+  F)
+    # issue 38, item 6: the Prefix Sliding paper's Figure 6 / Table 1 as the paper measures it — every sequence
+    # generated from an empty cache, tok/s averaged over the whole generation — at 8K (256 sequences: 1,024 x 8K
+    # is ~18 minutes for prefix_sliding alone, past a call's 10; 32K and 128K are hours at any batch that the
+    # comparison means). "finished": false in a row says the run hit its budget first
+    item table1-8k 580 python benchmarks/engine_e2e.py --tokens 8192 --seqs 256 \
+      --runs prefix_sliding:4096@118@250 full@118@300 --out "$OUT/table1-8k/engine_e2e.json"
+    ;;
   *)
-    echo "unknown group $group: A, B, C, D or E" >&2
+    echo "unknown group $group: A, B, C, D, E or F" >&2
     exit 2
     ;;
 esac
