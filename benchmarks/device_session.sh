@@ -10,14 +10,15 @@
 #   bash benchmarks/device_session.sh D    # ~9 min: h2o under CUDA graphs, its tests and speed (38.4); registers at the trained cadence (38.5)
 #   bash benchmarks/device_session.sh E    # ~9 min: TIP's GPU-scale arms with decode wall time (41); carry .whl (Ray)
 #   bash benchmarks/device_session.sh F    # ~10 min: the paper's Table 1 way at 8K, prefix_sliding vs full (38.6)
+#   bash benchmarks/device_session.sh G    # ~10 min: the learner with compiled element-wise chains vs eager, 32K (38.3)
 #
 # carry: .whl for A, .whl for B and E, a Ray-less copy of .whl
-# (runs/whl-light) with runs/pasta-h200 and runs/pd-long for C, runs/whl-light for D and F: everything carried must
+# (runs/whl-light) with runs/pasta-h200 and runs/pd-long for C, runs/whl-light for D, F and G: everything carried must
 # stay under 64 MiB with the tree (~9 MB), and Ray's wheel alone is 47 MB. The commands are the ones
 # docs/results.md gives.
 set -u
 OUT=${OUT:?set OUT to the folder whose files come back}
-group=${1:?name a group: A, B, C, D, E or F}
+group=${1:?name a group: A, B, C, D, E, F or G}
 summary=()
 
 item() {  # item NAME SECONDS COMMAND...: run with a limit, tee its log, note rc and seconds
@@ -85,8 +86,16 @@ case "$group" in
     item table1-8k 580 python benchmarks/engine_e2e.py --tokens 8192 --seqs 256 \
       --runs prefix_sliding:4096@118@250 full@118@300 --out "$OUT/table1-8k/engine_e2e.json"
     ;;
+  G)
+    # issue 38, item 3: the learner's element-wise chains compiled (learner.compile_elementwise; eager they were
+    # 28% of the truncated 32K step's device time), each row beside its eager twin; the GPU test of the same path
+    item compile-gpu-test 90 python -m pytest -q tests/test_compile_elementwise.py -m gpu
+    item learner-compiled 480 python benchmarks/learner_gpu.py --lengths 32768 --no-peer --compiled both --steps 2 \
+      --rows sliderl:truncated:ckpt:32768 sliderl:truncated:ckpt:32768:compiled sliderl:full:ckpt:32768 \
+      sliderl:full:ckpt:32768:compiled --budget-s 470 --out "$OUT/learner-compiled"
+    ;;
   *)
-    echo "unknown group $group: A, B, C, D, E or F" >&2
+    echo "unknown group $group: A, B, C, D, E, F or G" >&2
     exit 2
     ;;
 esac

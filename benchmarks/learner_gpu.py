@@ -166,7 +166,8 @@ def learner_stepper(args: argparse.Namespace):
 
     learner = Learner(args.model, window_mode=args.mode, multiplier=args.multiplier,
                       micro_batch_tokens=args.micro_batch_tokens, device=args.device, dtype=args.dtype,
-                      attention=args.attention, gradient_checkpointing=args.ckpt, lr=1e-6)
+                      attention=args.attention, gradient_checkpointing=args.ckpt, lr=1e-6,
+                      compile_elementwise=args.compiled_row)
     return lambda traces: learner.step([traces]).as_dict()
 
 
@@ -207,8 +208,8 @@ def child(args: argparse.Namespace) -> dict:
     shape = Shape.of(AutoConfig.from_pretrained(args.model))
     traces = make_traces(args.prompt, args.length, args.window, shape.vocab)
     counts = learner_counts(traces, args.mode, args.multiplier) if args.stack == "sliderl" else peer_counts(traces)
-    row = {"name": args.name, "stack": args.stack, "mode": args.mode, "ckpt": args.ckpt, "T": args.length,
-           "W": args.window, "k": args.multiplier, "P": args.prompt, "group": GROUP, **counts}
+    row = {"name": args.name, "stack": args.stack, "mode": args.mode, "ckpt": args.ckpt,
+           "compiled": args.compiled_row, "T": args.length, "W": args.window, "k": args.multiplier, "P": args.prompt, "group": GROUP, **counts}
     cuda = args.device.startswith("cuda")
     try:
         step = (learner_stepper if args.stack == "sliderl" else peer_stepper)(args)
@@ -332,19 +333,24 @@ class RowSpec:
     mode: str  # truncated | full
     ckpt: bool
     length: int
+    compiled: bool = False  # sliderl: the Learner's compile_elementwise
 
     @property
     def name(self) -> str:
-        return f"{self.stack}:{self.mode}:{'ckpt' if self.ckpt else 'nockpt'}:{self.length}"
+        return (f"{self.stack}:{self.mode}:{'ckpt' if self.ckpt else 'nockpt'}:{self.length}"
+                + (":compiled" if self.compiled else ""))
 
 
-def row_specs(lengths: list[int], window: int, multiplier: int, peer: bool) -> list[RowSpec]:
-    """Every row to run, in order; truncated is left out where it equals full (T <= k·W)."""
+def row_specs(lengths: list[int], window: int, multiplier: int, peer: bool,
+              compiled: str = "off") -> list[RowSpec]:
+    """Every row to run, in order; truncated is left out where it equals full (T <= k·W). ``compiled``: the
+    sliderl rows without (off), with (on) or both ways (both) the Learner's compile_elementwise."""
     specs = []
+    variants = {"off": (False,), "on": (True,), "both": (False, True)}[compiled]
     for length in lengths:
         modes = ["truncated", "full"] if length > multiplier * window else ["full"]
         for ckpt in (True, False):
-            specs += [RowSpec("sliderl", m, ckpt, length) for m in modes]
+            specs += [RowSpec("sliderl", m, ckpt, length, c) for m in modes for c in variants]
             specs += [RowSpec("hf", "full", ckpt, length)] if peer else []
     return specs
 
@@ -355,11 +361,12 @@ def run_row(args: argparse.Namespace, spec: RowSpec, timeout: float, profile: bo
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch._dynamo", "transformers", "trainer.learner"])
     row_args = argparse.Namespace(**{**vars(args), "stack": spec.stack, "mode": spec.mode, "ckpt": spec.ckpt,
-                                     "length": spec.length, "name": spec.name, "profile": profile})
+                                     "length": spec.length, "name": spec.name, "profile": profile,
+                                     "compiled_row": spec.compiled})
     receive, send = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=_child_main, args=(row_args, send))
-    base = {"name": spec.name, "stack": spec.stack, "mode": spec.mode, "ckpt": spec.ckpt, "T": spec.length,
-            "device": args.device}
+    base = {"name": spec.name, "stack": spec.stack, "mode": spec.mode, "ckpt": spec.ckpt, "compiled": spec.compiled,
+            "T": spec.length, "device": args.device}
     start = time.perf_counter()
     proc.start()
     send.close()
@@ -429,6 +436,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--budget-s", type=float, default=None,
                         help="skip the rows that would start after this many seconds; cap each row's timeout by it")
     parser.add_argument("--profile", metavar="NAME", help="also profile one step of this row")
+    parser.add_argument("--compiled", choices=("off", "on", "both"), default="off",
+                        help="sliderl rows with the Learner's compile_elementwise off, on, or a row each way "
+                             "(names end in ':compiled')")
     parser.add_argument("--tiny", action="store_true",
                         help="tiny Qwen3 on CPU in float32, T 256/512, W 64, P 16, SDPA, 1 timed step")
     parser.add_argument("--out", type=Path, help="write rows.jsonl (and profile.json) into this directory")
@@ -446,11 +456,11 @@ def main(argv: list[str] | None = None) -> None:
     sys.path.insert(0, str(ROOT))
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))  # the server's
     start = time.perf_counter()
-    specs = [s for s in row_specs(args.lengths, args.window, args.multiplier, args.peer)
+    specs = [s for s in row_specs(args.lengths, args.window, args.multiplier, args.peer, args.compiled)
              if not args.rows or s.name in args.rows]
     profile_spec = None
     if args.profile:
-        every = row_specs(args.lengths, args.window, args.multiplier, True)
+        every = row_specs(args.lengths, args.window, args.multiplier, True, "both")
         profile_spec = next((s for s in every if s.name == args.profile), None)
         if profile_spec is None:
             raise SystemExit(f"--profile {args.profile!r} names no row; rows: {[s.name for s in every]}")

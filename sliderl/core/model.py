@@ -14,6 +14,7 @@ On the inference path q/k/v and gate/up each run as one GEMM over a fused weight
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
@@ -138,16 +139,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor, residual: Tensor | None = None,
-                fused: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+                fused: bool = False, compiled: bool = False) -> Tensor | tuple[Tensor, Tensor]:
         if fused:
             from sliderl.kernels.norm_rope import rms_norm
             return rms_norm(x, self.weight, self.eps, residual)
         if residual is not None:
-            x = x + residual
-            return self(x), x
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+            return elementwise(add_rms_norm_math, compiled)(x, residual, self.weight, self.eps)
+        return elementwise(rms_norm_math, compiled)(x, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
@@ -184,6 +182,49 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+# The layer's element-wise chains as plain functions: the eager path calls them as they are, and with
+# ``DecoderLM.compile_elementwise`` (training on CUDA) each runs as one ``torch.compile``d graph, so that its
+# forward and its backward are a fused kernel or two instead of a pass over [tokens, hidden] per op.
+
+def rms_norm_math(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm in float32, cast back before the weight (as transformers)."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def add_rms_norm_math(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """The residual add and the next norm: ``(norm(x + residual), x + residual)``."""
+    s = x + residual
+    return rms_norm_math(s, weight, eps), s
+
+
+def qk_norm_rope_math(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, q_weight: Tensor | None,
+                      k_weight: Tensor | None, eps: float) -> tuple[Tensor, Tensor]:
+    """q/k-norm (when the model has one: weights given) and RoPE of q ``[N, H_q, D]`` and k ``[N, H_kv, D]``."""
+    if q_weight is not None:
+        q, k = rms_norm_math(q, q_weight, eps), rms_norm_math(k, k_weight, eps)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+
+def silu_mul_math(gate: Tensor, up: Tensor) -> Tensor:
+    return F.silu(gate) * up
+
+
+COMPILE_BACKEND = "inductor"  # tests on CPU without a C++ compiler use "aot_eager" (the same graphs, unfused)
+
+
+def elementwise(fn, compiled: bool):
+    """``fn`` itself, or (``compiled``) its ``torch.compile``d graph for ``COMPILE_BACKEND``."""
+    return _compiled(fn, COMPILE_BACKEND) if compiled else fn
+
+
+@functools.cache
+def _compiled(fn, backend: str):
+    # dynamic: micro-batches vary in length, and one graph with a symbolic token count serves them all
+    return torch.compile(fn, backend=backend, dynamic=True, fullgraph=True)
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None, gemv: bool = False) -> Tensor:
@@ -270,7 +311,7 @@ class Attention(nn.Module):
         return self
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend, fused: bool = False,
-                gemv: bool = False) -> Tensor:
+                gemv: bool = False, compiled: bool = False) -> Tensor:
         n = x.shape[0]
         if fused:
             q, k, v = self.qkv(x, gemv)
@@ -282,9 +323,9 @@ class Attention(nn.Module):
         if fused:
             q, k = self.fused_norm_rope(q, k, cos, sin)
         else:
-            if self.q_norm is not None:
-                q, k = self.q_norm(q), self.k_norm(k)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            weights = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else (None, None)
+            eps = self.q_norm.eps if self.q_norm is not None else 0.0
+            q, k = elementwise(qk_norm_rope_math, compiled)(q, k, cos, sin, *weights, eps)
         o = attn(self.layer, q, k, v).reshape(n, self.num_heads * self.head_dim)  # [N, H_q * D]
         return linear(o, self.o_proj.weight, self.o_proj.bias, gemv) if fused else self.o_proj(o)
 
@@ -306,14 +347,17 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
         self.gate_up = FusedLinears(self.gate_proj, self.up_proj)
         self.act_fn = ACT2FN[config.hidden_act]
+        self.silu = config.hidden_act == "silu"  # compiled: SiLU·mul as one graph (other activations stay eager)
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
         self.gate_up.refresh()
         return self
 
-    def forward(self, x: Tensor, fused: bool = False, gemv: bool = False) -> Tensor:
+    def forward(self, x: Tensor, fused: bool = False, gemv: bool = False, compiled: bool = False) -> Tensor:
         if not fused:
+            if compiled and self.silu:
+                return self.down_proj(elementwise(silu_mul_math, True)(self.gate_proj(x), self.up_proj(x)))
             return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
         gate, up = self.gate_up(x, gemv)
         down = self.down_proj
@@ -329,10 +373,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, h: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend, fused: bool = False,
-                gemv: bool = False) -> Tensor:
-        a = self.self_attn(self.input_layernorm(h, fused=fused), cos, sin, attn, fused, gemv)
-        x, h = self.post_attention_layernorm(a, h, fused=fused)  # x = norm(h + a), h = h + a
-        return h + self.mlp(x, fused, gemv)
+                gemv: bool = False, compiled: bool = False) -> Tensor:
+        a = self.self_attn(self.input_layernorm(h, fused=fused, compiled=compiled), cos, sin, attn, fused, gemv,
+                           compiled)
+        x, h = self.post_attention_layernorm(a, h, fused=fused, compiled=compiled)  # x = norm(h + a), h = h + a
+        return h + self.mlp(x, fused, gemv, compiled)
 
 
 class Backbone(nn.Module):
@@ -355,7 +400,10 @@ class DecoderLM(nn.Module):
     ``TRITON_INTERPRET=1``) to run, whenever autograd is off, the norms and q/k-norm + RoPE as Triton
     kernels and q/k/v and gate/up as one GEMM each (``FusedLinears``); with autograd on (training) the
     PyTorch ops run, which stay the reference. Set ``gemv_kernels = True`` as well to run the linear
-    layers and ``compute_logits`` over at most ``GEMV_MAX_TOKENS`` tokens with ``kernels.gemv``.
+    layers and ``compute_logits`` over at most ``GEMV_MAX_TOKENS`` tokens with ``kernels.gemv``. Set
+    ``compile_elementwise = True`` to run those PyTorch ops' element-wise chains (the norms with their
+    residual adds, q/k-norm + RoPE, SiLU·mul) as ``torch.compile``d graphs: the same math, fused forward
+    and backward (the learner's ``compile_elementwise``).
     """
 
     def __init__(self, config: ModelConfig):
@@ -366,6 +414,7 @@ class DecoderLM(nn.Module):
         self.gradient_checkpointing = False
         self.fused_kernels = False
         self.gemv_kernels = False
+        self.compile_elementwise = False
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -383,12 +432,13 @@ class DecoderLM(nn.Module):
         cos, sin = self.model.rotary_emb(positions, h.dtype)  # [N, D]
         fused = self.fused_kernels and not torch.is_grad_enabled()
         gemv = fused and self.gemv_kernels
+        compiled = self.compile_elementwise and not fused
         for layer in self.model.layers:
             if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
-                h = checkpoint(layer, h, cos, sin, attn, use_reentrant=False)
+                h = checkpoint(layer, h, cos, sin, attn, False, False, compiled, use_reentrant=False)
             else:
-                h = layer(h, cos, sin, attn, fused, gemv)
-        return self.model.norm(h, fused=fused)
+                h = layer(h, cos, sin, attn, fused, gemv, compiled)
+        return self.model.norm(h, fused=fused, compiled=compiled)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """hidden: [N, hidden_size] -> logits [N, vocab] float32."""

@@ -94,6 +94,7 @@ class Learner:
         self.model = load_model(model_path, dtype=self.parallel.storage_dtype(args.dtype, args.master_weights),
                                 device=self.parallel.load_device(self.device)).train()
         self.model.gradient_checkpointing = args.gradient_checkpointing
+        self.model.compile_elementwise = args.compile_elementwise
         self.tokenizer = load_tokenizer(model_path)
         self._hf_source = read_hf_source(model_path)  # model_path may be a checkpoint that gets pruned
         self.reference = self._load_reference() if self.algorithm.needs_reference else None
@@ -113,6 +114,7 @@ class Learner:
                                device=self.parallel.load_device(self.device))
         if len(self.tokenizer) > reference.config.vocab_size:
             reference.resize_vocab(len(self.tokenizer))
+        reference.compile_elementwise = self.args.compile_elementwise
         return reference.eval().requires_grad_(False)
 
     def _parallelize(self) -> None:

@@ -1,0 +1,94 @@
+"""DecoderLM.compile_elementwise (the learner's ``compile_elementwise``): the norms with their residual adds,
+q/k-norm + RoPE and SiLU·mul as torch.compile'd graphs give transformers' own loss and gradients.
+
+On the CPU the graphs compile with the ``aot_eager`` backend (AOTAutograd's forward/backward split, no C++
+compiler needed, as CI has none); the GPU test compiles them with inductor, the learner's backend on CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import sliderl.core.model as model_module
+from sliderl.core.loader import load_model
+from sliderl.core.model import DenseAttention, causal_mask
+
+VOCAB = 256
+
+
+def loss_and_grads(model, ids, targets, checkpointing: bool):
+    """Our model's summed target log-probability over a packed stream of two documents, and its gradients."""
+    model.train()
+    model.gradient_checkpointing = checkpointing
+    positions = torch.cat([torch.arange(20), torch.arange(ids.numel() - 20)])
+    mask = torch.block_diag(causal_mask(20), causal_mask(ids.numel() - 20))
+    model.zero_grad()
+    logits = model.compute_logits(model(ids, positions, DenseAttention(mask)))
+    loss = torch.log_softmax(logits, -1).gather(1, targets[:, None]).sum()
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def hf_loss_and_grads(hf, ids, targets):
+    """transformers' forward of each document on its own, the same loss, its gradients by our names."""
+    hf.zero_grad()
+    loss = 0.0
+    for part, tgt in ((ids[:20], targets[:20]), (ids[20:], targets[20:])):
+        logits = hf(part[None], attention_mask=torch.ones(1, part.numel(), dtype=torch.long)).logits[0].float()
+        loss = loss + torch.log_softmax(logits, -1).gather(1, tgt[:, None]).sum()
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in hf.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])  # qwen3 has q/k-norm, llama has none
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_compiled_elementwise_chains_give_transformers_loss_and_gradients(tiny_model_factory, monkeypatch, arch,
+                                                                          checkpointing):
+    # Catches a compiled chain that computes other math than the eager layer: the residual add dropped or
+    # applied twice, RoPE's cos and sin swapped, the q/k-norm weights crossed or skipped, the norm's epsilon
+    # lost, SiLU applied to the up projection; and the flag not reaching the layers under gradient checkpointing
+    # (then the cache of compiled graphs stays empty). Checked by planting: swapping cos and sin in
+    # qk_norm_rope_math's apply_rope calls, or returning ``x`` instead of the sum from add_rms_norm_math, fails
+    # every case; passing compiled=False through checkpoint fails the cache assertion.
+    monkeypatch.setattr(model_module, "COMPILE_BACKEND", "aot_eager")
+    model_module._compiled.cache_clear()
+    torch._dynamo.reset()
+    path = tiny_model_factory(arch)
+    model, hf = load_model(path), AutoModelForCausalLM.from_pretrained(path)
+    gen = torch.Generator().manual_seed(3)
+    ids, targets = torch.randint(0, VOCAB, (52,), generator=gen), torch.randint(0, VOCAB, (52,), generator=gen)
+    model.compile_elementwise = True
+    loss, grads = loss_and_grads(model, ids, targets, checkpointing)
+    compiled = model_module._compiled.cache_info().currsize
+    assert compiled == 4  # rms_norm, add + rms_norm, qk_norm_rope (weights None for llama), silu_mul
+    hf_loss, hf_grads = hf_loss_and_grads(hf, ids, targets)
+    assert abs(loss.item() - hf_loss.item()) <= 1e-3 * abs(hf_loss.item())
+    assert set(grads) == set(hf_grads)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, hf_grads[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(600)
+def test_inductor_compiled_chains_match_eager_on_cuda_in_bf16(tiny_model_factory):
+    # Catches an inductor-fused kernel whose numbers part from the eager ops by more than bf16 rounding (the
+    # float32 norm computed in bf16, a cast dropped), on the backend the learner uses on the GPU.
+    model_module._compiled.cache_clear()
+    torch._dynamo.reset()
+    path = tiny_model_factory("qwen3", hidden_size=256, num_heads=4, num_kv_heads=2, intermediate_size=512)
+    gen = torch.Generator().manual_seed(4)
+    ids, targets = torch.randint(0, VOCAB, (300,), generator=gen), torch.randint(0, VOCAB, (300,), generator=gen)
+    out = {}
+    for compiled in (False, True):
+        model = load_model(path, dtype=torch.bfloat16, device="cuda")
+        model.compile_elementwise = compiled
+        loss, grads = loss_and_grads(model, ids.cuda(), targets.cuda(), checkpointing=True)
+        out[compiled] = (loss, grads)
+    assert model_module._compiled.cache_info().currsize == 4
+    (eager_loss, eager), (comp_loss, comp) = out[False], out[True]
+    assert abs(comp_loss.item() - eager_loss.item()) <= 2e-2 * abs(eager_loss.item())
+    for name, grad in eager.items():
+        cos = torch.nn.functional.cosine_similarity(grad.float().flatten(), comp[name].float().flatten(), dim=0)
+        assert cos > 0.99, (name, cos.item())
