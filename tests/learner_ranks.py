@@ -106,6 +106,11 @@ SCENARIOS = {
                          [pairs_batch(1), pairs_batch(2)]),
     "sft": lambda m: (LearnerArgs(algo=SFTOptions(), lr=1e-4, micro_batch_tokens=30),
                       [policies_batch(m, 7)[:2], policies_batch(m, 8)[:2]]),
+    # the layers' element-wise chains compiled (compile_elementwise) inside FSDP2's unsharded forward, with
+    # activation checkpointing (the test runs the graphs with SLIDERL_COMPILE_BACKEND=aot_eager: CI has no C++
+    # compiler for inductor)
+    "compiled": lambda m: (LearnerArgs(algo=GRPOOptions(), compile_elementwise=True, gradient_checkpointing=True,
+                                       **GRPO), [policies_batch(m, 11)[:3], policies_batch(m, 12)[:3]]),
     # bf16 compute with float32 masters (FSDP2's sharded float32 parameters vs MasterAdamW)
     "masters": lambda m: (LearnerArgs(algo=GRPOOptions(), dtype="bfloat16", master_weights=True, **GRPO),
                           [policies_batch(m, 9)[:3], policies_batch(m, 10)[:3]]),

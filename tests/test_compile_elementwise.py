@@ -92,3 +92,31 @@ def test_inductor_compiled_chains_match_eager_on_cuda_in_bf16(tiny_model_factory
     for name, grad in eager.items():
         cos = torch.nn.functional.cosine_similarity(grad.float().flatten(), comp[name].float().flatten(), dim=0)
         assert cos > 0.99, (name, cos.item())
+
+
+@pytest.mark.timeout(300)
+def test_the_learner_setting_reaches_the_trained_model_and_the_reference(tiny_model_factory, monkeypatch):
+    # Catches learner.compile_elementwise parsed but never set on the models the learner runs (the step would
+    # then be eager and the GPU rows would measure nothing new): after one GRPO step with a KL term (so the
+    # frozen reference runs too) the compiled graphs exist, and the step's loss is the eager learner's.
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from learner_ranks import policies_batch
+
+    from sliderl.trainer.algorithms import GRPOOptions
+    from sliderl.trainer.learner import Learner
+
+    monkeypatch.setattr(model_module, "COMPILE_BACKEND", "aot_eager")
+    path = str(tiny_model_factory("qwen3"))
+    losses = {}
+    for compiled in (False, True):
+        model_module._compiled.cache_clear()
+        torch._dynamo.reset()
+        learner = Learner(path, algo=GRPOOptions(kl_coef=0.1), lr=1e-4, window=8, multiplier=2,
+                          micro_batch_tokens=64, compile_elementwise=compiled, vocab_policy="registers:3")
+        assert learner.model.compile_elementwise == compiled and learner.reference.compile_elementwise == compiled
+        losses[compiled] = learner.step(policies_batch(path, 1)).loss
+        assert (model_module._compiled.cache_info().currsize == 4) == compiled
+    assert losses[True] == pytest.approx(losses[False], rel=1e-5)

@@ -18,6 +18,7 @@ import pytest
 import torch
 from learner_ranks import RESUMES, SCENARIOS, scenario
 
+import sliderl.core.model as model_module
 from sliderl.trainer.learner import Learner
 from sliderl.trainer.parallel import balanced_partition, open_rendezvous
 
@@ -28,7 +29,8 @@ COUNTS = ("num_tokens", "num_loss_tokens", "num_traces", "num_windows", "num_mic
 
 def start_ranks(model: Path, out: Path, names: list[str], **env: str) -> tuple[list[subprocess.Popen], object]:
     store, address = open_rendezvous("127.0.0.1")  # served here, for as long as the ranks run
-    env = {**os.environ, "RANKS_MODEL": str(model), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **env}
+    env = {**os.environ, "RANKS_MODEL": str(model), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "SLIDERL_COMPILE_BACKEND": model_module.COMPILE_BACKEND, **env}
     procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "learner_ranks.py"), str(rank), str(WORLD),
                                address, str(out), *names], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True) for rank in range(WORLD)]
@@ -54,6 +56,15 @@ def model(tiny_model_factory) -> Path:
     from the same float32 values at one rank (MasterAdamW's masters copy the bf16 parameters) and at N (FSDP2's
     float32 parameters load the file; from a float32 file they would keep digits the one-rank learner rounds)."""
     return tiny_model_factory("qwen3", tie_word_embeddings=False, dtype=torch.bfloat16)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compile_backend():
+    """The "compiled" scenario's graphs through aot_eager, here (the one-rank reference) and in the ranks: the
+    inductor backend needs a C++ compiler, which CI lacks."""
+    saved, model_module.COMPILE_BACKEND = model_module.COMPILE_BACKEND, "aot_eager"
+    yield
+    model_module.COMPILE_BACKEND = saved
 
 
 FIRST: dict[str, dict] = {}  # from1_*: the one-rank learner's state after step 1, which it checkpointed
@@ -140,7 +151,8 @@ def test_balanced_partition_deals_every_unit_once_by_load():
 def test_two_ranks_take_the_step_one_rank_takes(name, model, ranks_out):
     # catches every way two ranks' step can differ from one rank's on the same groups (GRPO over every KV policy
     # with truncated windows, chunked windows with per-trace means, Dr.GRPO's constant with the sharded
-    # reference and activation checkpointing, BoNBoN pairs, SFT): the loss and its normaliser (planted: the
+    # reference and activation checkpointing, BoNBoN pairs, SFT, the compiled element-wise chains: a graph
+    # that FSDP2's unsharded forward breaks fails "compiled"): the loss and its normaliser (planted: the
     # totals of a rank's own units), the sum of the ranks' gradients (planted: a gradient divide factor of 2,
     # FSDP2's default mean; rank 1's loss scaled by 0, its share missing), the clipping by the global norm
     # (planted: the norm of each rank's local shards; every GRPO case clips at 0.05), the split (planted:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
@@ -213,7 +214,9 @@ def silu_mul_math(gate: Tensor, up: Tensor) -> Tensor:
     return F.silu(gate) * up
 
 
-COMPILE_BACKEND = "inductor"  # tests on CPU without a C++ compiler use "aot_eager" (the same graphs, unfused)
+# tests on CPU without a C++ compiler use "aot_eager" (the same graphs, unfused; SLIDERL_COMPILE_BACKEND in a
+# rank's environment)
+COMPILE_BACKEND = os.environ.get("SLIDERL_COMPILE_BACKEND", "inductor")
 
 
 def elementwise(fn, compiled: bool):
