@@ -121,6 +121,12 @@ def test_budgets_of_the_reference_peak_when_asked():
     assert (half.label, half.budget, half.kv) == ("S@50% of peak", 26, "h2o:26")
     assert (full.label, full.budget, full.kv) == ("S@100% of peak", 51, "h2o:51")
     assert entry.expanded_labels() == ["S@50% of peak", "S@100% of peak"]
+    # Catches an h2o budget below the engine's two pages (2 x 16 = 32 tokens) reaching the engine mid-comparison,
+    # which then exits with the engine's message after the earlier entries ran (seen with a short-trace Dense:
+    # h2o:18); the template's own message asks for a larger fraction instead.
+    assert [p.kv for p in expand(entry, "ckpt", reference, block_size=8)] == ["h2o:26", "h2o:51"]  # 26 >= 16
+    with pytest.raises(ValueError, match=r"budget 26, giving 'h2o:26'.*at least 2 pages.*raise the fraction"):
+        expand(entry, "ckpt", reference, block_size=16)
 
 
 def test_a_template_cannot_be_a_reference():

@@ -73,15 +73,20 @@ class PlannedEntry:
     budget: int | None = None
 
 
-def expand(entry: CompareEntry, checkpoint: str, reference: EntryResult) -> list[PlannedEntry]:
-    """A template entry's concrete entries, budgeted from ``reference``'s measured mean (or peak) live KV."""
+def expand(entry: CompareEntry, checkpoint: str, reference: EntryResult,
+           block_size: int | None = None) -> list[PlannedEntry]:
+    """A template entry's concrete entries, budgeted from ``reference``'s measured mean (or peak) live KV; with
+    ``block_size`` (the engine's), an h2o budget below two pages is refused here too, before its engine starts."""
     planned, metric = [], entry.budget_metric
     what = "mean" if metric == "mean_live_kv" else "peak"
     for fraction in entry.budgets:
         budget = max(1, int(fraction * reference.mean(metric) + 0.5))
         spec = fill_budget(entry.kv, budget)
         try:
-            kv = KVPolicy.parse(spec).spec
+            policy = KVPolicy.parse(spec)
+            if policy.kind == "h2o" and block_size is not None:
+                policy.budget_pages(block_size)
+            kv = policy.spec
         except ValueError as err:
             raise ValueError(f"entry {entry.label!r} at {fraction:g} x {reference.label}'s {what} live KV "
                              f"({reference.mean(metric):.1f}) has budget {budget}, giving {spec!r}: {err}; "
@@ -104,7 +109,7 @@ def run_comparison(cfg, checkpoints: dict[str, str], problems: list, verifier, r
                                                            KVPolicy.parse(entry.kv).spec), problems, verifier)
         report(results[entry.label])
     for entry in (e for e in compare.entries if e.budget_of is not None):
-        for planned in expand(entry, checkpoints[entry.label], results[entry.budget_of]):
+        for planned in expand(entry, checkpoints[entry.label], results[entry.budget_of], cfg.engine.block_size):
             results[planned.label] = run_entry(cfg, planned, problems, verifier)
             report(results[planned.label])
     if compare.speedup_of is not None:
