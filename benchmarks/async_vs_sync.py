@@ -41,7 +41,8 @@ def job_overrides(args, model_dir: Path, run_dir: Path, mode: str) -> list[str]:
         "engine.kv=prefix_sliding:16", "engine.num_blocks=1024",
         "reward={correctness: 1.0, kv_penalty: {budget: 1, weight: 0.01}}",
         f"train.mode={mode}", f"train.steps={args.steps}", f"train.groups_per_step={args.groups}",
-        f"rollout.group_size={args.group_size}", "rollout.num_cpus=1", "learner.num_cpus=1", "learner.lr=1e-3",
+        f"rollout.group_size={args.group_size}", "rollout.num_workers=1", "rollout.num_cpus=1", "learner.num_cpus=1",
+        "learner.lr=1e-3",
         "train.max_staleness=1", f"rollout.max_inflight_groups={args.groups}", "checkpoint.every=0",
         "monitor.wandb.mode=disabled", "monitor.include_dashboard=false", "monitor.plots=false",
     ]

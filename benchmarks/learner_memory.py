@@ -49,7 +49,7 @@ def child(args: argparse.Namespace) -> dict:
     start = time.perf_counter()
     metrics = learner.step([traces])
     seconds = time.perf_counter() - start
-    return {"mode": args.mode, "T": args.length, "inputs_per_window": metrics["num_tokens"] / 2,
+    return {"mode": args.mode, "T": args.length, "inputs_per_window": metrics.num_tokens / 2,
             "peak_before_mib": before, "peak_mib": _peak_mib(cuda), "seconds": seconds}
 
 

@@ -353,6 +353,40 @@ def test_regress_from_compares_the_rows_a_cut_short_run_left(tmp_path, capsys):
     assert "missing" in out and "no rows of batch1" in out
 
 
+@pytest.mark.timeout(300)
+def test_learner_memory_runs_and_truncation_caps_the_inputs():
+    # catches benchmarks/learner_memory.py falling behind the Learner's API (it read StepMetrics as a dict and
+    # died on its first row, unnoticed until its rows were wanted for docs/results.md) and a truncated window
+    # that grows with T. By hand, P = 32, W = 32, k = 4: at T = 128 <= k·W the window is the whole trace,
+    # P + T - 1 = 159 inputs (the last token is only a target); at T = 512 truncated feeds P + k·W = 160 and
+    # full P + T - 1 = 543.
+    out = subprocess.run([sys.executable, "benchmarks/learner_memory.py", "--lengths", "128", "512", "--window", "32",
+                          "--hidden-size", "64", "--layers", "1"], capture_output=True, text=True, timeout=280)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = {(line.split()[0], int(line.split()[1])): int(line.split()[2]) for line in out.stdout.splitlines()
+            if line.split()[:1] in (["truncated"], ["full"])}
+    assert rows == {("truncated", 128): 159, ("truncated", 512): 160, ("full", 128): 159, ("full", 512): 543}
+
+
+def test_async_vs_sync_jobs_fit_the_two_cpus_it_starts_ray_with(tmp_path):
+    # catches benchmarks/async_vs_sync.py's jobs asking a 2-CPU Ray instance for more CPUs than it has (the
+    # default rollout.num_workers became 2, so learner 1 + 2 workers x 1 = 3 and both modes died before their
+    # first step): the benchmark's own overrides, resolved, must reserve at most 2.
+    import argparse
+
+    from benchmarks.async_vs_sync import job_overrides
+
+    from sliderl.cluster.config.base import load_config
+    from sliderl.cluster.config.train import TrainConfig
+
+    args = argparse.Namespace(max_tokens=48, steps=6, groups=4, group_size=4)
+    for mode in ("sync", "async"):
+        cfg = load_config(TrainConfig, None, job_overrides(args, tmp_path / "model", tmp_path / mode, mode))
+        assert cfg.train.mode == mode
+        cpus = cfg.learner.num_cpus * cfg.learner.num_ranks + cfg.rollout.num_cpus * cfg.rollout.num_workers
+        assert cpus <= 2, (mode, cpus)
+
+
 # ---------------------------------------------------------------------------- benchmarks/learner_scaling.py
 
 
