@@ -90,9 +90,12 @@ case "$group" in
     # issue 38, item 3: the learner's element-wise chains compiled (learner.compile_elementwise; eager they were
     # 28% of the truncated 32K step's device time), each row beside its eager twin; the GPU test of the same path
     item compile-gpu-test 90 python -m pytest -q tests/test_compile_elementwise.py -m gpu
+    # (rows run in this order, checkpointed first; the budget skips the rows that would start too late. Without
+    # checkpointing the 1.7B step fits the H200 too: 69.8 GiB truncated, 123.5 GiB whole at 32K, eager)
     item learner-compiled 480 python benchmarks/learner_gpu.py --lengths 32768 --no-peer --compiled both --steps 2 \
       --rows sliderl:truncated:ckpt:32768 sliderl:truncated:ckpt:32768:compiled sliderl:full:ckpt:32768 \
-      sliderl:full:ckpt:32768:compiled --budget-s 470 --out "$OUT/learner-compiled"
+      sliderl:full:ckpt:32768:compiled sliderl:truncated:nockpt:32768:compiled sliderl:full:nockpt:32768:compiled \
+      --budget-s 470 --out "$OUT/learner-compiled"
     ;;
   *)
     echo "unknown group $group: A, B, C, D, E, F or G" >&2
