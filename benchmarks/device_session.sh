@@ -75,7 +75,7 @@ case "$group" in
   E)
     # issue 41, TIP: the GPU-scale recipe's arms with their decode wall time on the H200 (summary.md's "decode s")
     # (the GPU machine's Python has no wandb: the run logs to its own files only)
-    item tip-gpu 585 python benchmarks/tip_seeds.py --recipe tip-gpu --device cuda --seeds 0 --out "$OUT/tip" \
+    item tip-gpu 575 python benchmarks/tip_seeds.py --recipe tip-gpu --device cuda --seeds 0 --out "$OUT/tip" \
       --grpo-seconds 110 --sft sft.max_seconds=150 --train monitor.wandb.mode=disabled eval.before=false eval.after=false
     ;;
   F)
