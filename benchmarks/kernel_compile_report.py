@@ -28,7 +28,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from sliderl.kernels.cache_write import _write_kv_kernel  # noqa: E402
-from sliderl.kernels.decode import _decode_kernel, decode_config  # noqa: E402
+from sliderl.kernels.decode import _decode_kernel, _page_mass_kernel, decode_config  # noqa: E402
 from sliderl.kernels.prefill import _prefill_kernel, prefill_config  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -46,6 +46,7 @@ def signature(fn, ptr: str, consts: dict) -> tuple[dict, dict]:
             sig[name] = "constexpr"
         elif name.endswith("_ptr"):
             sig[name] = {"part_acc_ptr": "*fp32", "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32",
+                         "norm_max_ptr": "*fp32", "norm_sum_ptr": "*fp32", "seg_lse_ptr": "*fp32", "mass_ptr": "*fp32",
                          "slot_mapping_ptr": "*i64", "counter_ptr": "*i32"}.get(name, "*i32" if name in INT_PTRS else ptr)
             attrs[(i,)] = ALIGNED
         elif name == "scale_log2":
@@ -93,9 +94,14 @@ def decode_rows(tiles, warps, stages) -> list[dict]:
     for t in tiles or [base.tile_n]:
         for w in warps or [base.num_warps]:
             for s in stages or [base.num_stages]:
-                consts = dict(GROUP=2, GROUP_PAD=16, HEAD_DIM=128, DIM_PAD=128, BLOCK_SIZE=16, TILE_N=t,
-                              NUM_SPLITS=2, PRECISION=None, UPCAST=False)
-                rows.append(compile_and_report(f"decode tile {t}", _decode_kernel, consts, w, s))
+                for mass in (False, True):  # every policy's decode; h2o's, which also writes per-segment mass
+                    consts = dict(GROUP=2, GROUP_PAD=16, HEAD_DIM=128, DIM_PAD=128, BLOCK_SIZE=16, TILE_N=t,
+                                  NUM_SPLITS=2, PRECISION=None, UPCAST=False, OUTPUT_MASS=mass, SEG=min(t, 16),
+                                  SEGS_PER_TILE=t // min(t, 16))
+                    rows.append(compile_and_report(f"decode tile {t}" + (" h2o" if mass else ""), _decode_kernel,
+                                                   consts, w, s))
+    mass = dict(GROUP=2, GROUP_PAD=16, BLOCK_SIZE=16, SEG=16, CHUNK=128)
+    rows.append(compile_and_report("h2o page mass", _page_mass_kernel, mass, 4, 1))
     return rows
 
 

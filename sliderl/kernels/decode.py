@@ -41,7 +41,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, death_ptr, block_tables_ptr, block_index
                    stride_bt, stride_bi, stride_on, stride_oh, num_q_heads, num_kv_heads, scale_log2, max_segs,
                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                   PRECISION: tl.constexpr, UPCAST: tl.constexpr, OUTPUT_MASS: tl.constexpr, SEG: tl.constexpr):
+                   PRECISION: tl.constexpr, UPCAST: tl.constexpr, OUTPUT_MASS: tl.constexpr, SEG: tl.constexpr,
+                   SEGS_PER_TILE: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -96,8 +97,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, death_ptr, block_tables_ptr, block_index
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
         m_i = m_new
         if OUTPUT_MASS:  # each segment's probability sum, as a log2 under this tile's max (-inf: none visible)
-            seg_sum = tl.sum(tl.reshape(p, [GROUP_PAD, TILE_N // SEG, SEG]), 2)  # [GROUP_PAD, TILE_N // SEG]
-            seg = tile * (TILE_N // SEG) + tl.arange(0, TILE_N // SEG)
+            seg_sum = tl.sum(tl.reshape(p, [GROUP_PAD, SEGS_PER_TILE, SEG]), 2)  # [GROUP_PAD, SEGS_PER_TILE]
+            seg = tile * SEGS_PER_TILE + tl.arange(0, SEGS_PER_TILE)
             seg_ptrs = seg_lse_ptr + (row64 * num_q_heads + head)[:, None] * max_segs + seg[None, :]
             tl.store(seg_ptrs, m_new[:, None] + tl.log2(seg_sum),
                      mask=row_ok[:, None] & (seg * SEG < num_live * BLOCK_SIZE)[None, :])
@@ -303,7 +304,7 @@ def decode_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: Att
         meta.query_start, meta.query_pos, out, part_acc, part_max, part_sum, counters, norm_max, norm_sum, seg_lse,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
         meta.block_tables.stride(0), meta.block_index.stride(0), out.stride(0), out.stride(1), h_q, h_kv,
-        scale * LOG2E, max_segs, OUTPUT_MASS=mass is not None, SEG=seg, **shape)
+        scale * LOG2E, max_segs, OUTPUT_MASS=mass is not None, SEG=seg, SEGS_PER_TILE=cfg.tile_n // seg, **shape)
     if mass is not None:
         _page_mass_kernel[(meta.num_seqs, h_kv)](
             meta.query_start, meta.num_live_blocks, norm_max, norm_sum, seg_lse, mass, mass.stride(0), h_q, max_segs,
