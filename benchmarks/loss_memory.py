@@ -1,6 +1,6 @@
 """Peak memory of the loss's logits: scoring all targets at once vs in vocabulary-sized chunks.
 
-    python benchmarks/loss_memory.py [--targets 8192 32768] [--device cuda]
+    python benchmarks/loss_memory.py [--targets 8192 32768]          # GPU only (CUDA peak memory)
 
 A one-layer model with the Qwen3-1.7B width and vocabulary (2048 wide, 151,936 tokens, tied
 embeddings, bf16 on CUDA) scores one packed window of T targets with ``packed_logprobs`` and
