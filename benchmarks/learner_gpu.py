@@ -458,6 +458,10 @@ def main(argv: list[str] | None = None) -> None:
     start = time.perf_counter()
     specs = [s for s in row_specs(args.lengths, args.window, args.multiplier, args.peer, args.compiled)
              if not args.rows or s.name in args.rows]
+    unknown = sorted(set(args.rows or ()) - {s.name for s in specs})
+    if unknown:  # a misspelt row (or one --compiled / --no-peer leaves out) would run nothing, silently
+        names = [s.name for s in row_specs(args.lengths, args.window, args.multiplier, args.peer, args.compiled)]
+        raise SystemExit(f"--rows {unknown} name no row of this run; rows: {names}")
     profile_spec = None
     if args.profile:
         every = row_specs(args.lengths, args.window, args.multiplier, True, "both")
