@@ -11,7 +11,7 @@
 #   bash benchmarks/device_session.sh E    # ~9 min: TIP's GPU-scale arms with decode wall time (41); carry .whl (Ray)
 #   bash benchmarks/device_session.sh F    # ~10 min: the paper's Table 1 way at 8K, prefix_sliding vs full (38.6)
 #   bash benchmarks/device_session.sh G    # ~10 min: the learner with compiled element-wise chains vs eager, 32K (38.3)
-#   bash benchmarks/device_session.sh X2   # ~10 min on nvidia-h200-x2: the sharded learner's 2-GPU rows (36); carry .whl
+#   bash benchmarks/device_session.sh X2   # ~10 min on nvidia-h200-x2: the sharded learner's 2-GPU rows (36)
 #
 # carry: .whl for A, .whl for B and E, a Ray-less copy of .whl
 # (runs/whl-light) with runs/pasta-h200 and runs/pd-long for C, runs/whl-light for D, F and G: everything carried must
@@ -99,7 +99,7 @@ case "$group" in
       --budget-s 470 --out "$OUT/learner-compiled"
     ;;
   X2)
-    # issue 36 on a two-GPU machine (kind nvidia-h200-x2; carry .whl): 1.7B at 1 and 2 ranks at the same global
+    # issue 36 on a two-GPU machine (kind nvidia-h200-x2; carry .whl, as B): 1.7B at 1 and 2 ranks at the same global
     # batch with the weight sync's time, then the 7B step at 2 ranks without offload (docs/results.md, "A sharded
     # learner"); rows print as each finishes
     item scaling-1p7b 300 python benchmarks/learner_scaling.py --shape 1.7b --ranks 1 2 --seq 8192 32768 --sync \
