@@ -13,7 +13,7 @@
 #   bash benchmarks/device_session.sh G    # ~10 min: the learner with compiled element-wise chains vs eager, 32K (38.3)
 #   bash benchmarks/device_session.sh X2   # ~10 min on nvidia-h200-x2: the sharded learner's 2-GPU rows (36)
 #
-# carry: .whl for A, .whl for B and E, a Ray-less copy of .whl
+# carry: .whl for A, .whl for B, E and X2, a Ray-less copy of .whl
 # (runs/whl-light) with runs/pasta-h200 and runs/pd-long for C, runs/whl-light for D, F and G: everything carried must
 # stay under 64 MiB with the tree (~9 MB), and Ray's wheel alone is 47 MB. The commands are the ones
 # docs/results.md gives.
