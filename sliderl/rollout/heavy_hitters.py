@@ -26,9 +26,9 @@ import numpy as np
 
 
 class HeavyHitters:
-    """Mass per logical page of one sequence (a float64 array indexed by page, grown on demand: a logical page
-    never comes back once evicted, so a dead page's entry is simply never read again); ``victims`` picks the
-    pages to evict."""
+    """Mass per logical page of one sequence (a float64 array indexed by page, grown on demand; an evicted page's
+    entry is zeroed, so a page a preempted sequence's recompute brings back starts afresh); ``victims`` picks
+    the pages to evict."""
 
     def __init__(self, budget_pages: int, recent_pages: int, prompt_len: int):
         assert 1 <= recent_pages <= budget_pages, (recent_pages, budget_pages)
@@ -71,4 +71,6 @@ class HeavyHitters:
         assert len(candidates) >= over, (sorted(held), writing, self.recent_pages, self.budget_pages)
         self._grow(writing)
         order = np.lexsort((candidates, self.mass[candidates]))  # by mass, then by page (older first)
-        return sorted(candidates[order[:over]].tolist())
+        evicted = candidates[order[:over]]
+        self.mass[evicted] = 0.0
+        return sorted(evicted.tolist())
