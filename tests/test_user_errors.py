@@ -146,6 +146,23 @@ def test_wandb_asked_for_but_not_installed_is_exit_2_before_ray(tmp_path, capsys
     assert ray.is_initialized() == was_running
 
 
+def test_compile_elementwise_on_a_cpu_without_a_compiler_is_exit_2_before_ray(tmp_path, capsys, monkeypatch):
+    # Catches learner.compile_elementwise on a CPU learner of a machine with no C++ compiler (CI's kind) failing
+    # inside the learner actor at its first step, after Ray and the warm start. The missing compiler is made
+    # missing the way a bare machine has it: an empty PATH for the lookup. Planted by dropping
+    # check_compile_elementwise from plan.prepare, Ray starts and this fails.
+    import ray
+
+    was_running = ray.is_initialized()
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    code = main(["train", "learner.compile_elementwise=true", f"run_dir={tmp_path / 'run'}", "ray.num_cpus=1",
+                 "monitor.wandb.mode=disabled", f"warmstart.cache_dir={tmp_path / 'cache'}"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert "learner.compile_elementwise=true with learner.device=cpu needs a C++ compiler" in err, err
+    assert "learner.compile_elementwise=false" in err and ray.is_initialized() == was_running
+
+
 def _placement_groups(ray) -> int:
     from ray.util import placement_group_table
 

@@ -89,6 +89,7 @@ def prepare(cfg: TrainConfig) -> RunPlan:
     examples; no Ray yet. The config is recorded in run_dir once every check passed."""
     check_devices(cfg)
     check_wandb(cfg)
+    check_compile_elementwise(cfg)
     check_outlives_job(cfg.run_dir, "run_dir")
     check_cluster_address(cfg)
     baseline = baseline_model_path(cfg) if cfg.reward.speedup is not None else None
@@ -259,6 +260,20 @@ def check_wandb(cfg: TrainConfig) -> None:
     except ImportError:
         raise ConfigError(f"monitor.wandb.mode={cfg.monitor.wandb.mode} needs the wandb package, which this Python "
                           "lacks: pip install wandb, or set monitor.wandb.mode=disabled") from None
+
+
+def check_compile_elementwise(cfg: TrainConfig) -> None:
+    """``learner.compile_elementwise`` on a CPU learner needs a C++ compiler (inductor builds CPU kernels with
+    one): without it the learner actor would fail at its first step, after Ray, the warm start and the rollouts
+    started. A ConfigError here instead."""
+    from sliderl.core.model import COMPILE_BACKEND
+
+    if not cfg.learner.compile_elementwise or cfg.learner.device.startswith("cuda") or COMPILE_BACKEND != "inductor":
+        return
+    if not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
+        raise ConfigError("learner.compile_elementwise=true with learner.device=cpu needs a C++ compiler (g++, c++ or "
+                          "clang++ on PATH) for torch.compile's CPU kernels, and none was found: install one, or set "
+                          "learner.compile_elementwise=false (it is meant for CUDA learners)")
 
 
 def check_devices(cfg: TrainConfig) -> None:
