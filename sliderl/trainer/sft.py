@@ -45,6 +45,7 @@ SFT_ALGORITHMS = ("sft", "planned_diffusion")  # algorithms that train on (promp
 MARKER = "sft.json"
 MODEL_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json")
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
+BUNDLED = Path(__file__).resolve().parents[1] / "assets" / "warmstart"  # finished checkpoints shipped with sliderl
 
 
 @dataclass(frozen=True)
@@ -220,11 +221,12 @@ def run_sft(model_path: str | Path, out_dir: str | Path, train_examples: list[SF
 def cached_sft(cache_dir: str | Path, model_path: str | Path, train_examples: list[SFTExample],
                held_out_examples: list[SFTExample], kv_policy: str | Sequence[str], learner_args: LearnerArgs,
                sft_args: SFTArgs) -> SFTResult:
-    """``run_sft`` into ``cache_dir/sft-<fingerprint>``, or the finished checkpoint already there (no training)."""
+    """``run_sft`` into ``cache_dir/sft-<fingerprint>``, or the finished checkpoint already there or bundled with
+    sliderl (``finished_sft``; no training)."""
     key = fingerprint(model_path, train_examples, held_out_examples, kv_policy, learner_args, sft_args)
+    if (found := finished_sft(cache_dir, key)) is not None:
+        return found
     path = Path(cache_dir).expanduser() / f"sft-{key}"
-    if (path / MARKER).is_file():
-        return read_result(path)
     staging = path.parent / f".{path.name}.training-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     try:
@@ -233,6 +235,32 @@ def cached_sft(cache_dir: str | Path, model_path: str | Path, train_examples: li
     finally:
         shutil.rmtree(staging, ignore_errors=True)  # gone already unless training or publishing failed
     return read_result(path)
+
+
+def finished_sft(cache_dir: str | Path, key: str) -> SFTResult | None:
+    """The finished checkpoint ``sft-<key>`` of the local ``cache_dir``; else the one bundled with sliderl
+    (``bundled``), copied into the cache first; else None."""
+    path = Path(cache_dir).expanduser() / f"sft-{key}"
+    if (path / MARKER).is_file():
+        return read_result(path)
+    if (bundle := bundled(key)) is None:
+        return None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = path.parent / f".{path.name}.bundled-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        shutil.copytree(bundle, staging)
+        publish(staging, path)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return read_result(path)
+
+
+def bundled(key: str) -> Path | None:
+    """The finished checkpoint ``sft-<key>`` that ships with sliderl (``BUNDLED``: the default job's warm start, so
+    ``sliderl train`` reaches RL in seconds), or None."""
+    path = BUNDLED / f"sft-{key}"
+    return path if (path / MARKER).is_file() else None
 
 
 def read_result(path: str | Path) -> SFTResult:
@@ -258,18 +286,38 @@ def fingerprint(model_path: str | Path, train_examples: list[SFTExample], held_o
                 kv_policy: str | Sequence[str], learner_args: LearnerArgs, sft_args: SFTArgs) -> str:
     """12 hex digits over everything that changes the trained weights (``log_every`` does not, nor the summary tool
     without a summary policy)."""
-    sft = {**dataclasses.asdict(sft_args), "log_every": None}
+    sft = changed_settings(sft_args)
+    sft.pop("log_every", None)
     if not any(KVPolicy.parse(spec).kind == "summary" for spec in policy_specs(kv_policy)):
-        del sft["summary_tool"]
+        sft.pop("summary_tool", None)
     blob = json.dumps({
         "model": model_fingerprint(model_path),
         "train": [example_key(e) for e in train_examples],
         "held_out": [example_key(e) for e in held_out_examples],
         "kv_policy": policy_record(policy_specs(kv_policy)),
-        "learner_args": dataclasses.asdict(learner_args),
+        "learner_args": changed_settings(learner_args),
         "sft_args": sft,
     }, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def changed_settings(settings) -> dict:
+    """The fields of dataclass ``settings`` that differ from their defaults (a field without one always), as
+    ``dataclasses.asdict`` writes them: a setting added later, at a default that keeps what was trained before,
+    leaves every key (and the bundled warm start) as it was."""
+    record = dataclasses.asdict(settings)
+    changed = {}
+    for field in dataclasses.fields(settings):
+        if field.default is not dataclasses.MISSING:
+            default = field.default
+        elif field.default_factory is not dataclasses.MISSING:
+            default = field.default_factory()
+        else:
+            changed[field.name] = record[field.name]
+            continue
+        if getattr(settings, field.name) != default:
+            changed[field.name] = record[field.name]
+    return changed
 
 
 def example_key(example: SFTExample) -> tuple:
@@ -288,6 +336,12 @@ def model_fingerprint(model_path: str | Path) -> str:
         raise FileNotFoundError(f"no config.json in {str(model_path)!r}; an SFT stage starts from a HF model directory")
     for file in files:
         digest.update(file.name.encode())
+        if file.suffix == ".json":  # what transformers writes: the same settings under another version, same key
+            record = json.loads(file.read_text())
+            if isinstance(record, dict):
+                record.pop("transformers_version", None)
+            digest.update(json.dumps(record, sort_keys=True).encode())
+            continue
         with file.open("rb") as f:
             for chunk in iter(lambda: f.read(1 << 20), b""):
                 digest.update(chunk)

@@ -33,7 +33,9 @@ from sliderl.trainer.sft import (
     SFTArgs,
     SFTExample,
     SFTResult,
+    bundled,
     cached_sft,
+    finished_sft,
     fingerprint,
     publish,
     read_result,
@@ -94,7 +96,10 @@ def cached_warm_start(cache_dir: str, model_path: str, train: list[SFTExample], 
             if storage.is_file(stored / MARKER):
                 storage.download(stored, staging)
             else:
-                run_sft(model_path, staging, train, held_out, kv_policy, learner_args, sft_args)
+                if (bundle := bundled(name.removeprefix("sft-"))) is not None:
+                    shutil.copytree(bundle, staging)
+                else:
+                    run_sft(model_path, staging, train, held_out, kv_policy, learner_args, sft_args)
                 storage.upload(staging, stored, last=MARKER)
             publish(staging, copy)
         finally:
@@ -110,12 +115,17 @@ def warm_start(cfg: TrainConfig, model: ModelFiles, examples: tuple[list[SFTExam
 
     from sliderl.cluster.errors import RunError
 
-    stage = cfg.warmstart
+    stage, sft = cfg.warmstart, stage_sft_args(cfg)
+    if not is_uri(stage.cache_dir):  # finished already (in this node's cache, or bundled): no actor, no training
+        key = stage_key(cfg, model.path, examples)
+        if (found := finished_sft(stage.cache_dir, key)) is not None:
+            origin = "bundled with sliderl" if bundled(key) is not None else "found in the cache"
+            print(f"sliderl: warm start {found.line()} ({origin}, not trained now) -> {found.path}", flush=True)
+            return ModelFiles.ship(found.path, multi_node)
     print(f"sliderl: warm start on its actor (at most {stage.sft.steps} SFT steps under {cfg.engine.kv}, cached in "
           f"{stage.cache_dir})", flush=True)
     actor = make_warm_start(cfg)
     try:
-        sft = replace(stage.sft, summary_tool=cfg.engine.summary_tool)  # the calls the engine reads
         done_ref, files = actor.run.options(num_returns=2).remote(model, stage.cache_dir, *examples, cfg.engine.kv,
                                                                   stage.learner, sft, multi_node)
         done: WarmStarted = ray.get(done_ref)
@@ -125,6 +135,16 @@ def warm_start(cfg: TrainConfig, model: ModelFiles, examples: tuple[list[SFTExam
         ray.kill(actor, no_restart=True)
     print(f"sliderl: warm start {done.result.line()} -> {done.stored}", flush=True)
     return ModelFiles(done.result.path, done.node_id, done.digest, files if done.digest else None)
+
+
+def stage_sft_args(cfg: TrainConfig) -> SFTArgs:
+    """The stage's ``SFTArgs``: ``warmstart.sft`` with the summary tool calls the engine reads."""
+    return replace(cfg.warmstart.sft, summary_tool=cfg.engine.summary_tool)
+
+
+def stage_key(cfg: TrainConfig, model_path: str, examples: tuple[list[SFTExample], list[SFTExample]]) -> str:
+    """The fingerprint naming ``cfg``'s warm start (``sft-<key>`` in a cache or among the bundled ones)."""
+    return fingerprint(model_path, *examples, cfg.engine.kv, cfg.warmstart.learner, stage_sft_args(cfg))
 
 
 def make_warm_start(cfg: TrainConfig):
