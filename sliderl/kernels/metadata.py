@@ -15,7 +15,7 @@ may sit at different logical indices in different threads' tables, and RoPE posi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,6 +33,8 @@ class AttentionMetadata:
     num_live_blocks: torch.Tensor  # [S] int32
     max_query_len: int
     max_live_blocks: int
+    scratch: dict = field(default_factory=dict, repr=False, compare=False)  # per-forward values a kernel derives
+    # once and every layer reuses (the CPU decode's visibility); never moved by ``to``
 
     @property
     def num_seqs(self) -> int:
@@ -44,7 +46,8 @@ class AttentionMetadata:
         return self.max_query_len == 1
 
     def to(self, device: torch.device | str) -> AttentionMetadata:
-        moved = {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v) for k, v in vars(self).items()}
+        moved = {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v) for k, v in vars(self).items()
+                 if k != "scratch"}
         return AttentionMetadata(**moved)
 
 

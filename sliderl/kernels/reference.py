@@ -74,26 +74,45 @@ def decode_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: Att
     Every sequence's live blocks are gathered into ``[S, M·B]`` key slots (M = the most live blocks of
     any sequence; a padded block, id -1, is masked out), so the work is a few batched ops whatever S.
     Slots a query does not see contribute nothing, whatever they hold (values are zeroed, not just
-    weighted by 0, so stale or NaN slots cannot leak); a sequence that sees no key gets 0.
+    weighted by 0, so stale or NaN slots cannot leak); a sequence that sees no key gets 0. Without ``mass``
+    the scores, softmax and product are one fused ``scaled_dot_product_attention``.
     """
     s, h_q, d = q.shape
-    h_kv, bs = cache.k[layer].shape[2], cache.block_size
-    tables = meta.block_tables[:, :meta.max_live_blocks].long()  # [S, M], -1 pad
-    live = tables >= 0
-    blocks = tables.clamp(min=0)
+    h_kv = cache.k[layer].shape[2]
+    blocks, visible = decode_visibility(cache, meta)
+    hidden = ~visible[:, :, None, None]
     k = cache.k[layer][blocks].reshape(s, -1, h_kv, d).to(acc_dtype)  # [S, L, H_kv, D]
-    v = cache.v[layer][blocks].reshape(s, -1, h_kv, d).to(acc_dtype)
-    offsets = torch.arange(bs, device=q.device)
-    k_pos = (meta.block_index[:, :meta.max_live_blocks].long()[:, :, None] * bs + offsets).reshape(s, -1)  # [S, L]
-    k_death = cache.death[blocks].reshape(s, -1).long()
-    q_pos = meta.query_pos.long()[:, None]  # [S, 1]
-    visible = live[:, :, None].expand(-1, -1, bs).reshape(s, -1) & (k_pos <= q_pos) & (q_pos < k_death)  # [S, L]
-    qg = q.to(acc_dtype).view(s, h_kv, h_q // h_kv, d)  # query head h reads KV head h // (H_q // H_kv)
+    v = cache.v[layer][blocks].reshape(s, -1, h_kv, d).to(acc_dtype).masked_fill(hidden, 0.0)
+    if mass is None:  # query head h reads KV head h // (H_q // H_kv): enable_gqa; a NaN key must not reach a score
+        k = k.masked_fill(hidden, 0.0)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.to(acc_dtype)[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2), attn_mask=visible[:, None, None, :],
+            scale=scale, enable_gqa=True)  # [S, H_q, 1, D]; a row with no visible key: NaN -> 0 below
+        return out.reshape(s, h_q, d).nan_to_num(0.0).to(q.dtype)
+    qg = q.to(acc_dtype).view(s, h_kv, h_q // h_kv, d)
     scores = torch.einsum("skgd,slkd->skgl", qg, k) * scale  # [S, H_kv, G, L]
     scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a row with no visible key: all -inf -> 0
-    v = v.masked_fill(~visible[:, :, None, None], 0.0)
     out = torch.einsum("skgl,slkd->skgd", probs, v)  # [S, H_kv, G, D]
-    if mass is not None:  # [S, H_kv, G, M·B] -> [S, M]; padded columns get 0
-        mass[:, :tables.shape[1]] += probs.sum((1, 2)).view(s, -1, bs).sum(2).to(mass.dtype)
+    # [S, H_kv, G, M·B] -> [S, M]; padded columns get 0
+    mass[:, :blocks.shape[1]] += probs.sum((1, 2)).view(s, -1, cache.block_size).sum(2).to(mass.dtype)
     return out.reshape(s, h_q, d).to(q.dtype)
+
+
+def decode_visibility(cache: PagedKVCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decode step's gather ids ``[S, M]`` (padding clamped to block 0) and ``visible [S, M·B]`` (slot
+    ``pk <= p < death`` of a live block): the same for every layer, so computed at the first layer's call
+    (layer 0 has written the step's deaths by then) and kept in ``meta.scratch`` for the others."""
+    memo = meta.scratch.get("decode_visibility")
+    if memo is not None and memo[0] is cache:
+        return memo[1]
+    s, bs = meta.num_seqs, cache.block_size
+    tables = meta.block_tables[:, :meta.max_live_blocks].long()  # [S, M], -1 pad
+    blocks = tables.clamp(min=0)
+    offsets = torch.arange(bs, device=tables.device)
+    k_pos = (meta.block_index[:, :meta.max_live_blocks].long()[:, :, None] * bs + offsets).reshape(s, -1)  # [S, L]
+    k_death = cache.death[blocks].reshape(s, -1).long()
+    q_pos = meta.query_pos.long()[:, None]  # [S, 1]
+    visible = (tables >= 0)[:, :, None].expand(-1, -1, bs).reshape(s, -1) & (k_pos <= q_pos) & (q_pos < k_death)
+    meta.scratch["decode_visibility"] = (cache, (blocks, visible))
+    return blocks, visible
