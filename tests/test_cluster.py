@@ -278,7 +278,7 @@ def test_no_file_runs_the_tiny_arith_recipe():
     # a second apart differ there (seen once in a full-suite run), and only there
     stamped = {"run_dir": True, "eval": {"compare": {"output_dir"}}}
     assert from_file.model_dump(exclude=stamped) == default.model_dump(exclude=stamped)
-    assert default.warmstart.enabled and default.model.hidden_size == 96 and default.learner.lr == 3e-4
+    assert default.warmstart.enabled and default.model.hidden_size == 96 and default.learner.lr == 5e-4
 
 
 # ------------------------------------------------------------------------------- bad input

@@ -171,7 +171,7 @@ def _placement_groups(ray) -> int:
 
 def test_help_shows_the_values_the_actors_are_built_with(capsys):
     # Catches: --help printing library defaults (lr 1e-05, kv full) while the job runs its recipe's
-    # values (lr 3e-4, prefix_sliding:24), or a derived value (the learner's vocab_policy) shown as
+    # values (lr 5e-4, prefix_sliding:24), or a derived value (the learner's vocab_policy) shown as
     # null while the actor gets another. Checked by planting: rendering help from TrainConfig()
     # instead of the recipe fails on learner.lr and engine.kv.
     assert main(["train", "--help"]) == 0
@@ -185,7 +185,7 @@ def test_help_shows_the_values_the_actors_are_built_with(capsys):
             assert shown.get(key) == repr(value), key
             checked += 1
     assert checked > 40
-    assert shown["learner.lr"] == "0.0003" and shown["engine.kv"] == "'prefix_sliding:24'"
+    assert shown["learner.lr"] == "0.0005" and shown["engine.kv"] == "'prefix_sliding:24'"
     assert shown["learner.vocab_policy"] == "'prefix_sliding:24'"
 
 
