@@ -16,7 +16,8 @@ span-annotated completions (``core.planned_diffusion``) with the algorithm of th
 ``run_sft`` writes the checkpoint (Hugging Face layout + ``trainer_state.pt``) to ``out_dir`` and the
 marker ``sft.json`` (settings, steps run, checks, losses, seconds) last. ``cached_sft`` trains into a
 staging folder and renames it to ``cache_dir/sft-<fingerprint>`` atomically; a folder with its
-marker is a finished checkpoint for exactly those inputs, returned without training.
+marker is a finished checkpoint for exactly those inputs, returned without training; so is one bundled with
+sliderl under ``BUNDLED`` (the default job's warm start: ``cluster.run.bundle``), copied into the cache first.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """The warm start of ``sliderl train``: its SFT stage on a Ray actor of its own, cached by fingerprint.
 
-The driver builds the stage's examples before Ray starts (``cluster.run.sft_job.stage_examples``);
-``warm_start`` hands them and the initial model (``ModelFiles``) to a ``WarmStartActor`` placed by
+The driver builds the stage's examples before Ray starts (``cluster.run.sft_job.stage_examples``). With a local
+cache_dir it first looks for the finished checkpoint itself (in its node's cache, or bundled with sliderl:
+``trainer.sft.finished_sft``) and uses it without an actor; otherwise ``warm_start`` hands them and the initial model (``ModelFiles``) to a ``WarmStartActor`` placed by
 ``warmstart.num_cpus/num_gpus/resources``. The actor trains with the one trainer (``trainer.sft``) or
 finds the checkpoint in the cache, and returns where it is, with its files when the run's actors on
 other nodes need them.
