@@ -11,15 +11,16 @@
 #   bash benchmarks/device_session.sh E    # ~9 min: TIP's GPU-scale arms with decode wall time (41); carry .whl (Ray)
 #   bash benchmarks/device_session.sh F    # ~10 min: the paper's Table 1 way at 8K, prefix_sliding vs full (38.6)
 #   bash benchmarks/device_session.sh G    # ~10 min: the learner with compiled element-wise chains vs eager, 32K (38.3)
+#   bash benchmarks/device_session.sh P    # ~6 min: batch 1, 2, 4, 8 decode at 8K with the per-kernel split (38.2)
 #   bash benchmarks/device_session.sh X2   # ~10 min on nvidia-h200-x2: the sharded learner's 2-GPU rows (36)
 #
 # carry: .whl for A, .whl for B, E and X2, a Ray-less copy of .whl
-# (runs/whl-light) with runs/pasta-h200 and runs/pd-long for C, runs/whl-light for D, F and G: everything carried must
+# (runs/whl-light) with runs/pasta-h200 and runs/pd-long for C, runs/whl-light for D, F, G and P: everything carried must
 # stay under 64 MiB with the tree (~9 MB), and Ray's wheel alone is 47 MB. The commands are the ones
 # docs/results.md gives.
 set -u
 OUT=${OUT:?set OUT to the folder whose files come back}
-group=${1:?name a group: A, B, C, D, E, F, G or X2}
+group=${1:?name a group: A, B, C, D, E, F, G, P or X2}
 summary=()
 
 item() {  # item NAME SECONDS COMMAND...: run with a limit, tee its log, note rc and seconds
@@ -98,6 +99,15 @@ case "$group" in
       sliderl:full:ckpt:32768:compiled sliderl:truncated:nockpt:32768:compiled sliderl:full:nockpt:32768:compiled \
       --budget-s 470 --out "$OUT/learner-compiled"
     ;;
+  P)
+    # issue 38, item 2: small-batch decode at 8K (target: batch 1 >= 760 tok/s, >= 80% of the byte limit at 2-8),
+    # each row with the GPU's ms per step by kernel (torch.profiler over 32 steps, graphs included): the split
+    # before any change, so the first fix goes where the time is
+    for b in 1 2 4 8; do
+      item batch$b-8k 110 python benchmarks/engine_gpu.py --positions 8192 --policies prefix_sliding:4096 \
+        --max-seqs $b --hf-batch 0 --steps 64 --profile 32 --out "$OUT/batch$b-8k/engine_gpu.json"
+    done
+    ;;
   X2)
     # issue 36 on a two-GPU machine (kind nvidia-h200-x2; carry .whl, as B): 1.7B at 1 and 2 ranks at the same global
     # batch with the weight sync's time, then the 7B step at 2 ranks without offload (docs/results.md, "A sharded
@@ -108,7 +118,7 @@ case "$group" in
       --out "$OUT/scaling-7b-2gpu"
     ;;
   *)
-    echo "unknown group $group: A, B, C, D, E, F, G or X2" >&2
+    echo "unknown group $group: A, B, C, D, E, F, G, P or X2" >&2
     exit 2
     ;;
 esac
