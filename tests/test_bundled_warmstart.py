@@ -30,7 +30,7 @@ def test_the_default_job_finds_its_bundled_warm_start(default_job):
     # The fix is `python -m sliderl.cluster.run.bundle` in the same change.
     key, _, _ = default_job
     bundle = bundled(key)
-    assert bundle is not None, f"no sliderl/assets/warmstart/sft-{key}: remake it (python -m sliderl.cluster.run.bundle)"
+    assert bundle is not None, f"no sliderl/assets/warmstart/sft-{key}: python -m sliderl.cluster.run.bundle"
     # every file the manifest lists is there with its size and sha256, and nothing else but the manifest
     # (catches: weights or marker replaced by hand, an optimizer state shipped that RL never reads)
     manifest = Manifest.read(bundle)

@@ -40,7 +40,8 @@ def test_the_wheel_holds_sliderl_and_every_package_under_it(tmp_path):
     assert [p for p in packages if f"{p}/__init__.py" not in names] == []
     # and the default job's bundled warm start (package data, not a package): catches pyproject's package-data
     # dropped, which leaves a non-editable install training the warm start at every first run (planted: it fails)
-    bundled = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "sliderl" / "assets").rglob("*") if p.is_file())
+    assets = (ROOT / "sliderl" / "assets").rglob("*")
+    bundled = sorted(p.relative_to(ROOT).as_posix() for p in assets if p.is_file())
     assert any(p.endswith("model.safetensors") for p in bundled) and [p for p in bundled if p not in names] == []
 
 

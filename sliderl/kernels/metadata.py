@@ -46,8 +46,8 @@ class AttentionMetadata:
         return self.max_query_len == 1
 
     def to(self, device: torch.device | str) -> AttentionMetadata:
-        moved = {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v) for k, v in vars(self).items()
-                 if k != "scratch"}
+        moved = {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v)
+                 for k, v in vars(self).items() if k != "scratch"}
         return AttentionMetadata(**moved)
 
 

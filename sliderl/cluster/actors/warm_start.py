@@ -2,10 +2,10 @@
 
 The driver builds the stage's examples before Ray starts (``cluster.run.sft_job.stage_examples``). With a local
 cache_dir it first looks for the finished checkpoint itself (in its node's cache, or bundled with sliderl:
-``trainer.sft.finished_sft``) and uses it without an actor; otherwise ``warm_start`` hands them and the initial model (``ModelFiles``) to a ``WarmStartActor`` placed by
-``warmstart.num_cpus/num_gpus/resources``. The actor trains with the one trainer (``trainer.sft``) or
-finds the checkpoint in the cache, and returns where it is, with its files when the run's actors on
-other nodes need them.
+``trainer.sft.finished_sft``) and uses it without an actor; otherwise ``warm_start`` hands the examples and the
+initial model (``ModelFiles``) to a ``WarmStartActor`` placed by ``warmstart.num_cpus/num_gpus/resources``.
+The actor trains with the one trainer (``trainer.sft``) or finds the checkpoint in the cache, and returns where
+it is, with its files when the run's actors on other nodes need them.
 
 The cache (``warmstart.cache_dir``) holds ``sft-<fingerprint>/`` per set of inputs (the model's
 files, the examples, the visibility, the learner and SFT settings: ``trainer.sft.fingerprint``); a
