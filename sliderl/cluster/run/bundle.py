@@ -8,7 +8,8 @@ after a minute of SFT on two cores. A bundle is the stage's own output, made her
     python -m sliderl.cluster.run.bundle                      # the default job's warm start
     python -m sliderl.cluster.run.bundle configs/X.yaml k=v   # another recipe's
 
-trains the stage (or finds it in ``warmstart.cache_dir``) exactly as ``sliderl train`` would, then copies
+trains the stage exactly as ``sliderl train`` would (always, even when a cache or bundle holds it, so remaking a
+bundle shows whether it reproduces: ``git diff`` then shows only the marker's seconds and their manifest line), then copies
 its model, tokenizer and marker (not the optimizer state: RL starts its own) into the bundle folder. A
 recipe, task, model or learner setting that changes the key leaves the bundle unused (the run trains, as
 with an empty cache); ``tests/test_bundled_warmstart.py`` fails then for the default job, so its bundle is
@@ -46,24 +47,24 @@ def default_key(overrides: list[str] | None = None, config_path: str | None = No
 
 
 def make_bundle(config_path: str | None, overrides: list[str]) -> Path:
-    """Train (or find cached) the warm start of ``sliderl train [config_path] [overrides]`` in this process and copy
-    it into the bundle folder; its path."""
+    """Train the warm start of ``sliderl train [config_path] [overrides]`` in this process (always: neither a cached
+    nor a bundled checkpoint is reused, so remaking a bundle checks that it reproduces) and copy it into the bundle
+    folder; its path."""
     import torch
 
     from sliderl.cluster.actors.warm_start import stage_sft_args
     from sliderl.trainer.manifest import Manifest, hash_file
-    from sliderl.trainer.sft import BUNDLED, MARKER, cached_sft
+    from sliderl.trainer.sft import BUNDLED, MARKER, run_sft
 
     key, (cfg, plan) = default_key(overrides, config_path)
+    scratch = Path(tempfile.mkdtemp(prefix="sliderl-bundle-sft-"))
     try:
         torch.set_num_threads(max(1, int(cfg.warmstart.num_cpus)))
-        result = cached_sft(cfg.warmstart.cache_dir, plan.model_path, *plan.warm_start, cfg.engine.kv,
-                            cfg.warmstart.learner, stage_sft_args(cfg))
+        result = run_sft(plan.model_path, scratch / f"sft-{key}", *plan.warm_start, cfg.engine.kv,
+                         cfg.warmstart.learner, stage_sft_args(cfg))
     finally:
         plan.finish()
     source, target = Path(result.path), BUNDLED / f"sft-{key}"
-    if source.resolve() == target.resolve():
-        return target
     staging = target.parent / f".{target.name}.staging"
     shutil.rmtree(staging, ignore_errors=True)
     shutil.copytree(source, staging, ignore=shutil.ignore_patterns(*LEFT_OUT))
@@ -76,6 +77,7 @@ def make_bundle(config_path: str | None, overrides: list[str]) -> Path:
     manifest.write(staging)
     shutil.rmtree(target, ignore_errors=True)
     staging.rename(target)
+    shutil.rmtree(scratch, ignore_errors=True)
     print(f"bundled {result.line()} -> {target}")
     return target
 
