@@ -507,6 +507,29 @@ def test_torch_reference_decode_batch_matches_dense_reference(block_size, group)
     torch.testing.assert_close(out[:4], ref[:4], rtol=1e-10, atol=1e-10)
 
 
+def test_torch_reference_decode_recomputes_visibility_when_a_forward_starts_again():
+    """The CPU decode keeps the step's visibility in ``meta.scratch`` for layers 1.. (layer 0 computes it).
+
+    Catches: a mask served to a later forward on the same metadata after a death changed in between (CUDA-graph
+    capture runs one metadata object several times; a register kill changes a death between steps). Checked by
+    planting: reusing the kept mask at layer 0 too makes the second call see the killed key, and this fails.
+    """
+    gen = torch.Generator().manual_seed(5)
+    seqs = [random_seq(gen, 40, 1, window=12, prefix=4, spans=2), random_seq(gen, 30, 1, window=9, prefix=2, spans=1)]
+    case = build_case(seqs, 8, num_kv_heads=2, group=2, head_dim=16, dtype=torch.float32, gen=gen, device="cpu")
+    cache64 = PagedKVCache([case.cache.k[0].double()], [case.cache.v[0].double()], case.cache.death)
+    first = reference.paged_attention(case.q.double(), cache64, 0, case.meta, 0.3, acc_dtype=torch.float64)
+    torch.testing.assert_close(first, dense_reference(case, 0.3), rtol=1e-10, atol=1e-10)
+    # sequence 0's query (its last position q) sees its own key; kill that key at q, in the cache and the reference
+    q = len(case.seqs[0].death) - 1
+    column = case.meta.block_index[0].tolist().index(q // 8)
+    case.cache.death[int(case.meta.block_tables[0, column]), q % 8] = q
+    case.seqs[0].death[q] = q
+    second = reference.paged_attention(case.q.double(), cache64, 0, case.meta, 0.3, acc_dtype=torch.float64)
+    torch.testing.assert_close(second, dense_reference(case, 0.3), rtol=1e-10, atol=1e-10)
+    assert not torch.allclose(second[0], first[0])
+
+
 # ---------------------------------------------------------------------------------------------
 # Paged H2O: per-page attention mass
 

@@ -79,7 +79,7 @@ def decode_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: Att
     """
     s, h_q, d = q.shape
     h_kv = cache.k[layer].shape[2]
-    blocks, visible = decode_visibility(cache, meta)
+    blocks, visible = decode_visibility(cache, meta, layer)
     hidden = ~visible[:, :, None, None]
     k = cache.k[layer][blocks].reshape(s, -1, h_kv, d).to(acc_dtype)  # [S, L, H_kv, D]
     v = cache.v[layer][blocks].reshape(s, -1, h_kv, d).to(acc_dtype).masked_fill(hidden, 0.0)
@@ -99,12 +99,13 @@ def decode_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: Att
     return out.reshape(s, h_q, d).to(q.dtype)
 
 
-def decode_visibility(cache: PagedKVCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+def decode_visibility(cache: PagedKVCache, meta: AttentionMetadata, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The decode step's gather ids ``[S, M]`` (padding clamped to block 0) and ``visible [S, M·B]`` (slot
-    ``pk <= p < death`` of a live block): the same for every layer, so computed at the first layer's call
-    (layer 0 has written the step's deaths by then) and kept in ``meta.scratch`` for the others."""
+    ``pk <= p < death`` of a live block): the same for every layer, so computed at layer 0's call (which has
+    written the step's deaths by then; every forward starts there, so a meta run twice is never served an earlier
+    forward's mask) and kept in ``meta.scratch`` for the other layers."""
     memo = meta.scratch.get("decode_visibility")
-    if memo is not None and memo[0] is cache:
+    if layer != 0 and memo is not None and memo[0] is cache:
         return memo[1]
     s, bs = meta.num_seqs, cache.block_size
     tables = meta.block_tables[:, :meta.max_live_blocks].long()  # [S, M], -1 pad
