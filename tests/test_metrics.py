@@ -292,6 +292,27 @@ def test_summary_reads_the_step_reports_metrics(tmp_path):
         KEYS.visible_kv_tokens
 
 
+def test_the_summary_says_when_the_first_step_came_after_the_process_started(tmp_path):
+    # catches: the startup time counted from the Monitor's creation (Ray, the warm start, the actors and the eval
+    # before all come earlier), or taken at an evaluation's row, or moved by a later step. The independent clock:
+    # psutil's start time of this process, read just before and after step 1 is logged. Planted: time.monotonic()
+    # - self._started in place of process_age(), and the first row of any kind: both fail.
+    import psutil
+
+    monitor = Monitor(tmp_path, MonitorConfig(wandb=WandbConfig(mode="disabled")), total_steps=2)
+    time.sleep(0.2)
+    monitor.log(0, {"eval_before/accuracy": 0.5})  # an evaluation first: not a training step
+    time.sleep(0.2)
+    before = time.time() - psutil.Process().create_time()
+    monitor.log(1, step_report().as_dict())
+    after = time.time() - psutil.Process().create_time()
+    first = monitor.first_step_s
+    assert first is not None and before <= first <= after
+    monitor.log(2, step_report().as_dict())
+    assert monitor.first_step_s == first
+    assert f"first step       {first:.1f} s after the command" in monitor.finish()
+
+
 # ----------------------------------------------------------------------------------- Ray metrics
 
 
