@@ -9,3 +9,7 @@ One import package, so that installing sliderl adds one top-level name. Floors, 
   imports another;
 - ``sliderl.cluster``: configs, Ray actors, the driver, storage, observation, evaluation, the CLI.
 """
+
+import time as _time
+
+STARTED = _time.time()  # when this process first imported sliderl: a driver's startup clock (Monitor.first_step_s)

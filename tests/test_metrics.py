@@ -292,25 +292,38 @@ def test_summary_reads_the_step_reports_metrics(tmp_path):
         KEYS.visible_kv_tokens
 
 
-def test_the_summary_says_when_the_first_step_came_after_the_process_started(tmp_path):
+def test_the_summary_says_when_the_first_step_came_after_sliderl_started(tmp_path):
     # catches: the startup time counted from the Monitor's creation (Ray, the warm start, the actors and the eval
     # before all come earlier), or taken at an evaluation's row, or moved by a later step. The independent clock:
-    # psutil's start time of this process, read just before and after step 1 is logged. Planted: time.monotonic()
-    # - self._started in place of process_age(), and the first row of any kind: both fail.
-    import psutil
+    # a fresh process's own time.time() around `import sliderl` and around the first step's log, with a second's
+    # sleep between them. Planted: time.monotonic() - self._started for the value, and the first row of any
+    # kind (the evaluation logged 0.5 s earlier): both fail.
+    import subprocess
+    import sys
 
-    monitor = Monitor(tmp_path, MonitorConfig(wandb=WandbConfig(mode="disabled")), total_steps=2)
-    time.sleep(0.2)
-    monitor.log(0, {"eval_before/accuracy": 0.5})  # an evaluation first: not a training step
-    time.sleep(0.2)
-    before = time.time() - psutil.Process().create_time()
-    monitor.log(1, step_report().as_dict())
-    after = time.time() - psutil.Process().create_time()
-    first = monitor.first_step_s
-    assert first is not None and before <= first <= after
-    monitor.log(2, step_report().as_dict())
-    assert monitor.first_step_s == first
-    assert f"first step       {first:.1f} s after the command" in monitor.finish()
+    script = f"""
+import json, time
+t0 = time.time()
+import sliderl
+t1 = time.time()
+time.sleep(1.0)
+from sliderl.cluster.config.monitor import MonitorConfig, WandbConfig
+from sliderl.cluster.observe.monitor import Monitor
+m = Monitor({str(tmp_path)!r}, MonitorConfig(wandb=WandbConfig(mode="disabled")), total_steps=2)
+m.log(0, {{"eval_before/accuracy": 0.5}})
+time.sleep(0.5)
+t2 = time.time()
+m.log(1, {{"reward": 0.5, "learner_step_seconds": 1.0}})
+t3 = time.time()
+first = m.first_step_s
+m.log(2, {{"reward": 0.5, "learner_step_seconds": 1.0}})
+print(json.dumps(dict(first=first, again=m.first_step_s, low=t2 - t1, high=t3 - t0, summary=m.finish())))
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen["low"] >= 1.5 and seen["low"] <= seen["first"] <= seen["high"] and seen["again"] == seen["first"]
+    assert f"first step       {seen['first']:.1f} s after sliderl started" in seen["summary"]
 
 
 # ----------------------------------------------------------------------------------- Ray metrics

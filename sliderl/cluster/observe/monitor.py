@@ -20,6 +20,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import sliderl
 from sliderl.cluster.config.monitor import MonitorConfig, WandbConfig
 from sliderl.cluster.observe.dashboard import run_name
 from sliderl.cluster.records import KEYS
@@ -67,7 +68,7 @@ class Monitor:
         self._run = None if cfg.wandb.mode == "disabled" else _start_wandb(self.run_dir, cfg.wandb, config_dict,
                                                                              run_name(storage_root or str(self.run_dir)))
         self._started = time.monotonic()
-        self.first_step_s: float | None = None  # this session's first training step, seconds after its process began
+        self.first_step_s: float | None = None  # this session's first training step, seconds after sliderl started
         self._file = _open_for_append(self.metrics_path)
         self._bar = _progress_bar(total_steps, max(self.history, default=0))
         self._summary: str | None = None
@@ -78,7 +79,7 @@ class Monitor:
             raise RuntimeError("Monitor.log called after finish()")
         values = _numbers(metrics)
         if self.first_step_s is None and KEYS.learner_step_seconds in values:
-            self.first_step_s = process_age()
+            self.first_step_s = time.time() - sliderl.STARTED
         row = {"step": int(step), "elapsed_s": round(self.elapsed(), 3), **values}
         self.history.setdefault(row["step"], {}).update(row)
         self._file.write(json.dumps(_strict(row), allow_nan=False) + "\n")  # NaN/inf are not JSON: null
@@ -311,25 +312,19 @@ def _series(history: dict[int, dict], key: str) -> tuple[list[int], list[float]]
     return steps, [history[s][key] for s in steps]
 
 
-def process_age() -> float:
-    """Seconds since this process started (the driver's: for ``sliderl train``, since the command)."""
-    import psutil
-
-    return time.time() - psutil.Process().create_time()
-
-
 def format_summary(run_dir: Path, history: dict[int, dict], total_steps: int, wall_s: float,
                    plots: list[Path], wandb_note: str | None, storage_root: str | None = None,
                    first_step_s: float | None = None) -> str:
     """The one-screen end-of-run report; ``storage_root``: where the run's traces and checkpoints are, when
-    not in ``run_dir``; ``first_step_s``: when this session's first training step was logged, seconds after
-    the driver's process started (startup: Ray, the warm start, the actors, the eval before)."""
+    not in ``run_dir``; ``first_step_s``: when this session's first training step was logged, seconds after the
+    driver first imported sliderl (``sliderl.STARTED``: for ``sliderl train``, the command's start but for the
+    interpreter's own ~0.1 s), so what it counts is startup: Ray, the warm start, the actors, the eval before."""
     last = max(history, default=0)
     lines = [
         f"sliderl run {storage_root or run_dir}",
         f"  steps            {last} / {total_steps}",
         f"  wall time        {_duration(wall_s)}",
-        *([f"  first step       {first_step_s:.1f} s after the command (this session's)"] if first_step_s else []),
+        *([f"  first step       {first_step_s:.1f} s after sliderl started (this session's)"] if first_step_s else []),
         f"  reward           {_first_last_text(history, KEYS.reward)}",
         f"  reward, last     {_last_mean_text(history, KEYS.reward)}",
         f"  accuracy         {_first_last_text(history, KEYS.accuracy)}",
