@@ -15,10 +15,10 @@ from sliderl.trainer.sft import MARKER, SFTArgs, SFTExample, bundled, cached_sft
 
 
 @pytest.fixture(scope="module")
-def default_job():
+def default_job(tmp_path_factory):
     from sliderl.cluster.run.bundle import default_key
 
-    key, (cfg, plan) = default_key()
+    key, (cfg, plan) = default_key(run_dir=str(tmp_path_factory.mktemp("default-job") / "run"))
     plan.finish()
     return key, cfg, plan
 

@@ -29,15 +29,16 @@ from sliderl.trainer.manifest import MANIFEST
 LEFT_OUT = ("trainer_state.pt", MANIFEST)  # the SFT optimizer's state (RL starts its own); the manifest names it
 
 
-def default_key(overrides: list[str] | None = None, config_path: str | None = None) -> tuple[str, object]:
-    """The warm-start key of ``sliderl train [config_path] [overrides]`` and the run's ``RunPlan`` (its run_dir a
-    temporary folder; the caller calls ``plan.finish()``)."""
+def default_key(overrides: list[str] | None = None, config_path: str | None = None,
+                run_dir: str | None = None) -> tuple[str, object]:
+    """The warm-start key of ``sliderl train [config_path] [overrides]`` and the run's ``RunPlan`` (its run_dir
+    ``run_dir``, by default a new temporary folder; the caller calls ``plan.finish()``)."""
     from sliderl.cluster.actors.warm_start import stage_key
     from sliderl.cluster.config.base import load_config
     from sliderl.cluster.config.train import TrainConfig
     from sliderl.cluster.run.plan import prepare
 
-    run_dir = tempfile.mkdtemp(prefix="sliderl-bundle-")
+    run_dir = run_dir or tempfile.mkdtemp(prefix="sliderl-bundle-")
     cfg = load_config(TrainConfig, config_path, [*(overrides or []), f"run_dir={run_dir}",
                                                  "monitor.wandb.mode=disabled"])
     if not cfg.warmstart.enabled:
