@@ -27,7 +27,9 @@ def test_the_default_job_finds_its_bundled_warm_start(default_job):
     # catches: a change to the default recipe, its task, model or warm-start settings (or to the fingerprint) that
     # leaves the bundle unused, so `sliderl train` silently trains a minute of SFT again before its first RL step
     # (planted: learner.lr 0.01 -> 0.011 under warmstart in configs/tiny-arith.yaml: no bundle has that key).
-    # The fix is `python -m sliderl.cluster.run.bundle` in the same change.
+    # The fix is `python -m sliderl.cluster.run.bundle` in the same change. (The key hashes the initial weights:
+    # the same bytes under ATen's AVX2 and AVX512 kernels, ATEN_CPU_CAPABILITY=avx2/avx512, checked 2026-12-05;
+    # only its scalar fallback, a CPU without AVX2, draws others, and would train the warm start there.)
     key, _, _ = default_job
     bundle = bundled(key)
     assert bundle is not None, f"no sliderl/assets/warmstart/sft-{key}: python -m sliderl.cluster.run.bundle"
