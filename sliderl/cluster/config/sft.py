@@ -102,7 +102,8 @@ class WarmStartConfig(SFTStage):
     """Run the stage (or reuse its cached checkpoint) and start RL from it; its visibility is engine.kv."""
     cache_dir: str = f"{DEFAULT_CACHE}/warmstart"
     """Folder of warm-started checkpoints, one subfolder per fingerprint, reused when present: a local
-    folder on the node the stage's actor runs on, or a storage URI every node reads (s3://bucket/cache)."""
+    folder on the node the stage's actor runs on, or a storage URI every node reads (s3://bucket/cache). A
+    fingerprint with a checkpoint bundled with sliderl (the default job's) is copied here from the package."""
     num_cpus: float = Field(1.0, ge=0)
     """CPUs reserved for the stage's actor; also its torch thread count (at least 1)."""
     num_gpus: float = Field(0, ge=0)
