@@ -87,7 +87,8 @@ def cached_warm_start(cache_dir: str, model_path: str, train: list[SFTExample], 
         result = cached_sft(cache_dir, model_path, train, held_out, kv_policy, learner_args, sft_args)
         return result, result.path
     storage = Storage(cache_dir)
-    name = f"sft-{fingerprint(model_path, train, held_out, kv_policy, learner_args, sft_args)}"
+    key = fingerprint(model_path, train, held_out, kv_policy, learner_args, sft_args)
+    name = f"sft-{key}"
     stored, copy = storage.path(name), Path(tempfile.gettempdir()) / COPIES / name
     if not (copy / MARKER).is_file():
         copy.parent.mkdir(parents=True, exist_ok=True)
@@ -97,7 +98,7 @@ def cached_warm_start(cache_dir: str, model_path: str, train: list[SFTExample], 
             if storage.is_file(stored / MARKER):
                 storage.download(stored, staging)
             else:
-                if (bundle := bundled(name.removeprefix("sft-"))) is not None:
+                if (bundle := bundled(key)) is not None:
                     shutil.copytree(bundle, staging)
                 else:
                     run_sft(model_path, staging, train, held_out, kv_policy, learner_args, sft_args)

@@ -324,7 +324,8 @@ def format_summary(run_dir: Path, history: dict[int, dict], total_steps: int, wa
         f"sliderl run {storage_root or run_dir}",
         f"  steps            {last} / {total_steps}",
         f"  wall time        {_duration(wall_s)}",
-        *([f"  first step       {first_step_s:.1f} s after sliderl started (this session's)"] if first_step_s else []),
+        *([f"  first step       {first_step_s:.1f} s after sliderl started (this session's)"]
+          if first_step_s is not None else []),
         f"  reward           {_first_last_text(history, KEYS.reward)}",
         f"  reward, last     {_last_mean_text(history, KEYS.reward)}",
         f"  accuracy         {_first_last_text(history, KEYS.accuracy)}",

@@ -9,8 +9,8 @@ after a minute of SFT on two cores. A bundle is the stage's own output, made her
     python -m sliderl.cluster.run.bundle configs/X.yaml k=v   # another recipe's
 
 trains the stage exactly as ``sliderl train`` would (always, even when a cache or bundle holds it, so remaking a
-bundle shows whether it reproduces: ``git diff`` then shows only the marker's seconds and their manifest line), then copies
-its model, tokenizer and marker (not the optimizer state: RL starts its own) into the bundle folder. A
+bundle shows whether it reproduces: ``git diff`` then shows only the marker's seconds and their manifest line),
+then copies its model, tokenizer and marker (not the optimizer state: RL starts its own) into the bundle folder. A
 recipe, task, model or learner setting that changes the key leaves the bundle unused (the run trains, as
 with an empty cache); ``tests/test_bundled_warmstart.py`` fails then for the default job, so its bundle is
 remade in the same change.
@@ -57,28 +57,30 @@ def make_bundle(config_path: str | None, overrides: list[str]) -> Path:
     from sliderl.trainer.manifest import Manifest, hash_file
     from sliderl.trainer.sft import BUNDLED, MARKER, run_sft
 
-    key, (cfg, plan) = default_key(overrides, config_path)
-    scratch = Path(tempfile.mkdtemp(prefix="sliderl-bundle-sft-"))
+    scratch = Path(tempfile.mkdtemp(prefix="sliderl-bundle-"))  # the plan's run_dir and the trained stage
     try:
-        torch.set_num_threads(max(1, int(cfg.warmstart.num_cpus)))
-        result = run_sft(plan.model_path, scratch / f"sft-{key}", *plan.warm_start, cfg.engine.kv,
-                         cfg.warmstart.learner, stage_sft_args(cfg))
+        key, (cfg, plan) = default_key(overrides, config_path, run_dir=str(scratch / "run"))
+        try:
+            torch.set_num_threads(max(1, int(cfg.warmstart.num_cpus)))
+            result = run_sft(plan.model_path, scratch / f"sft-{key}", *plan.warm_start, cfg.engine.kv,
+                             cfg.warmstart.learner, stage_sft_args(cfg))
+        finally:
+            plan.finish()
+        target = BUNDLED / f"sft-{key}"
+        staging = target.parent / f".{target.name}.staging"
+        shutil.rmtree(staging, ignore_errors=True)
+        shutil.copytree(result.path, staging, ignore=shutil.ignore_patterns(*LEFT_OUT))
+        marker = json.loads((staging / MARKER).read_text())
+        marker["result"]["path"] = target.name  # not the trainer's staging folder (read_result puts the real one)
+        (staging / MARKER).write_text(json.dumps(marker, indent=1) + "\n")
+        manifest = Manifest()
+        for file in sorted(staging.iterdir()):
+            manifest.add(file.name, hash_file(file))
+        manifest.write(staging)
+        shutil.rmtree(target, ignore_errors=True)
+        staging.rename(target)
     finally:
-        plan.finish()
-    source, target = Path(result.path), BUNDLED / f"sft-{key}"
-    staging = target.parent / f".{target.name}.staging"
-    shutil.rmtree(staging, ignore_errors=True)
-    shutil.copytree(source, staging, ignore=shutil.ignore_patterns(*LEFT_OUT))
-    marker = json.loads((staging / MARKER).read_text())
-    marker["result"]["path"] = target.name  # not the trainer's staging folder (read_result puts the real one)
-    (staging / MARKER).write_text(json.dumps(marker, indent=1) + "\n")
-    manifest = Manifest()
-    for file in sorted(staging.iterdir()):
-        manifest.add(file.name, hash_file(file))
-    manifest.write(staging)
-    shutil.rmtree(target, ignore_errors=True)
-    staging.rename(target)
-    shutil.rmtree(scratch, ignore_errors=True)
+        shutil.rmtree(scratch, ignore_errors=True)
     print(f"bundled {result.line()} -> {target}")
     return target
 
