@@ -12,7 +12,7 @@ from sliderl.rollout import LLM, EngineArgs
 # LLM's library defaults as docs/guide.md's "Python API" section spells them out
 README_DEFAULTS = dict(kv="full", device="cpu", dtype="float32", block_size=16, num_blocks=None, kv_cache_gb=None,
                        max_num_seqs=64, max_num_batched_tokens=1024, kv_watermark=0.01, max_model_len=None, seed=0,
-                       cuda_graphs=True, overlap=None, gemv=False, pasta_max_forks=8, pd_steps_ratio=1.0,
+                       cuda_graphs=True, overlap=None, gemv=False, pdl=False, pasta_max_forks=8, pd_steps_ratio=1.0,
                        pd_confidence=None, pd_order="entropy", summary_tool=dataclasses.asdict(SummaryTool()))
 
 
@@ -41,6 +41,8 @@ def test_defaults_are_the_documented_ones():
     ("seed", 1.5, "seed must be an integer, got 1.5"),
     ("cuda_graphs", "no", "cuda_graphs must be true or false, got 'no'"),
     ("gemv", "yes", "gemv must be true or false, got 'yes'"),
+    ("pdl", 1, "pdl must be true or false, got 1"),
+    ("pdl", True, "pdl needs a CUDA device of compute capability 9.0 or later (Hopper), got device='cpu'"),
     ("overlap", 1, "overlap must be None, true or false, got 1"),
     ("pasta_max_forks", -1, "pasta_max_forks must be an integer >= 0, got -1"),
     ("pasta_max_forks", 2.0, "pasta_max_forks must be an integer >= 0, got 2.0"),

@@ -69,6 +69,28 @@ def test_gemv_matches_float64_reference(m, n, k, bias, config):
     assert_close_to_reference(gemv(x, w, b, config), x, w, b)
 
 
+@pytest.mark.parametrize("config", [None, GemvConfig(block_n=16, block_k=16, num_splits=3)])
+def test_gemv_swiglu_input_and_residual_output_match_float64(config):
+    # The decoder's MLP tail in one launch: y = residual + (silu(gate) * up) @ W^T + b, x = [gate | up].
+    # catches: gate and up swapped (silu(up) * gate), up read from the wrong offset (K off the block sizes,
+    # so a BLOCK_K offset differs from K), the residual dropped or added per split (split-K: three partials
+    # would each add it), the bias lost on the fused path
+    m, n, k = 3, 40, 70
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(m, 2 * k, generator=g).to(DEVICE)
+    w = torch.randn(n, k, generator=g).to(DEVICE)
+    b = torch.randn(n, generator=g).to(DEVICE)
+    r = torch.randn(m, n, generator=g).to(DEVICE)
+    y = gemv(x, w, b, config, swiglu=True, residual=r)
+    gate, up = x.double()[:, :k], x.double()[:, k:]
+    ref = r.double() + reference(gate * torch.sigmoid(gate) * up, w, b)
+    assert (y.double() - ref).abs().max().item() <= TOL[torch.float32] * ref.abs().max().item()
+    with pytest.raises(ValueError, match=r"swiglu needs x of \[M, 2K = 140\]"):
+        gemv(x[:, :139], w, b, swiglu=True)
+    with pytest.raises(ValueError, match=r"residual must be torch.float32 \[3, 40\]"):
+        gemv(x, w, b, swiglu=True, residual=r[:, :39])
+
+
 @pytest.mark.parametrize("dtype, bits", [(torch.bfloat16, 8), (torch.float16, 11)])
 def test_gemv_half_precision_rounds_once(dtype, bits):
     # The inputs are exact in float64, so an fp32-accumulated result is off by its one final rounding
@@ -132,7 +154,9 @@ def gemv_logits(model, ids):
 def test_fused_gemv_decoder_matches_transformers(tiny_model_factory, monkeypatch, arch, kw):
     # catches: q/k/v or gate/up split in the wrong order or sizes (GQA: q is wider than k and v), the
     # fused biases dropped (qwen2's q/k/v, llama's attention and mlp biases), o_proj/down_proj/lm_head
-    # left on the wrong operand, and gemv silently not being the path taken (the call count)
+    # left on the wrong operand, and gemv silently not being the path taken (the call count); the MLP's
+    # tail as one GEMV (silu(gate) * up in, + h out): planted gate and up swapped, or the residual dropped,
+    # each fail every arch here
     path = tiny_model_factory(arch, **kw)
     model = load_model(path, device=DEVICE)
     hf = AutoModelForCausalLM.from_pretrained(path)

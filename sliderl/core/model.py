@@ -140,10 +140,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor, residual: Tensor | None = None,
-                fused: bool = False, compiled: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+                fused: bool = False, compiled: bool = False, pdl: bool = False) -> Tensor | tuple[Tensor, Tensor]:
         if fused:
             from sliderl.kernels.norm_rope import rms_norm
-            return rms_norm(x, self.weight, self.eps, residual)
+            return rms_norm(x, self.weight, self.eps, residual, pdl=pdl)
         if residual is not None:
             return elementwise(add_rms_norm_math, compiled)(x, residual, self.weight, self.eps)
         return elementwise(rms_norm_math, compiled)(x, self.weight, self.eps)
@@ -230,12 +230,18 @@ def _compiled(fn, backend: str):
     return torch.compile(fn, backend=backend, dynamic=True, fullgraph=True)
 
 
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None, gemv: bool = False) -> Tensor:
-    """``F.linear``; with ``gemv``, a batch of 1..``GEMV_MAX_TOKENS`` rows on CUDA (or under
-    ``TRITON_INTERPRET=1``) runs the split-K GEMV kernel instead (``kernels.gemv``: W read once)."""
-    if gemv and 0 < x.shape[0] <= GEMV_MAX_TOKENS and (x.is_cuda or interpreting()):
+def gemv_applies(x: Tensor) -> bool:
+    """Whether ``linear(x, ..., gemv=True)`` runs ``kernels.gemv``: 1..``GEMV_MAX_TOKENS`` rows on CUDA
+    (or under ``TRITON_INTERPRET=1``)."""
+    return 0 < x.shape[0] <= GEMV_MAX_TOKENS and (x.is_cuda or interpreting())
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None, gemv: bool = False, pdl: bool = False) -> Tensor:
+    """``F.linear``; with ``gemv`` where ``gemv_applies`` the split-K GEMV kernel runs instead (``kernels.gemv``:
+    W read once), launched into a PDL chain with ``pdl`` (``kernels.pdl``)."""
+    if gemv and gemv_applies(x):
         from sliderl.kernels.gemv import gemv as gemv_kernel
-        return gemv_kernel(x, weight, bias)
+        return gemv_kernel(x, weight, bias, pdl=pdl)
     return F.linear(x, weight, bias)
 
 
@@ -285,10 +291,14 @@ class FusedLinears:
         if not self.is_current():
             self.fuse()
 
-    def __call__(self, x: Tensor, gemv: bool = False) -> tuple[Tensor, ...]:
+    def __call__(self, x: Tensor, gemv: bool = False, pdl: bool = False) -> tuple[Tensor, ...]:
         """x: [N, K] -> one [N, N_i] view per linear, in order."""
+        return self.joined(x, gemv, pdl).split(self.sizes, dim=-1)
+
+    def joined(self, x: Tensor, gemv: bool = False, pdl: bool = False) -> Tensor:
+        """x: [N, K] -> [N, sum N_i], the linears' outputs side by side."""
         assert self.is_current(), "a fused parameter was given new storage: call fuse() (see FusedLinears)"
-        return linear(x, self.weight, self.bias, gemv).split(self.sizes, dim=-1)
+        return linear(x, self.weight, self.bias, gemv, pdl)
 
 
 class Attention(nn.Module):
@@ -314,30 +324,31 @@ class Attention(nn.Module):
         return self
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend, fused: bool = False,
-                gemv: bool = False, compiled: bool = False) -> Tensor:
+                gemv: bool = False, compiled: bool = False, pdl: bool = False) -> Tensor:
         n = x.shape[0]
         if fused:
-            q, k, v = self.qkv(x, gemv)
+            q, k, v = self.qkv(x, gemv, pdl)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = q.view(n, self.num_heads, self.head_dim)  # [N, H_q, D]
         k = k.view(n, self.num_kv_heads, self.head_dim)  # [N, H_kv, D]
         v = v.view(n, self.num_kv_heads, self.head_dim)
         if fused:
-            q, k = self.fused_norm_rope(q, k, cos, sin)
+            q, k = self.fused_norm_rope(q, k, cos, sin, pdl)
         else:
             weights = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else (None, None)
             eps = self.q_norm.eps if self.q_norm is not None else 0.0
             q, k = elementwise(qk_norm_rope_math, compiled)(q, k, cos, sin, *weights, eps)
         o = attn(self.layer, q, k, v).reshape(n, self.num_heads * self.head_dim)  # [N, H_q * D]
-        return linear(o, self.o_proj.weight, self.o_proj.bias, gemv) if fused else self.o_proj(o)
+        return linear(o, self.o_proj.weight, self.o_proj.bias, gemv, pdl) if fused else self.o_proj(o)
 
-    def fused_norm_rope(self, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    def fused_norm_rope(self, q: Tensor, k: Tensor, cos: Tensor, sin: Tensor,
+                        pdl: bool = False) -> tuple[Tensor, Tensor]:
         """q/k-norm (when the model has it) and RoPE in one Triton launch; same values as the PyTorch ops."""
         from sliderl.kernels.norm_rope import qk_norm_rope
         if self.q_norm is None:
-            return qk_norm_rope(q, k, cos, sin)
-        return qk_norm_rope(q, k, cos, sin, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+            return qk_norm_rope(q, k, cos, sin, pdl=pdl)
+        return qk_norm_rope(q, k, cos, sin, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, pdl=pdl)
 
 
 class MLP(nn.Module):
@@ -366,6 +377,14 @@ class MLP(nn.Module):
         down = self.down_proj
         return linear(self.act_fn(gate) * up, down.weight, down.bias, gemv)
 
+    def gemv_tail(self, x: Tensor, residual: Tensor, pdl: bool = False) -> Tensor:
+        """``residual + forward(x, fused=True, gemv=True)`` for a SiLU MLP where ``gemv_applies``: two GEMV
+        launches, the second taking ``silu(gate) * up`` as its input and adding the residual to its output."""
+        from sliderl.kernels.gemv import gemv as gemv_kernel
+        down = self.down_proj
+        gate_up = self.gate_up.joined(x, True, pdl)  # [N, 2 * intermediate]: gate, then up
+        return gemv_kernel(gate_up, down.weight, down.bias, swiglu=True, residual=residual, pdl=pdl)
+
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer: int):
@@ -376,10 +395,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, h: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend, fused: bool = False,
-                gemv: bool = False, compiled: bool = False) -> Tensor:
-        a = self.self_attn(self.input_layernorm(h, fused=fused, compiled=compiled), cos, sin, attn, fused, gemv,
-                           compiled)
-        x, h = self.post_attention_layernorm(a, h, fused=fused, compiled=compiled)  # x = norm(h + a), h = h + a
+                gemv: bool = False, compiled: bool = False, pdl: bool = False) -> Tensor:
+        a = self.self_attn(self.input_layernorm(h, fused=fused, compiled=compiled, pdl=pdl), cos, sin, attn, fused,
+                           gemv, compiled, pdl)
+        # x = norm(h + a), h = h + a
+        x, h = self.post_attention_layernorm(a, h, fused=fused, compiled=compiled, pdl=pdl)
+        if fused and gemv and self.mlp.silu and gemv_applies(x):
+            return self.mlp.gemv_tail(x, h, pdl)
         return h + self.mlp(x, fused, gemv, compiled)
 
 
@@ -403,7 +425,9 @@ class DecoderLM(nn.Module):
     ``TRITON_INTERPRET=1``) to run, whenever autograd is off, the norms and q/k-norm + RoPE as Triton
     kernels and q/k/v and gate/up as one GEMM each (``FusedLinears``); with autograd on (training) the
     PyTorch ops run, which stay the reference. Set ``gemv_kernels = True`` as well to run the linear
-    layers and ``compute_logits`` over at most ``GEMV_MAX_TOKENS`` tokens with ``kernels.gemv``. Set
+    layers and ``compute_logits`` over at most ``GEMV_MAX_TOKENS`` tokens with ``kernels.gemv`` (a SiLU MLP's
+    tail, ``h + down(silu(gate) * up)``, as one GEMV). Set ``pdl_kernels = True`` (Hopper) to launch the fused
+    path's Triton kernels as a programmatic-dependent-launch chain (``kernels.pdl``). Set
     ``compile_elementwise = True`` to run those PyTorch ops' element-wise chains (the norms with their
     residual adds, q/k-norm + RoPE, SiLU·mul) as ``torch.compile``d graphs: the same math, fused forward
     and backward (the learner's ``compile_elementwise``).
@@ -417,6 +441,7 @@ class DecoderLM(nn.Module):
         self.gradient_checkpointing = False
         self.fused_kernels = False
         self.gemv_kernels = False
+        self.pdl_kernels = False
         self.compile_elementwise = False
         self.tie_weights()
 
@@ -435,13 +460,14 @@ class DecoderLM(nn.Module):
         cos, sin = self.model.rotary_emb(positions, h.dtype)  # [N, D]
         fused = self.fused_kernels and not torch.is_grad_enabled()
         gemv = fused and self.gemv_kernels
+        pdl = fused and self.pdl_kernels
         compiled = self.compile_elementwise and not fused
         for layer in self.model.layers:
             if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
                 h = checkpoint(layer, h, cos, sin, attn, False, False, compiled, use_reentrant=False)
             else:
-                h = layer(h, cos, sin, attn, fused, gemv, compiled)
-        return self.model.norm(h, fused=fused, compiled=compiled)
+                h = layer(h, cos, sin, attn, fused, gemv, compiled, pdl)
+        return self.model.norm(h, fused=fused, compiled=compiled, pdl=pdl)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """hidden: [N, hidden_size] -> logits [N, vocab] float32."""

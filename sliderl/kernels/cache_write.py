@@ -13,14 +13,16 @@ import triton.language as tl
 
 from sliderl.kernels.launch_checks import check_layer, check_tokens, next_pow2
 from sliderl.kernels.metadata import AttentionMetadata, PagedKVCache
+from sliderl.kernels.pdl import check_pdl, launch_options, wait_then_release
 
 
 @triton.jit
 def _write_kv_kernel(k_ptr, v_ptr, slot_mapping_ptr, slot_death_ptr, k_cache_ptr, v_cache_ptr, death_ptr,
                      stride_kn, stride_kh, stride_vn, stride_vh, stride_cb, stride_cs, stride_ch,
                      NUM_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
-                     BLOCK_SIZE: tl.constexpr, WRITE_DEATH: tl.constexpr):
+                     BLOCK_SIZE: tl.constexpr, WRITE_DEATH: tl.constexpr, PDL: tl.constexpr):
     tok = tl.program_id(0).to(tl.int64)
+    wait_then_release(PDL)
     slot = tl.load(slot_mapping_ptr + tok)
     live = slot >= 0
     block = slot // BLOCK_SIZE
@@ -37,8 +39,10 @@ def _write_kv_kernel(k_ptr, v_ptr, slot_mapping_ptr, slot_death_ptr, k_cache_ptr
         tl.store(death_ptr + slot, tl.load(slot_death_ptr + tok), mask=live)
 
 
-def write_kv(cache: PagedKVCache, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
-    """Store ``k, v [N, H_kv, D]`` at ``meta.slot_mapping`` (cast to the cache dtype); layer 0 stores ``meta.slot_death``."""
+def write_kv(cache: PagedKVCache, layer: int, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+             pdl: bool = False) -> None:
+    """Store ``k, v [N, H_kv, D]`` at ``meta.slot_mapping`` (cast to the cache dtype); layer 0 stores ``meta.slot_death``.
+    ``pdl``: part of a PDL chain (``kernels.pdl``)."""
     k_cache, v_cache = check_layer(cache, layer)
     _, block_size, h_kv, dim = k_cache.shape
     check_tokens("k", k, h_kv, dim, k_cache.device)
@@ -59,4 +63,5 @@ def write_kv(cache: PagedKVCache, layer: int, k: torch.Tensor, v: torch.Tensor, 
         k, v, slots, deaths, k_cache, v_cache, cache.death,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NUM_HEADS=h_kv, HEADS_PAD=next_pow2(h_kv), HEAD_DIM=dim, DIM_PAD=next_pow2(dim),
-        BLOCK_SIZE=block_size, WRITE_DEATH=layer == 0, num_warps=4)
+        BLOCK_SIZE=block_size, WRITE_DEATH=layer == 0, PDL=check_pdl(pdl, k.device), num_warps=4,
+        **launch_options(pdl))

@@ -31,6 +31,7 @@ import triton.language as tl
 from sliderl.kernels.key_tile import EMPTY_MAX, LOG2E, live_key_tile
 from sliderl.kernels.launch_checks import check_attention, interpreting, next_pow2, output_buffer
 from sliderl.kernels.metadata import AttentionMetadata, PagedKVCache
+from sliderl.kernels.pdl import check_pdl, launch_options, line_elems, prefetch_l2, wait_then_release
 
 
 @triton.jit
@@ -42,10 +43,11 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, death_ptr, block_tables_ptr, block_index
                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
                    PRECISION: tl.constexpr, UPCAST: tl.constexpr, OUTPUT_MASS: tl.constexpr, SEG: tl.constexpr,
-                   SEGS_PER_TILE: tl.constexpr):
+                   SEGS_PER_TILE: tl.constexpr, PDL: tl.constexpr, LINE: tl.constexpr, LINES_PAD: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    # the step's metadata is written before the step's first kernel: safe to read before the PDL wait
     row = tl.load(query_start_ptr + seq)
     num_q = tl.minimum(tl.load(query_start_ptr + seq + 1) - row, 1)  # 0 or 1
     q_pos = tl.load(query_pos_ptr + row, mask=num_q > 0, other=-1)
@@ -54,6 +56,20 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, death_ptr, block_tables_ptr, block_index
     per_split = tl.cdiv(num_tiles, NUM_SPLITS)
     first = split * per_split
     last = tl.minimum(first + per_split, num_tiles)
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    bi_row = block_index_ptr + seq.to(tl.int64) * stride_bi
+    if PDL:  # ask L2 for this split's K/V lines while the cache write before us finishes (kernels.pdl)
+        lines = tl.arange(0, LINES_PAD) * LINE
+        line_ok = lines < HEAD_DIM
+        for tile in range(first, last):
+            key = tile * TILE_N + tl.arange(0, TILE_N)
+            in_range = key // BLOCK_SIZE < num_live
+            block = tl.load(bt_row + key // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
+            offset = block * stride_kb + (key % BLOCK_SIZE).to(tl.int64) * stride_ks + kv_head * stride_kh
+            line = tl.where(in_range[:, None] & line_ok[None, :], offset[:, None] + lines[None, :], 0)
+            prefetch_l2(k_ptr + line)
+            prefetch_l2(v_ptr + line)
+    wait_then_release(PDL)
 
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, DIM_PAD)
@@ -69,8 +85,6 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, death_ptr, block_tables_ptr, block_index
     m_i = tl.full([GROUP_PAD], EMPTY_MAX, tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
-    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    bi_row = block_index_ptr + seq.to(tl.int64) * stride_bi
     # The next tile's slots are fetched one iteration early so that K/V addresses are loop-carried:
     # Triton's pipeliner then keeps num_stages - 1 K/V tiles in flight (an in-loop table -> K/V load
     # chain would get only (num_stages - 1) // 2).
@@ -258,7 +272,7 @@ def decode_config(num_seqs: int, num_kv_heads: int, block_size: int, max_live_bl
 
 def decode_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: AttentionMetadata, scale: float,
                      config: DecodeConfig | None = None, out: torch.Tensor | None = None,
-                     mass: torch.Tensor | None = None) -> torch.Tensor:
+                     mass: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
     """Attention of ``q [S, H_q, D]`` (one token per sequence) over live blocks; returns ``[S, H_q, D]``.
 
     ``config`` overrides the launch shape; pass a fixed ``num_splits`` when capturing a CUDA graph
@@ -266,7 +280,8 @@ def decode_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: Att
     given. A query with no visible key gets 0; rows no sequence owns (past ``query_start[S]``, e.g.
     padding of a captured batch) are left unwritten. ``mass``: a float32 ``[S, >= M]`` buffer that
     receives, added to what it holds, each block-table column's attention probability summed over
-    query heads (the module docstring; ``kernels.reference`` defines the same output).
+    query heads (the module docstring; ``kernels.reference`` defines the same output). ``pdl``: part of a
+    PDL chain (``kernels.pdl``): the kernel prefetches its K/V lines into L2 before it waits.
     """
     k, v = check_attention(q, cache, layer, meta)
     if not meta.is_decode:
@@ -299,12 +314,15 @@ def decode_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: Att
                  BLOCK_SIZE=block_size, TILE_N=cfg.tile_n, NUM_SPLITS=splits,
                  PRECISION="ieee" if q.dtype == torch.float32 else None, UPCAST=interpreting(),
                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    pdl = check_pdl(pdl, q.device)
+    line = line_elems(k.dtype)
     _decode_kernel[grid](
         q, k, v, cache.death, meta.block_tables, meta.block_index, meta.num_live_blocks,
         meta.query_start, meta.query_pos, out, part_acc, part_max, part_sum, counters, norm_max, norm_sum, seg_lse,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
         meta.block_tables.stride(0), meta.block_index.stride(0), out.stride(0), out.stride(1), h_q, h_kv,
-        scale * LOG2E, max_segs, OUTPUT_MASS=mass is not None, SEG=seg, SEGS_PER_TILE=cfg.tile_n // seg, **shape)
+        scale * LOG2E, max_segs, OUTPUT_MASS=mass is not None, SEG=seg, SEGS_PER_TILE=cfg.tile_n // seg,
+        PDL=pdl, LINE=line, LINES_PAD=next_pow2(triton.cdiv(dim, line)), **shape, **launch_options(pdl))
     if mass is not None:
         _page_mass_kernel[(meta.num_seqs, h_kv)](
             meta.query_start, meta.num_live_blocks, norm_max, norm_sum, seg_lse, mass, mass.stride(0), h_q, max_segs,

@@ -26,18 +26,23 @@ import triton.language as tl
 
 from sliderl.kernels.decode import choose_num_splits, num_sms, split_counters
 from sliderl.kernels.launch_checks import interpreting, next_pow2
+from sliderl.kernels.norm_rope import _round
+from sliderl.kernels.pdl import LINE_BYTES, check_pdl, launch_options, line_elems, prefetch_l2, wait_then_release
 
 MAX_ROWS = 16  # rows of x one launch takes: x is padded to this for tl.dot
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 W_TILE_BYTES = 16384  # bytes of W per pipeline stage of one program
 BLOCK_NS = (64, 32, 16)  # tried largest first; 16 is tl.dot's minimum
+PREFETCH_BYTES = 65536  # with pdl: bytes of its W slice each program asks L2 for before it waits (at most)
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr, m, n, k, k_per_split,
-                 stride_xm, stride_wn, stride_om,
+def _gemv_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, out_ptr, part_ptr, counter_ptr, m, n, k, k_per_split,
+                 stride_xm, stride_wn, stride_rm, stride_om,
                  M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+                 HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                 SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr,
+                 LINE: tl.constexpr):
     tile = tl.program_id(0)
     split = tl.program_id(1)
     rows = tl.arange(0, M_PAD)  # rows of x and of y
@@ -47,17 +52,29 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr, m, n, k
     col_ok = cols < n
     k_lo = split * k_per_split  # k_per_split is a multiple of BLOCK_K
     k_hi = tl.minimum(k_lo + k_per_split, k)
+    if PDL:  # W is no earlier kernel's output: ask L2 for the first lines of this program's slice before waiting
+        line = k_lo + tl.arange(0, PREFETCH_LINES) * LINE
+        line = tl.where(line < k_hi, line, k_lo)  # past the slice: the first line again (valid, and cached)
+        prefetch_l2(w_ptr + tl.where(col_ok, cols, 0)[:, None] * stride_wn + line[None, :])
+    wait_then_release(PDL)
     x_ptrs = x_ptr + rows[:, None] * stride_xm + (k_lo + kk)[None, :]  # [M_PAD, BLOCK_K]
     w_ptrs = w_ptr + cols[:, None] * stride_wn + (k_lo + kk)[None, :]  # [BLOCK_N, BLOCK_K]
     acc = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
     for start in range(k_lo, k_hi, BLOCK_K):
         if EVEN_K:  # masks constant along K keep the loads vectorised
-            x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
+            x_mask = row_ok[:, None]
             w = tl.load(w_ptrs, mask=col_ok[:, None], other=0.0)
         else:
             k_ok = (start + kk) < k_hi
-            x = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            x_mask = row_ok[:, None] & k_ok[None, :]
             w = tl.load(w_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+        x = tl.load(x_ptrs, mask=x_mask, other=0.0)
+        if SWIGLU:  # x holds [gate | up] (each K wide): the input is silu(gate) * up, each op rounded as torch's
+            up = tl.load(x_ptrs + k, mask=x_mask, other=0.0).to(tl.float32)
+            gate = x.to(tl.float32)
+            x = _round(_round(gate / (1.0 + tl.exp(-gate)), w.dtype) * up, w.dtype)
+            if not UPCAST:
+                x = x.to(w.dtype)
         if UPCAST:  # the interpreter multiplies bf16 as integers: run its dots in fp32
             x = x.to(tl.float32)
             w = w.to(tl.float32)
@@ -67,7 +84,8 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr, m, n, k
 
     ok = row_ok[:, None] & col_ok[None, :]
     if NUM_SPLITS == 1:
-        _store_output(acc, bias_ptr, out_ptr, rows, cols, col_ok, ok, stride_om, HAS_BIAS)
+        _store_output(acc, bias_ptr, residual_ptr, out_ptr, rows, cols, col_ok, ok, stride_rm, stride_om, HAS_BIAS,
+                      RESIDUAL)
     else:
         # Publish this split's partial; the last split of the tile to arrive sums them all in split
         # order. The barrier orders every thread's stores before the release atomic.
@@ -79,16 +97,23 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, counter_ptr, m, n, k
             for j in tl.static_range(NUM_SPLITS):  # .cg: read the other programs' partials from L2
                 total += tl.load(part_ptr + (j * m + rows[:, None]) * n + cols[None, :], mask=ok, other=0.0,
                                  cache_modifier=".cg")
-            _store_output(total, bias_ptr, out_ptr, rows, cols, col_ok, ok, stride_om, HAS_BIAS)
+            _store_output(total, bias_ptr, residual_ptr, out_ptr, rows, cols, col_ok, ok, stride_rm, stride_om,
+                          HAS_BIAS, RESIDUAL)
             tl.store(counter, 0)  # every launch leaves the counters zero for the next one
 
 
 @triton.jit
-def _store_output(acc, bias_ptr, out_ptr, rows, cols, col_ok, ok, stride_om, HAS_BIAS: tl.constexpr):
-    """y = acc (+ bias, added in fp32), cast once to the output dtype."""
+def _store_output(acc, bias_ptr, residual_ptr, out_ptr, rows, cols, col_ok, ok, stride_rm, stride_om,
+                  HAS_BIAS: tl.constexpr, RESIDUAL: tl.constexpr):
+    """y = acc (+ bias, added in fp32), cast once to the output dtype; then + residual, rounded again (torch's
+    ``residual + linear(x)`` rounds the linear's output before the add)."""
+    dtype = out_ptr.dtype.element_ty
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=ok)
+    if RESIDUAL:
+        r = tl.load(residual_ptr + rows[:, None] * stride_rm + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+        acc = _round(_round(acc, dtype) + r, dtype)
+    tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc.to(dtype), mask=ok)
 
 
 @dataclass(frozen=True)
@@ -120,16 +145,33 @@ def gemv_config(n: int, k: int, dtype: torch.dtype, device: torch.device) -> Gem
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         config: GemvConfig | None = None) -> torch.Tensor:
+         config: GemvConfig | None = None, *, swiglu: bool = False, residual: torch.Tensor | None = None,
+         pdl: bool = False) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for ``x [M, K]`` with M <= ``MAX_ROWS``: ``[M, N]`` in x's dtype.
 
     ``weight [N, K]`` and ``bias [N]`` share x's dtype and device; rows of x and W may be strided,
     their K dim must be contiguous. fp32 accumulation; the bias is added in fp32 before the one cast.
-    ``config`` overrides ``gemv_config``.
+    ``config`` overrides ``gemv_config``. The decoder's MLP tail fuses in two more ops:
+
+    - ``swiglu``: x is ``[M, 2K]``, gate then up (the fused gate/up GEMV's output), and the input is
+      ``silu(gate) * up``, each op rounded to the dtype as torch rounds it;
+    - ``residual [M, N]``: returns ``residual + y``, y rounded first (the layer's ``h + mlp(x)``).
+
+    ``pdl``: launched as part of a programmatic-dependent-launch chain (``kernels.pdl``; Hopper or later).
     """
-    check_gemv(x, weight, bias)
-    m, k = x.shape
-    n = weight.shape[0]
+    if swiglu:
+        if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != 2 * weight.shape[1]:
+            raise ValueError(f"swiglu needs x of [M, 2K = {2 * weight.shape[-1]}] (gate then up) for weight "
+                             f"{tuple(weight.shape)}, got {tuple(x.shape)}")
+        check_gemv(x[:, :weight.shape[1]], weight, bias)
+    else:
+        check_gemv(x, weight, bias)
+    m, (n, k) = x.shape[0], weight.shape
+    if residual is not None and (residual.shape != (m, n) or residual.dtype != x.dtype or residual.stride(-1) != 1
+                                 or residual.device != x.device):
+        raise ValueError(f"residual must be {x.dtype} [{m}, {n}] on {x.device} with a contiguous last dim, got "
+                         f"{residual.dtype} {tuple(residual.shape)} on {residual.device} strides {residual.stride()}")
+    pdl = check_pdl(pdl, x.device)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
@@ -139,12 +181,19 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.block_k), splits) * cfg.block_k
     part = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else out
     counters = split_counters(x.device, tiles) if splits > 1 else out
+    line = line_elems(weight.dtype)
+    # lines per W row to prefetch: a power of two (tl.arange), within PREFETCH_BYTES and the program's K range
+    lines = max(1, min(PREFETCH_BYTES // (cfg.block_n * LINE_BYTES), triton.cdiv(k_per_split, line)))
+    prefetch_lines = 1 << (lines.bit_length() - 1)
     _gemv_kernel[(tiles, splits)](
-        x, weight, bias if bias is not None else out, out, part, counters, m, n, k, k_per_split,
-        x.stride(0), weight.stride(0), out.stride(0),
+        x, weight, bias if bias is not None else out, residual if residual is not None else out, out, part, counters,
+        m, n, k, k_per_split, x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0,
+        out.stride(0),
         M_PAD=MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_SPLITS=splits, HAS_BIAS=bias is not None,
         EVEN_K=k % cfg.block_k == 0, PRECISION="ieee" if x.dtype == torch.float32 else None,
-        UPCAST=interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        UPCAST=interpreting(), SWIGLU=swiglu, RESIDUAL=residual is not None, PDL=pdl,
+        PREFETCH_LINES=prefetch_lines, LINE=line,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl))
     return out
 
 

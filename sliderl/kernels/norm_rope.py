@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from sliderl.kernels.launch_checks import next_pow2
+from sliderl.kernels.pdl import check_pdl, launch_options, wait_then_release
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -32,18 +33,19 @@ def _round(x, DTYPE: tl.constexpr):
 @triton.jit
 def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
                      stride_x, stride_r, stride_o, stride_ro, dim, eps,
-                     BLOCK: tl.constexpr, ADD_RESIDUAL: tl.constexpr):
+                     BLOCK: tl.constexpr, ADD_RESIDUAL: tl.constexpr, PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < dim
     dtype = out_ptr.dtype.element_ty
+    w = tl.load(weight_ptr + cols, mask=ok, other=0.0).to(tl.float32)  # a parameter: loaded before the wait
+    wait_then_release(PDL)
     x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
     if ADD_RESIDUAL:  # the layer's `h = h + x`, rounded to the dtype: it is the next residual
         r = tl.load(residual_ptr + row * stride_r + cols, mask=ok, other=0.0).to(tl.float32)
         x = _round(x + r, dtype)
         tl.store(residual_out_ptr + row * stride_ro + cols, x.to(dtype), mask=ok)
     inv = tl.math.rsqrt(tl.sum(x * x, axis=0) / dim + eps)
-    w = tl.load(weight_ptr + cols, mask=ok, other=0.0).to(tl.float32)
     out = _round(_round(x * inv, dtype) * w, dtype)
     tl.store(out_ptr + row * stride_o + cols, out.to(dtype), mask=ok)
 
@@ -81,8 +83,10 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, q_weight_ptr, k_wei
                          stride_qn, stride_qh, stride_kn, stride_kh, stride_qon, stride_qoh, stride_kon, stride_koh,
                          stride_cn, stride_sn, eps,
                          Q_HEADS: tl.constexpr, Q_HEADS_PAD: tl.constexpr, KV_HEADS: tl.constexpr,
-                         KV_HEADS_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr, NORM: tl.constexpr):
+                         KV_HEADS_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr, NORM: tl.constexpr,
+                         PDL: tl.constexpr):
     tok = tl.program_id(0).to(tl.int64)
+    wait_then_release(PDL)
     d = tl.arange(0, HALF_PAD)[None, :]
     ok = d < HALF
     cos1 = tl.load(cos_ptr + tok * stride_cn + d, mask=ok, other=0.0).to(tl.float32)  # [1, HALF_PAD]
@@ -95,12 +99,12 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, q_weight_ptr, k_wei
                      cos1, sin1, cos2, sin2, eps, KV_HEADS, KV_HEADS_PAD, HALF, HALF_PAD, NORM)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+             pdl: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``RMSNorm.forward`` of ``x [N, D]`` in one launch; ``weight [D]`` of x's dtype.
 
     With ``residual [N, D]``: returns ``(rms_norm(x + residual), x + residual)``, the sum rounded to
-    the dtype as torch's add rounds it.
+    the dtype as torch's add rounds it. ``pdl``: part of a PDL chain (``kernels.pdl``).
     """
     if x.dim() != 2 or x.dtype not in FLOAT_DTYPES or x.stride(-1) != 1:
         raise ValueError(f"x must be [N, D] of {FLOAT_DTYPES} with a contiguous last dim, "
@@ -117,18 +121,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         r = x if residual is None else residual
         _rms_norm_kernel[(n,)](
             x, r, weight, out, new_residual, x.stride(0), r.stride(0), out.stride(0), new_residual.stride(0),
-            dim, eps, BLOCK=block, ADD_RESIDUAL=residual is not None,
-            num_warps=min(8, max(1, block // 256)), enable_fp_fusion=False)
+            dim, eps, BLOCK=block, ADD_RESIDUAL=residual is not None, PDL=check_pdl(pdl, x.device),
+            num_warps=min(8, max(1, block // 256)), enable_fp_fusion=False, **launch_options(pdl))
     return out if residual is None else (out, new_residual)
 
 
 def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
-                 eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+                 eps: float = 1e-6, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Qwen3's per-head RMSNorm (when ``q_weight``/``k_weight [D]`` are given), then rotate-half RoPE.
 
     q: [N, H_q, D], k: [N, H_kv, D], cos/sin: [N, D], all of one dtype -> new (q, k). Equals
     ``apply_rope(q_norm(q), cos, sin), apply_rope(k_norm(k), cos, sin)`` of ``core.model``.
+    ``pdl``: part of a PDL chain (``kernels.pdl``).
     """
     if q.dim() != 3 or k.dim() != 3 or q.dtype not in FLOAT_DTYPES:
         raise ValueError(f"q and k must be [N, H, D] of {FLOAT_DTYPES}, got {q.dtype} {tuple(q.shape)} "
@@ -154,7 +159,8 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), q_out.stride(0), q_out.stride(1),
             k_out.stride(0), k_out.stride(1), cos.stride(0), sin.stride(0), eps,
             Q_HEADS=h_q, Q_HEADS_PAD=next_pow2(h_q), KV_HEADS=h_kv, KV_HEADS_PAD=next_pow2(h_kv),
-            HALF=dim // 2, HALF_PAD=next_pow2(dim // 2), NORM=norm, num_warps=4, enable_fp_fusion=False)
+            HALF=dim // 2, HALF_PAD=next_pow2(dim // 2), NORM=norm, PDL=check_pdl(pdl, q.device), num_warps=4,
+            enable_fp_fusion=False, **launch_options(pdl))
     return q_out, k_out
 
 

@@ -139,7 +139,8 @@ class DecodeGraphs:
             block_tables=st["block_tables"][:bucket], block_index=st["block_index"][:bucket],
             num_live_blocks=st["num_live_blocks"][:bucket], max_query_len=1, max_live_blocks=self.max_blocks)
         mass = st["mass"][:bucket] if "mass" in st else None
-        attn = PagedAttention(r.cache, meta, r.scale, r.impl, decode_config=config, mass=mass)
+        attn = PagedAttention(r.cache, meta, r.scale, r.impl, decode_config=config, mass=mass,
+                              pdl=r.model.pdl_kernels)
 
         def forward():
             if mass is not None:

@@ -78,7 +78,8 @@ class LLM:
         num_blocks = args.num_blocks or self._blocks_for_memory(args.kv_cache_gb, dtype)
         h2o = self.policy.kind == "h2o"  # page mass is a per-step output (captured graphs write it to a static buffer)
         self.runner = ModelRunner(self.model, num_blocks, args.block_size, self.device, dtype, args.max_num_seqs,
-                                  self.max_model_len, args.cuda_graphs, track_mass=h2o, gemv=args.gemv)
+                                  self.max_model_len, args.cuda_graphs, track_mass=h2o, gemv=args.gemv,
+                                  pdl=args.pdl)
         self.scheduler = Scheduler(BlockManager(num_blocks), args.max_num_seqs, args.max_num_batched_tokens,
                                    self.max_model_len, admit_by_bound=self.policy.admits_by_bound,
                                    watermark_blocks=math.ceil(round(args.kv_watermark * num_blocks, 6)))

@@ -53,6 +53,8 @@ class EngineArgs:
     """Queue each decode step before the previous one's tokens are read back; None: on for CUDA."""
     gemv: bool = False
     """On CUDA, run linear layers and the lm_head over at most 8 tokens with the Triton split-K GEMV instead of cuBLAS (off: no faster at batch 1 on the H200, docs/notebook/benchmarks.md)."""
+    pdl: bool = False
+    """On a CUDA GPU of compute capability 9.0+ (Hopper), launch the decode step's Triton kernels as a programmatic-dependent-launch chain: each kernel prefetches its weights (or live K/V) into L2 while the one before it finishes (kernels/pdl.py). Off until measured faster."""
     pasta_max_forks: int = 8
     """kv=pasta: most forks per request (>= 0); a promise past it is plain text. Each fork may hold max_tokens + 2 tokens of KV, which the request's block bound counts."""
     pd_steps_ratio: float = 1.0
@@ -95,6 +97,10 @@ class EngineArgs:
             raise ValueError(f"cuda_graphs must be true or false, got {self.cuda_graphs!r}")
         if not isinstance(self.gemv, bool):
             raise ValueError(f"gemv must be true or false, got {self.gemv!r}")
+        if not isinstance(self.pdl, bool):
+            raise ValueError(f"pdl must be true or false, got {self.pdl!r}")
+        if self.pdl and not self.device.startswith("cuda"):
+            raise ValueError(f"pdl needs a CUDA device of compute capability 9.0 or later (Hopper), got device={self.device!r}")
         if self.overlap is not None and not isinstance(self.overlap, bool):
             raise ValueError(f"overlap must be None, true or false, got {self.overlap!r}")
         forks = self.pasta_max_forks

@@ -47,12 +47,14 @@ class ModelRunner:
 
     def __init__(self, model, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype,
                  max_num_seqs: int, max_model_len: int, cuda_graphs: bool = True, track_mass: bool = False,
-                 gemv: bool = False):
+                 gemv: bool = False, pdl: bool = False):
         cfg = model.config
         self.track_mass = track_mass
         self.model = model
         model.fused_kernels = device.type == "cuda"  # Triton norms, q-k-norm + RoPE; fused q/k/v and gate/up
         model.gemv_kernels = device.type == "cuda" and gemv  # small-batch linears on kernels.gemv
+        from sliderl.kernels.pdl import check_pdl
+        model.pdl_kernels = check_pdl(pdl, device)  # the fused path's Triton kernels as one PDL chain (Hopper)
         self.device = device
         self.block_size = block_size
         self.num_blocks, self.dtype = num_blocks, dtype
