@@ -3,6 +3,8 @@
     python benchmarks/engine_gpu.py [--positions 8192 32768 131072] [--window 4096] [--steps 48] [--out F]
     python benchmarks/engine_gpu.py --positions 8192 --policies prefix_sliding:4096 --max-seqs 1 --hf-batch 0 \
         --steps 64 --profile 32 --gemv on off        # batch-1 latency, Triton GEMV vs cuBLAS in one run
+    python benchmarks/engine_gpu.py --positions 8192 --policies prefix_sliding:4096 --max-seqs 1 --hf-batch 0 \
+        --steps 64 --profile 32 --gemv off on --pdl off on   # and each with the decode step as a PDL chain
 
 How the cache reaches a position X: each sequence has a 100-token prompt; its history up to X is
 synthesised instead of generated — the token ids are a filler token (registers: a register token every
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import itertools
 import json
 import math
 import os
@@ -330,12 +333,12 @@ def live_tokens(spec: str, position: int) -> int:
 
 def bench_engine(path: Path, spec: str, position: int, steps: int, kv_gb: float, max_seqs: int,
                  profile_steps: int = 0, gemv: bool = False, warmup: int = 8, sync_steps: int = 0,
-                 phase_steps: int = 0, host_steps: int = 0) -> dict:
+                 phase_steps: int = 0, host_steps: int = 0, pdl: bool = False) -> dict:
     per_token = 2 * 28 * 8 * 128 * 2
     n = max(1, min(max_seqs, int(kv_gb * 2**30 / (per_token * (live_tokens(spec, position) + 64 + steps)))))
     llm = LLM(str(path), kv=spec, device="cuda", dtype="bfloat16", block_size=16, max_num_seqs=n,
               kv_cache_gb=kv_gb, max_model_len=position + 4096, overlap=True,  # registers' too (rollout.run_ahead)
-              gemv=gemv)
+              gemv=gemv, pdl=pdl)
     for k, v in zip(llm.runner.cache.k, llm.runner.cache.v):  # random K/V, never zeros
         k.normal_()
         v.normal_()
@@ -344,7 +347,7 @@ def bench_engine(path: Path, spec: str, position: int, steps: int, kv_gb: float,
         inject_registers(llm, position)
     rate, split = decode_rate(llm, steps, warmup)
     seqs = llm.scheduler.running
-    row = {"policy": spec, "position": position, "batch": n, "gemv": gemv, "tokens_per_s": rate,
+    row = {"policy": spec, "position": position, "batch": n, "gemv": gemv, "pdl": pdl, "tokens_per_s": rate,
            "live_kv_tokens_per_seq": sum(s.tracker.visible for s in seqs) / len(seqs),
            "redone_rows_per_step": llm.stats.redone_rows / llm.stats.steps,
            "queued_ahead_frac": llm.stats.queued_ahead / llm.stats.steps, "preemptions": llm.stats.preemptions, "timed_steps": split}
@@ -400,6 +403,9 @@ def main() -> None:
     parser.add_argument("--gemv", nargs="+", choices=["on", "off"], default=["off"],
                         help="linears over <= 8 tokens on the Triton GEMV (on) or cuBLAS (off); "
                              "'--gemv on off': a row for each")
+    parser.add_argument("--pdl", nargs="+", choices=["on", "off"], default=["off"],
+                        help="the decode step's Triton kernels as a programmatic-dependent-launch chain (on; "
+                             "Hopper) or launched one after the other (off); '--pdl off on': a row for each")
     parser.add_argument("--sync-debug", type=int, default=0, metavar="STEPS",
                         help="also run this many steps under torch.cuda.set_sync_debug_mode and report where the "
                              "host waited for the device (file:line, count)")
@@ -424,24 +430,25 @@ def main() -> None:
         path = build_model(Path(tmp) / "qwen3-1.7b-random")
         for position in args.positions:
             for spec in policies:
-                for gemv in args.gemv:
+                for gemv, pdl in itertools.product(args.gemv, args.pdl):
                     rows.append(bench_engine(path, spec, position, args.steps, args.kv_gb, args.max_seqs,
                                              args.profile, gemv == "on", args.warmup, args.sync_debug,
-                                             args.phases, args.host_profile))
+                                             args.phases, args.host_profile, pdl == "on"))
                     if spec.startswith("registers"):
                         rows[-1]["step_tokens"] = STEP_TOKENS
                     print(json.dumps(rows[-1]), flush=True)
         if args.hf_batch:
             rows.append(bench_transformers(path, min(args.positions), args.hf_batch, 64))
             print(json.dumps(rows[-1]), flush=True)
-    full = {(r["position"], r.get("gemv")): r["tokens_per_s"] for r in rows if r["policy"] == "full"}
-    print(f"\n{'policy':<30}{'position':>9}{'batch':>7}{'gemv':>6}{'tok/s':>10}{'vs full':>9}{'live KV/seq':>12}")
-    for r in rows:
-        base = full.get((r["position"], r.get("gemv", args.gemv[0] == "on")))  # transformers: vs the first
+    full = {(r["position"], r.get("gemv"), r.get("pdl")): r["tokens_per_s"] for r in rows if r["policy"] == "full"}
+    print(f"\n{'policy':<30}{'position':>9}{'batch':>7}{'gemv':>6}{'pdl':>5}{'tok/s':>10}{'vs full':>9}"
+          f"{'live KV/seq':>12}")
+    onoff = {True: "on", False: "off", None: "-"}
+    for r in rows:  # transformers: vs the first engine setting
+        base = full.get((r["position"], r.get("gemv", args.gemv[0] == "on"), r.get("pdl", args.pdl[0] == "on")))
         ratio = r["tokens_per_s"] / base if base else math.nan
-        gemv = {True: "on", False: "off", None: "-"}[r.get("gemv")]
-        print(f"{r['policy']:<30}{r['position']:>9}{r['batch']:>7}{gemv:>6}{r['tokens_per_s']:>10.0f}{ratio:>8.2f}x"
-              f"{r['live_kv_tokens_per_seq']:>12.0f}")
+        print(f"{r['policy']:<30}{r['position']:>9}{r['batch']:>7}{onoff[r.get('gemv')]:>6}{onoff[r.get('pdl')]:>5}"
+              f"{r['tokens_per_s']:>10.0f}{ratio:>8.2f}x{r['live_kv_tokens_per_seq']:>12.0f}")
     if args.out:
         args.out.write_text(json.dumps(rows, indent=1))
 

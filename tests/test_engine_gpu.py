@@ -98,6 +98,61 @@ def test_every_captured_decode_graph_records_the_fused_kernels(tiny_model_factor
         assert count["rms_norm"] >= 2 * layers and count["qk_norm_rope"] >= layers, (key, count)
 
 
+def compiled_ptx(kernel) -> list[str]:
+    """PTX of every variant of a Triton kernel compiled so far in this process (Triton 3.x's per-device caches)."""
+    caches = getattr(kernel, "device_caches", None)
+    assert caches, f"{kernel} has no device_caches: this Triton keeps compiled kernels elsewhere, update the test"
+    return [k.asm["ptx"] for cache in caches.values() for k in cache[0].values()]
+
+
+@pytest.mark.parametrize("spec", ["prefix_sliding:24", "h2o:32", "registers:4"])
+def test_the_pdl_chain_decodes_the_tokens_of_plain_launches(tiny_model_factory, monkeypatch, spec):
+    # catches: a kernel of the chain reading its predecessor's output before its griddepcontrol wait, or storing
+    # before it (a stale x, q, K/V or a split counter shows as other tokens or logprobs: the kernels are otherwise
+    # the same code, so the two runs must agree bit for bit); a kernel of the captured step launched outside the
+    # chain (every launch while a graph is captured must ask for PDL); the PTX missing the wait or the L2 prefetch.
+    # Independent reference: the same engine with pdl off (its kernels are tested against the CPU path above).
+    import sliderl.kernels.cache_write as cache_write
+    import sliderl.kernels.decode as decode
+    import sliderl.kernels.gemv as gemv
+    import sliderl.kernels.norm_rope as norm_rope
+    from sliderl.rollout.decode_graphs import DecodeGraphs
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("PDL needs compute capability 9.0 (Hopper)")
+    asked: list[bool] = []
+    for module in (cache_write, decode, gemv, norm_rope):
+        real = module.launch_options
+        monkeypatch.setattr(module, "launch_options", lambda pdl, _real=real: (asked.append(pdl), _real(pdl))[1])
+    capture, captured = DecodeGraphs._capture, []
+
+    def recording(self, bucket, splits):
+        start = len(asked)
+        out = capture(self, bucket, splits)
+        captured.append(asked[start:])
+        return out
+
+    monkeypatch.setattr(DecodeGraphs, "_capture", recording)
+    path = tiny_model_factory(arch="qwen3", hidden_size=128, num_heads=8, num_kv_heads=2, intermediate_size=256)
+    prompts = [list(range(10, 10 + n)) for n in (3, 17, 40, 64, 5)]
+    sp = SamplingParams(max_tokens=120, **GREEDY)
+    outs = {}
+    for pdl in (False, True):
+        captured.clear()
+        llm = LLM(path, kv=spec, block_size=16, num_blocks=256, max_num_batched_tokens=48, device="cuda",
+                  dtype="bfloat16", gemv=True, pdl=pdl)
+        outs[pdl] = llm.generate(prompts, sp)
+        llm.close()
+        assert captured and all(launches and all(a == pdl for a in launches) for launches in captured), captured
+    for a, b in zip(outs[False], outs[True]):
+        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs and a.kv_deaths == b.kv_deaths
+    for kernel in (gemv._gemv_kernel, decode._decode_kernel):
+        chained = [ptx for ptx in compiled_ptx(kernel) if "griddepcontrol.wait" in ptx]
+        assert chained and all("prefetch.global.L2" in ptx for ptx in chained), kernel
+    for kernel in (norm_rope._rms_norm_kernel, norm_rope._qk_norm_rope_kernel, cache_write._write_kv_kernel):
+        assert any("griddepcontrol.wait" in ptx for ptx in compiled_ptx(kernel)), kernel
+
+
 @pytest.fixture(scope="module")
 def qwen3_1p7b(tmp_path_factory):
     """The Qwen3-1.7B config with random bf16 weights (built on the GPU), saved with the tiny byte tokenizer."""
