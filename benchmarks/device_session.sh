@@ -11,7 +11,7 @@
 #   bash benchmarks/device_session.sh E    # ~9 min: TIP's GPU-scale arms with decode wall time (41); carry .whl (Ray)
 #   bash benchmarks/device_session.sh F    # ~10 min: the paper's Table 1 way at 8K, prefix_sliding vs full (38.6)
 #   bash benchmarks/device_session.sh G    # ~10 min: the learner with compiled element-wise chains vs eager, 32K (38.3)
-#   bash benchmarks/device_session.sh P    # ~6 min: batch 1, 2, 4, 8 decode at 8K with the per-kernel split (38.2)
+#   bash benchmarks/device_session.sh P    # ~9 min: batch 1 and 8 at 8K, cuBLAS/GEMV x plain/PDL, per-kernel split (38.2)
 #   bash benchmarks/device_session.sh X2   # ~10 min on nvidia-h200-x2: the sharded learner's 2-GPU rows (36)
 #
 # carry: .whl for A, .whl for B, E and X2, a Ray-less copy of .whl
@@ -101,11 +101,14 @@ case "$group" in
     ;;
   P)
     # issue 38, item 2: small-batch decode at 8K (target: batch 1 >= 760 tok/s, >= 80% of the byte limit at 2-8),
-    # each row with the GPU's ms per step by kernel (torch.profiler over 32 steps, graphs included): the split
-    # before any change, so the first fix goes where the time is
-    for b in 1 2 4 8; do
-      item batch$b-8k 110 python benchmarks/engine_gpu.py --positions 8192 --policies prefix_sliding:4096 \
-        --max-seqs $b --hf-batch 0 --steps 64 --profile 32 --out "$OUT/batch$b-8k/engine_gpu.json"
+    # each row with the GPU's ms per step by kernel (torch.profiler over 32 steps, graphs included). First the GPU
+    # tests of the PDL chain (bit-equal tokens, every captured launch chained, the PTX's wait and prefetch), then
+    # per batch: cuBLAS vs the Triton GEMV (whose MLP tail is one launch), each launched plainly and as a PDL chain
+    item pdl-gpu-tests 120 python -m pytest -q tests/test_engine_gpu.py tests/test_gemv.py -m gpu -k "pdl or gemv"
+    for b in 1 8; do
+      item batch$b-8k 200 python benchmarks/engine_gpu.py --positions 8192 --policies prefix_sliding:4096 \
+        --max-seqs $b --hf-batch 0 --steps 64 --profile 32 --gemv off on --pdl off on \
+        --out "$OUT/batch$b-8k/engine_gpu.json"
     done
     ;;
   X2)

@@ -1,8 +1,10 @@
-"""Compile the attention kernels for sm_90 on any machine (no GPU needed) and report what ptxas made.
+"""Compile the decode step's Triton kernels for sm_90 on any machine (no GPU needed) and report what ptxas made.
 
 For each kernel at the Qwen3-1.7B shape (16 query / 8 KV heads, head dim 128, bf16, block 16):
 registers, spill bytes, shared memory, K/V shared-memory buffers chosen by Triton's pipeliner (from
-the TTGIR), and SASS facts: 16-byte global loads, async copies (LDGSTS), matrix instructions.
+the TTGIR), and SASS facts: 16-byte global loads, async copies (LDGSTS), matrix instructions; for the
+kernels of the decode step's PDL chain (``kernels.pdl``), a variant compiled with ``PDL`` and whether its
+PTX has the wait (``griddepcontrol.wait``) and, for the GEMV and the decode kernel, the L2 prefetch.
 
     python benchmarks/kernel_compile_report.py [--tile 32 64 128] [--stages 2 3 4 5] [--warps 4 8]
 
@@ -29,13 +31,18 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from sliderl.kernels.cache_write import _write_kv_kernel  # noqa: E402
 from sliderl.kernels.decode import _decode_kernel, _page_mass_kernel, decode_config  # noqa: E402
+from sliderl.kernels.gemv import MAX_ROWS, _gemv_kernel, gemv_config  # noqa: E402
+from sliderl.kernels.norm_rope import _qk_norm_rope_kernel, _rms_norm_kernel  # noqa: E402
 from sliderl.kernels.prefill import _prefill_kernel, prefill_config  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 ALIGNED = [["tt.divisibility", 16]]
 STRIDES = ("stride_qn", "stride_qh", "stride_kb", "stride_ks", "stride_kh", "stride_on", "stride_oh",
-           "stride_bt", "stride_bi", "stride_kn", "stride_vn", "stride_vh", "stride_cb", "stride_cs", "stride_ch")
+           "stride_bt", "stride_bi", "stride_kn", "stride_vn", "stride_vh", "stride_cb", "stride_cs", "stride_ch",
+           # the GEMV's: Triton specialises an integer argument that is a multiple of 16 as one, and at the
+           # Qwen3-1.7B shapes all of these are
+           "stride_xm", "stride_wn", "stride_rm", "stride_om", "n", "k", "k_per_split")
 
 
 def signature(fn, ptr: str, consts: dict) -> tuple[dict, dict]:
@@ -47,9 +54,10 @@ def signature(fn, ptr: str, consts: dict) -> tuple[dict, dict]:
         elif name.endswith("_ptr"):
             sig[name] = {"part_acc_ptr": "*fp32", "part_max_ptr": "*fp32", "part_sum_ptr": "*fp32",
                          "norm_max_ptr": "*fp32", "norm_sum_ptr": "*fp32", "seg_lse_ptr": "*fp32", "mass_ptr": "*fp32",
-                         "slot_mapping_ptr": "*i64", "counter_ptr": "*i32"}.get(name, "*i32" if name in INT_PTRS else ptr)
+                         "slot_mapping_ptr": "*i64", "counter_ptr": "*i32", "part_ptr": "*fp32",
+                         }.get(name, "*i32" if name in INT_PTRS else ptr)
             attrs[(i,)] = ALIGNED
-        elif name == "scale_log2":
+        elif name in ("scale_log2", "eps"):
             sig[name] = "fp32"
         else:
             sig[name] = "i32"
@@ -74,8 +82,10 @@ def compile_and_report(tag: str, fn, consts: dict, warps: int, stages: int, ptr:
                                capture_output=True, text=True).stderr
         sass = subprocess.run([BIN / "cuobjdump", "-sass", cubin], capture_output=True, text=True).stdout
     buffers = re.findall(r"%([kv])_\d+ = ttg.local_alloc : \(\) -> !ttg.memdesc<(\d+)x", kernel.asm["ttgir"])
+    ptx_text = kernel.asm["ptx"]
     return {
         "kernel": tag, "warps": warps, "stages": stages,
+        "wait": "griddepcontrol.wait" in ptx_text, "prefetch": "prefetch.global.L2" in ptx_text,
         "regs": _first(r"Used (\d+) registers", ptxas), "spill": _first(r"(\d+) bytes spill stores", ptxas),
         "smem": kernel.metadata.shared, "kv_buffers": buffers[0][1] if buffers else "-",
         "ld128": "LDG.E.128" in sass or "LDGSTS.E.BYPASS.128" in sass, "ldgsts": "LDGSTS" in sass,
@@ -94,12 +104,13 @@ def decode_rows(tiles, warps, stages) -> list[dict]:
     for t in tiles or [base.tile_n]:
         for w in warps or [base.num_warps]:
             for s in stages or [base.num_stages]:
-                for mass in (False, True):  # every policy's decode; h2o's, which also writes per-segment mass
+                # every policy's decode; h2o's, which also writes per-segment mass; the PDL chain's
+                for mass, pdl in ((False, False), (True, False), (False, True)):
                     consts = dict(GROUP=2, GROUP_PAD=16, HEAD_DIM=128, DIM_PAD=128, BLOCK_SIZE=16, TILE_N=t,
                                   NUM_SPLITS=2, PRECISION=None, UPCAST=False, OUTPUT_MASS=mass, SEG=min(t, 16),
-                                  SEGS_PER_TILE=t // min(t, 16))
-                    rows.append(compile_and_report(f"decode tile {t}" + (" h2o" if mass else ""), _decode_kernel,
-                                                   consts, w, s))
+                                  SEGS_PER_TILE=t // min(t, 16), PDL=pdl, LINE=64, LINES_PAD=2)
+                    tag = f"decode tile {t}" + (" h2o" if mass else "") + (" pdl" if pdl else "")
+                    rows.append(compile_and_report(tag, _decode_kernel, consts, w, s))
     mass = dict(GROUP=2, GROUP_PAD=16, BLOCK_SIZE=16, SEG=16, CHUNK=128)
     rows.append(compile_and_report("h2o page mass", _page_mass_kernel, mass, 4, 1))
     return rows
@@ -109,10 +120,27 @@ def other_rows() -> list[dict]:
     cfg = prefill_config(2048, 2, 128, torch.bfloat16)
     prefill = dict(GROUP=2, GROUP_PAD=2, BLOCK_Q=cfg.block_q, HEAD_DIM=128, DIM_PAD=128, BLOCK_SIZE=16,
                    TILE_N=cfg.tile_n, PRECISION=None, UPCAST=False)
-    write = dict(NUM_HEADS=8, HEADS_PAD=8, HEAD_DIM=128, DIM_PAD=128, BLOCK_SIZE=16, WRITE_DEATH=True)
-    return [compile_and_report(f"prefill {cfg.block_q}x2 rows, tile {cfg.tile_n}", _prefill_kernel, prefill,
-                               cfg.num_warps, cfg.num_stages),
-            compile_and_report("write_kv", _write_kv_kernel, write, 4, 1)]
+    rows = [compile_and_report(f"prefill {cfg.block_q}x2 rows, tile {cfg.tile_n}", _prefill_kernel, prefill,
+                               cfg.num_warps, cfg.num_stages)]
+    for pdl in (False, True):
+        tail = " pdl" if pdl else ""
+        write = dict(NUM_HEADS=8, HEADS_PAD=8, HEAD_DIM=128, DIM_PAD=128, BLOCK_SIZE=16, WRITE_DEATH=True, PDL=pdl)
+        rows.append(compile_and_report("write_kv" + tail, _write_kv_kernel, write, 4, 1))
+        norm = dict(BLOCK=2048, ADD_RESIDUAL=True, PDL=pdl)
+        rows.append(compile_and_report("rms_norm" + tail, _rms_norm_kernel, norm, 8, 1))
+        rope = dict(Q_HEADS=16, Q_HEADS_PAD=16, KV_HEADS=8, KV_HEADS_PAD=8, HALF=64, HALF_PAD=64, NORM=True, PDL=pdl)
+        rows.append(compile_and_report("qk_norm_rope" + tail, _qk_norm_rope_kernel, rope, 4, 1))
+    # the decoder's linears at batch <= 16 (kernels.gemv at Qwen3-1.7B's shapes); down_proj as the MLP's fused tail
+    for name, n, k, tail in (("gemv qkv", 4096, 2048, False), ("gemv gate_up", 12288, 2048, False),
+                             ("gemv o_proj", 2048, 2048, False), ("gemv down+swiglu+res", 2048, 6144, True)):
+        cfg = gemv_config(n, k, torch.bfloat16, torch.device("cpu"))
+        for pdl in (False, True):
+            consts = dict(M_PAD=MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_SPLITS=2, HAS_BIAS=False,
+                          EVEN_K=True, PRECISION=None, UPCAST=False, SWIGLU=tail, RESIDUAL=tail, PDL=pdl,
+                          PREFETCH_LINES=8, LINE=64)
+            rows.append(compile_and_report(name + (" pdl" if pdl else ""), _gemv_kernel, consts, cfg.num_warps,
+                                           cfg.num_stages))
+    return rows
 
 
 def main() -> None:
@@ -123,10 +151,11 @@ def main() -> None:
     args = p.parse_args()
     rows = decode_rows(args.tile, args.warps, args.stages) + other_rows()
     print(f"{'kernel':<28} {'warps':>5} {'stages':>6} {'regs':>5} {'spill':>5} {'smem':>7} {'K/V bufs':>8} "
-          f"{'16B ld':>6} {'LDGSTS':>6} {'mma':>5}")
+          f"{'16B ld':>6} {'LDGSTS':>6} {'mma':>5} {'wait':>5} {'prefetch':>8}")
     for r in rows:
         print(f"{r['kernel']:<28} {r['warps']:>5} {r['stages']:>6} {r['regs']:>5} {r['spill']:>5} {r['smem']:>7} "
-              f"{r['kv_buffers']:>8} {str(r['ld128']):>6} {str(r['ldgsts']):>6} {r['mma']:>5}")
+              f"{r['kv_buffers']:>8} {str(r['ld128']):>6} {str(r['ldgsts']):>6} {r['mma']:>5} {str(r['wait']):>5} "
+              f"{str(r['prefetch']):>8}")
 
 
 if __name__ == "__main__":

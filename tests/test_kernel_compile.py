@@ -32,8 +32,20 @@ def test_every_kernel_compiles_for_sm90_without_spills():
     rows = {}
     for line in lines[header + 1:]:
         name, cells = line[:28].strip(), line[28:].split()
-        rows[name] = dict(zip(["warps", "stages", "regs", "spill", "smem"], cells))
+        rows[name] = dict(zip(["warps", "stages", "regs", "spill", "smem", "bufs", "ld128", "ldgsts", "mma", "wait",
+                               "prefetch"], cells))
     assert {"decode tile 128", "decode tile 128 h2o", "h2o page mass", "write_kv"} <= set(rows), rows
+    # The PDL chain (kernels.pdl): every kernel of the decode step compiled with PDL waits on griddepcontrol, the GEMV
+    # and the decode kernel also prefetch into L2, and nothing compiled without it waits. Catches the wait dropped
+    # from a kernel (planted: the GEMV's wait_then_release call removed), the prefetch compiled away, or the wait
+    # leaking into the plain kernels (planted: wait_then_release ignoring PDL), and the GEMV's fused MLP tail or
+    # the PDL variants failing to compile for sm_90 at all.
+    chained = {"decode tile 128 pdl", "write_kv pdl", "rms_norm pdl", "qk_norm_rope pdl", "gemv qkv pdl",
+               "gemv gate_up pdl", "gemv o_proj pdl", "gemv down+swiglu+res pdl"}
+    assert chained <= set(rows), sorted(set(rows))
+    for name, row in rows.items():
+        assert row["wait"] == str(name in chained), (name, row)
+        assert row["prefetch"] == str(name in chained and (name.startswith(("gemv", "decode")))), (name, row)
     assert any(name.startswith("prefill") for name in rows), rows
     for name, row in rows.items():
         assert row["spill"] == "0", (name, row)
