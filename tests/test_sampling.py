@@ -258,3 +258,42 @@ def test_fused_kernel_draws_the_torch_samplers_tokens_and_logprobs():
     assert tokens.tolist() == want_tokens.tolist()
     assert torch.allclose(logprobs, want_logprobs, rtol=0, atol=1e-5), (logprobs, want_logprobs)
     assert tokens[7] == 5
+
+
+def test_the_runner_hands_each_row_its_own_parameters(tiny_model_factory):
+    # ModelRunner.sample packs the rows' parameters into two host-to-device copies and takes greedy batches
+    # straight to argmax. Independent reference: sample() on per-row tensors built here, one per parameter.
+    # Catches: a pack that hands a row another row's seed, step or top-k (planted: seed and step swapped in the
+    # int pack), temperature and top_p swapped, the greedy shortcut's tokens or logprobs differing from sample()'s
+    # greedy rows, and a forced row sampled instead of taking its token.
+    from types import SimpleNamespace
+
+    from sliderl.rollout import LLM
+
+    runner = LLM(tiny_model_factory("qwen3")).runner
+    logits = torch.randn(4, 64, generator=torch.Generator().manual_seed(3)) * 3
+    rows = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_p=0.9),
+            SamplingParams(temperature=1.3, top_k=5), SamplingParams(temperature=1.0)]
+    seeds, steps = [11, 22, 33, 44], [5, 0, 7, 2]
+
+    def seqs(params):
+        return [SimpleNamespace(params=p, seed=s, num_output=n, request_id=i, thread_index=0, tokens_taken=0)
+                for i, (p, s, n) in enumerate(zip(params, seeds, steps))]
+
+    def expected(params):
+        col = lambda values, dtype: torch.tensor(values, dtype=dtype)  # noqa: E731
+        return sample(logits, col([p.temperature for p in params], torch.float32),
+                      col([p.top_p for p in params], torch.float32), col([p.top_k for p in params], torch.int64),
+                      col(seeds, torch.int64), col(steps, torch.int64))
+
+    greedy = [SamplingParams(temperature=0.0)] * 4
+    for params in (greedy, rows):
+        tokens, logprobs = runner.sample(seqs(params), logits)
+        ref_tokens, ref_logprobs = expected(params)
+        assert torch.equal(tokens, ref_tokens) and torch.equal(logprobs, ref_logprobs), params
+    runner.forced.scripts = {2: {0: [9]}}  # request 2 takes token 9 (LLM.force's record)
+    tokens, logprobs = runner.sample(seqs(rows), logits)
+    temperature = torch.tensor([p.temperature for p in rows])
+    assert tokens[2] == 9 and logprobs[2] == logprobs_at(logits[2:3], torch.tensor([9]), temperature[2:3])[0]
+    keep = [0, 1, 3]
+    assert torch.equal(tokens[keep], expected(rows)[0][keep])

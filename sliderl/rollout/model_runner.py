@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from sliderl.core.logprob import logprobs_at
+from sliderl.core.logprob import logprob_of, logprobs_at
 from sliderl.kernels.metadata import AttentionMetadata, PagedKVCache
 from sliderl.rollout.decode_graphs import DecodeGraphs
 from sliderl.rollout.forcing import ForcedTokens
@@ -174,21 +174,20 @@ class ModelRunner:
             return torch.empty(0, dtype=torch.long, device=dev), torch.empty(0, device=dev)
         col = lambda values, dtype: self.host_tensor(values, dtype).to(dev, non_blocking=True)  # noqa: E731
         params = [s.params for s in seqs]
-        temperature = col([p.temperature for p in params], torch.float32)
         rows, forced = self.forced.due(seqs)
+        all_greedy = all(p.temperature <= 0 for p in params)
+        if all_greedy and not rows:  # argmax of the raw logits (``sample``'s greedy rows): nothing to copy over
+            tokens = logits.argmax(dim=-1)
+            return tokens, logprob_of(logits.float(), tokens)
+        # the rows' parameters in two host-to-device copies, not five (each copy costs the host ~30 us per step)
+        temperature, top_p = col([[p.temperature for p in params], [p.top_p for p in params]], torch.float32)
         if len(rows) == len(seqs):  # every row forced: nothing to draw
             tokens = col(forced, torch.long)
             return tokens, logprobs_at(logits, tokens, temperature)
-        tokens, logprobs = sample(
-            logits,
-            temperature,
-            col([p.top_p for p in params], torch.float32),
-            col([p.top_k for p in params], torch.int64),
-            col([s.seed for s in seqs], torch.int64),
-            col([s.num_output for s in seqs], torch.int64),
-            all_greedy=all(p.temperature <= 0 for p in params),
-            any_truncation=any(p.top_k > 0 or p.top_p < 1 for p in params),
-        )
+        top_k, seed, step = col([[p.top_k for p in params], [s.seed for s in seqs], [s.num_output for s in seqs]],
+                                torch.int64)
+        tokens, logprobs = sample(logits, temperature, top_p, top_k, seed, step, all_greedy=all_greedy,
+                                  any_truncation=any(p.top_k > 0 or p.top_p < 1 for p in params))
         if rows:
             index, chosen = col(rows, torch.long), col(forced, torch.long)
             tokens = tokens.index_copy(0, index, chosen)
