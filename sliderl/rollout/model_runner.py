@@ -163,6 +163,8 @@ class ModelRunner:
             attn = PagedAttention(self.cache, meta, self.scale, self.impl, mass=mass.values if mass is not None else None)
             hidden = self.model(ids.to(dev, non_blocking=True), pos.to(dev, non_blocking=True), attn)
             hidden = hidden[meta.query_start[1:].long() - 1]
+        if len(sample_rows) == hidden.shape[0] and all(r == i for i, r in enumerate(sample_rows)):
+            return self.model.compute_logits(hidden), mass  # every row, in order (a decode step): no gather
         rows = self.host_tensor(sample_rows, torch.long).to(hidden.device, non_blocking=True)
         return self.model.compute_logits(hidden[rows]), mass
 
