@@ -105,7 +105,7 @@ def decode_rows(tiles, warps, stages) -> list[dict]:
         for w in warps or [base.num_warps]:
             for s in stages or [base.num_stages]:
                 # every policy's decode; h2o's, which also writes per-segment mass; the PDL chain's
-                for mass, pdl in ((False, False), (True, False), (False, True)):
+                for mass, pdl in ((False, False), (True, False), (False, True), (True, True)):
                     consts = dict(GROUP=2, GROUP_PAD=16, HEAD_DIM=128, DIM_PAD=128, BLOCK_SIZE=16, TILE_N=t,
                                   NUM_SPLITS=2, PRECISION=None, UPCAST=False, OUTPUT_MASS=mass, SEG=min(t, 16),
                                   SEGS_PER_TILE=t // min(t, 16), PDL=pdl, LINE=64, LINES_PAD=2)
