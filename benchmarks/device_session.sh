@@ -104,6 +104,9 @@ case "$group" in
     # each row with the GPU's ms per step by kernel (torch.profiler over 32 steps, graphs included). First the GPU
     # tests of the PDL chain (bit-equal tokens, every captured launch chained, the PTX's wait and prefetch), then
     # per batch: cuBLAS vs the Triton GEMV (whose MLP tail is one launch), each launched plainly and as a PDL chain
+    # (at 4ae9f64 the engine with gemv on decoded 20 tok/s, 49 ms a step in _gemv_kernel, cause not yet found: the
+    # per-layer GEMV table, the fused MLP tail included, runs first to find the slow launch)
+    item gemv-layers 90 python benchmarks/gemv.py --m 1 8
     item pdl-gpu-tests 120 python -m pytest -q tests/test_engine_gpu.py tests/test_gemv.py -m gpu -k "pdl or gemv"
     # (batch 1 also splits the overlapped step's host time by phase and by function: with the GPU faster, the host's
     # ~2 ms of launching a step and sampling its token is what the step would wait on)

@@ -8,7 +8,9 @@ copies of W to overflow L2 (>= 256 MB), so every read comes from HBM and launch 
 graph. Reported per call: microseconds (CUDA events around a replay, median of 50 after warm-up,
 divided by the copies), GB/s of W read (x and y are negligible at M <= 8), and cuBLAS time / GEMV
 time. ``--sweep`` also times launch shapes around ``gemv_config``'s choice at M = 1 (slower: one
-compile per shape tried) and prints the best few per layer.
+compile per shape tried) and prints the best few per layer. The ``down_tail`` row is the decoder MLP's tail as the
+engine runs it with ``gemv``: ``h + down(silu(gate) * up)`` as one GEMV launch (``swiglu``, ``residual``) against
+torch's SiLU, multiply, cuBLAS GEMM and add.
 """
 
 from __future__ import annotations
@@ -80,6 +82,28 @@ def compare(name: str, ws: list[torch.Tensor], m: int) -> None:
           flush=True)
 
 
+def compare_tail(ws: list[torch.Tensor], m: int) -> None:
+    """The MLP tail: torch's four launches vs the one fused GEMV (same bytes of W per call)."""
+    n, k = ws[0].shape
+    gate_up = torch.randn(m, 2 * k, device="cuda", dtype=torch.bfloat16)
+    h = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+
+    def torch_tail(w):
+        return h + F.linear(F.silu(gate_up[:, :k]) * gate_up[:, k:], w)
+
+    g = gate_up.double()[:, :k]
+    ref = h.double() + F.linear(g * torch.sigmoid(g) * gate_up.double()[:, k:], ws[0].double())
+    for y in (torch_tail(ws[0]), gemv(gate_up, ws[0], swiglu=True, residual=h)):
+        assert (y.double() - ref).abs().max() <= 0.02 * ref.abs().max(), "down_tail"
+    torch_us = graph_us([lambda w=w: torch_tail(w) for w in ws])
+    gemv_us = graph_us([lambda w=w: gemv(gate_up, w, swiglu=True, residual=h) for w in ws])
+    gb = n * k * 2 / 1e9
+    cfg = gemv_config(n, k, torch.bfloat16, gate_up.device)
+    print(f"{'down_tail':<10}{n:>7}{k:>6}{m:>3}{torch_us:>10.1f}{gb / torch_us * 1e6:>10.0f}{gemv_us:>10.1f}"
+          f"{gb / gemv_us * 1e6:>10.0f}{torch_us / gemv_us:>8.2f}x   {cfg.block_n}x{cfg.block_k}/{cfg.num_splits}",
+          flush=True)
+
+
 def sweep(name: str, ws: list[torch.Tensor], top: int = 4) -> None:
     """Time launch shapes around the default at M = 1; print the fastest ``top``."""
     n, k = ws[0].shape
@@ -112,6 +136,8 @@ def main() -> None:
         ws = weights(n, k)
         for m in args.m:
             compare(name, ws, m)
+            if name == "down_proj":
+                compare_tail(ws, m)
         if args.sweep:
             sweep(name, ws)
         del ws
