@@ -8,7 +8,7 @@
 #   bash benchmarks/device_session.sh B    # ~10 min: the 7B step with --offload cpu on one GPU (36)
 #   bash benchmarks/device_session.sh C    # ~6 min: trained Pasta's realised speedup (41), PD's trained rows (40)
 #   bash benchmarks/device_session.sh D    # ~9 min: h2o under CUDA graphs, its tests and speed (38.4); registers at the trained cadence (38.5)
-#   bash benchmarks/device_session.sh E    # ~9 min: TIP's GPU-scale arms with decode wall time (41); carry .whl (Ray)
+#   bash benchmarks/device_session.sh E 1  # ~9 min: TIP's GPU-scale arms with decode wall time, seed 1 (41); carry .whl (Ray)
 #   bash benchmarks/device_session.sh F    # ~10 min: the paper's Table 1 way at 8K, prefix_sliding vs full (38.6)
 #   bash benchmarks/device_session.sh G    # ~10 min: the learner with compiled element-wise chains vs eager, 32K (38.3)
 #   bash benchmarks/device_session.sh P    # ~9 min: batch 1 and 8 at 8K, cuBLAS/GEMV x plain/PDL, per-kernel split (38.2)
@@ -75,9 +75,11 @@ case "$group" in
       registers:292 --step-tokens 14 --hf-batch 0 --steps 100 --warmup 40 --out "$OUT/registers-cadence/engine_gpu.json"
     ;;
   E)
-    # issue 41, TIP: the GPU-scale recipe's arms with their decode wall time on the H200 (summary.md's "decode s")
+    # issue 41, TIP: the GPU-scale recipe's arms with their decode wall time on the H200 (summary.md's "decode s"),
+    # one seed a call: `E` is seed 0 (measured at 4ae9f64), `E 1` and `E 2` the other two
     # (the GPU machine's Python has no wandb: the run logs to its own files only)
-    item tip-gpu 575 python benchmarks/tip_seeds.py --recipe tip-gpu --device cuda --seeds 0 --out "$OUT/tip" \
+    seed=${2:-0}
+    item tip-gpu-s$seed 575 python benchmarks/tip_seeds.py --recipe tip-gpu --device cuda --seeds "$seed" --out "$OUT/tip" \
       --grpo-seconds 110 --sft sft.max_seconds=150 --train monitor.wandb.mode=disabled eval.before=false eval.after=false
     ;;
   F)
