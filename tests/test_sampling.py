@@ -291,6 +291,11 @@ def test_the_runner_hands_each_row_its_own_parameters(tiny_model_factory):
         tokens, logprobs = runner.sample(seqs(params), logits)
         ref_tokens, ref_logprobs = expected(params)
         assert torch.equal(tokens, ref_tokens) and torch.equal(logprobs, ref_logprobs), params
+    # greedy against float64 by hand (sample() shares the runner's greedy function, so it is no reference there)
+    tokens, logprobs = runner.sample(seqs(greedy), logits)
+    exact = torch.log_softmax(logits.double(), dim=-1)
+    assert torch.equal(tokens, exact.argmax(dim=-1))
+    assert torch.allclose(logprobs.double(), exact.gather(1, tokens[:, None]).squeeze(1), atol=1e-5)
     runner.forced.scripts = {2: {0: [9]}}  # request 2 takes token 9 (LLM.force's record)
     tokens, logprobs = runner.sample(seqs(rows), logits)
     temperature = torch.tensor([p.temperature for p in rows])

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sliderl.kernels.key_tile import EMPTY_MAX, LOG2E, live_key_tile
+from sliderl.kernels.key_tile import EMPTY_MAX, LOG2E, key_tile_slots, live_key_tile
 from sliderl.kernels.launch_checks import check_attention, interpreting, next_pow2, output_buffer
 from sliderl.kernels.metadata import AttentionMetadata, PagedKVCache
 from sliderl.kernels.pdl import check_pdl, launch_options, line_elems, prefetch_l2, wait_then_release
@@ -61,12 +61,10 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, death_ptr, block_tables_ptr, block_index
     if PDL:  # ask L2 for this split's K/V lines while the cache write before us finishes (kernels.pdl)
         lines = tl.arange(0, LINES_PAD) * LINE
         line_ok = lines < HEAD_DIM
-        for tile in range(first, last):
-            key = tile * TILE_N + tl.arange(0, TILE_N)
-            in_range = key // BLOCK_SIZE < num_live
-            block = tl.load(bt_row + key // BLOCK_SIZE, mask=in_range, other=0).to(tl.int64)
-            offset = block * stride_kb + (key % BLOCK_SIZE).to(tl.int64) * stride_ks + kv_head * stride_kh
-            line = tl.where(in_range[:, None] & line_ok[None, :], offset[:, None] + lines[None, :], 0)
+        for tile in range(first, last):  # the block table only: deaths are the cache write's to finish
+            offset, _, _, in_range = key_tile_slots(bt_row, num_live, tile, stride_kb, stride_ks, BLOCK_SIZE, TILE_N)
+            head_lines = offset[:, None] + kv_head * stride_kh + lines[None, :]
+            line = tl.where(in_range[:, None] & line_ok[None, :], head_lines, 0)
             prefetch_l2(k_ptr + line)
             prefetch_l2(v_ptr + line)
     wait_then_release(PDL)

@@ -26,7 +26,7 @@ import triton.language as tl
 
 from sliderl.kernels.decode import choose_num_splits, num_sms, split_counters
 from sliderl.kernels.launch_checks import interpreting, next_pow2
-from sliderl.kernels.norm_rope import _round
+from sliderl.kernels.norm_rope import round_to
 from sliderl.kernels.pdl import LINE_BYTES, check_pdl, launch_options, line_elems, prefetch_l2, wait_then_release
 
 MAX_ROWS = 16  # rows of x one launch takes: x is padded to this for tl.dot
@@ -72,7 +72,7 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, residual_ptr, out_ptr, part_ptr, counte
         if SWIGLU:  # x holds [gate | up] (each K wide): the input is silu(gate) * up, each op rounded as torch's
             up = tl.load(x_ptrs + k, mask=x_mask, other=0.0).to(tl.float32)
             gate = x.to(tl.float32)
-            x = _round(_round(gate / (1.0 + tl.exp(-gate)), w.dtype) * up, w.dtype)
+            x = round_to(round_to(gate / (1.0 + tl.exp(-gate)), w.dtype) * up, w.dtype)
             if not UPCAST:
                 x = x.to(w.dtype)
         if UPCAST:  # the interpreter multiplies bf16 as integers: run its dots in fp32
@@ -112,7 +112,7 @@ def _store_output(acc, bias_ptr, residual_ptr, out_ptr, rows, cols, col_ok, ok, 
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     if RESIDUAL:
         r = tl.load(residual_ptr + rows[:, None] * stride_rm + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-        acc = _round(_round(acc, dtype) + r, dtype)
+        acc = round_to(round_to(acc, dtype) + r, dtype)
     tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], acc.to(dtype), mask=ok)
 
 

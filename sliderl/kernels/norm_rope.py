@@ -21,7 +21,7 @@ FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @triton.jit
-def _round(x, DTYPE: tl.constexpr):
+def round_to(x, DTYPE: tl.constexpr):
     """fp32 ``x`` rounded to DTYPE as torch casts (to nearest, ties to even) and widened back to fp32."""
     if DTYPE == tl.bfloat16:  # by bits (NaN aside): the interpreter's fp32 -> bf16 cast truncates
         bits = x.to(tl.uint32, bitcast=True)
@@ -43,10 +43,10 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
     x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
     if ADD_RESIDUAL:  # the layer's `h = h + x`, rounded to the dtype: it is the next residual
         r = tl.load(residual_ptr + row * stride_r + cols, mask=ok, other=0.0).to(tl.float32)
-        x = _round(x + r, dtype)
+        x = round_to(x + r, dtype)
         tl.store(residual_out_ptr + row * stride_ro + cols, x.to(dtype), mask=ok)
     inv = tl.math.rsqrt(tl.sum(x * x, axis=0) / dim + eps)
-    out = _round(_round(x * inv, dtype) * w, dtype)
+    out = round_to(round_to(x * inv, dtype) * w, dtype)
     tl.store(out_ptr + row * stride_o + cols, out.to(dtype), mask=ok)
 
 
@@ -68,11 +68,11 @@ def _norm_rope_heads(x_ptr, out_ptr, weight_ptr, tok, stride_n, stride_h, stride
         inv = tl.math.rsqrt(ms + eps)[:, None]
         w1 = tl.load(weight_ptr + d, mask=d < HALF, other=0.0).to(tl.float32)
         w2 = tl.load(weight_ptr + HALF + d, mask=d < HALF, other=0.0).to(tl.float32)
-        x1 = _round(_round(x1 * inv, dtype) * w1, dtype)
-        x2 = _round(_round(x2 * inv, dtype) * w2, dtype)
+        x1 = round_to(round_to(x1 * inv, dtype) * w1, dtype)
+        x2 = round_to(round_to(x2 * inv, dtype) * w2, dtype)
     # x * cos + rotate_half(x) * sin with rotate_half(x) = [-x2, x1]; each product and the sum rounded
-    out1 = _round(_round(x1 * cos1, dtype) - _round(x2 * sin1, dtype), dtype)
-    out2 = _round(_round(x2 * cos2, dtype) + _round(x1 * sin2, dtype), dtype)
+    out1 = round_to(round_to(x1 * cos1, dtype) - round_to(x2 * sin1, dtype), dtype)
+    out2 = round_to(round_to(x2 * cos2, dtype) + round_to(x1 * sin2, dtype), dtype)
     dst = out_ptr + tok * stride_on + h * stride_oh + d
     tl.store(dst, out1.to(dtype), mask=ok)
     tl.store(dst + HALF, out2.to(dtype), mask=ok)

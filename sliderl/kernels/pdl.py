@@ -25,6 +25,8 @@ PTX), so the CPU tests run the same kernels without it.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -50,13 +52,18 @@ def wait_then_release(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
+@functools.lru_cache(maxsize=None)
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)  # once per device: launchers check on every launch
+
+
 def pdl_supported(device: torch.device) -> bool:
     """PDL needs a CUDA device of compute capability 9.0 (Hopper) or later, and compiled kernels."""
-    return device.type == "cuda" and not interpreting() and torch.cuda.get_device_capability(device)[0] >= 9
+    return device.type == "cuda" and not interpreting() and _capability(device)[0] >= 9
 
 
 def launch_options(pdl: bool) -> dict:
-    """Extra launch keywords: the PDL attribute when asked for (and supported by the launch's device)."""
+    """Extra launch keywords: the PDL attribute when asked for (``check_pdl`` first)."""
     return {"launch_pdl": True} if pdl else {}
 
 
@@ -65,7 +72,7 @@ def check_pdl(pdl: bool, device: torch.device) -> bool:
     if pdl and not pdl_supported(device):
         what = "the Triton interpreter" if interpreting() else str(device)
         if device.type == "cuda" and not interpreting():
-            what += f" (compute capability {'.'.join(map(str, torch.cuda.get_device_capability(device)))})"
+            what += f" (compute capability {'.'.join(map(str, _capability(device)))})"
         raise ValueError(f"pdl needs a CUDA device of compute capability 9.0 or later (Hopper), got {what}")
     return pdl
 

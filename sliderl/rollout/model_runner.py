@@ -15,12 +15,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from sliderl.core.logprob import logprob_of, logprobs_at
+from sliderl.core.logprob import logprobs_at
 from sliderl.kernels.metadata import AttentionMetadata, PagedKVCache
 from sliderl.rollout.decode_graphs import DecodeGraphs
 from sliderl.rollout.forcing import ForcedTokens
 from sliderl.rollout.paged_attention import PagedAttention, attention_impl
-from sliderl.rollout.sampling import sample
+from sliderl.rollout.sampling import greedy_sample, sample
 from sliderl.rollout.scheduler import ScheduledBatch
 from sliderl.rollout.sequence import Sequence
 
@@ -178,9 +178,8 @@ class ModelRunner:
         params = [s.params for s in seqs]
         rows, forced = self.forced.due(seqs)
         all_greedy = all(p.temperature <= 0 for p in params)
-        if all_greedy and not rows:  # argmax of the raw logits (``sample``'s greedy rows): nothing to copy over
-            tokens = logits.argmax(dim=-1)
-            return tokens, logprob_of(logits.float(), tokens)
+        if all_greedy and not rows:  # no row's parameters are needed: nothing to copy over
+            return greedy_sample(logits)
         # the rows' parameters in two host-to-device copies, not five (each copy costs the host ~30 us per step)
         temperature, top_p = col([[p.temperature for p in params], [p.top_p for p in params]], torch.float32)
         if len(rows) == len(seqs):  # every row forced: nothing to draw

@@ -221,18 +221,24 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
                         any_truncation=any_truncation)
 
 
+def greedy_sample(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every row greedy: the argmax of the raw logits and its logprob (T == 0 leaves the logits unscaled)."""
+    scaled = logits.to(torch.float32)
+    tokens = scaled.argmax(dim=-1)
+    return tokens, logprob_of(scaled, tokens)
+
+
 def torch_sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
                  seed: torch.Tensor, step: torch.Tensor, *, all_greedy: bool | None = None,
                  any_truncation: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """``sample`` in plain torch ops on any device: the CPU path, rows that truncate, and the reference
     the fused kernel is checked against."""
-    scaled = scaled_logits(logits, temperature)  # [B, V]
     greedy = temperature <= 0
     if all_greedy is None:
         all_greedy = bool(greedy.all())
     if all_greedy:
-        tokens = scaled.argmax(dim=-1)
-        return tokens, logprob_of(scaled, tokens)
+        return greedy_sample(logits)
+    scaled = scaled_logits(logits, temperature)  # [B, V]
     noise = gumbel_noise(seed, step, scaled.shape[1])  # [B, V]
     if any_truncation:
         sorted_scaled, order = torch.sort(scaled, dim=-1, descending=True, stable=True)  # [B, V]
