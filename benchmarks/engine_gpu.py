@@ -254,7 +254,12 @@ def kernel_profile(llm: LLM, steps: int, top: int = 12) -> dict:
             name = e.name if len(e.name) <= 60 else e.name[:57] + "..."
             per_kernel[name] = per_kernel.get(name, 0.0) + e.time_range.elapsed_us() / 1e3 / steps
     ranked = sorted(per_kernel.items(), key=lambda kv: -kv[1])
-    return {"gpu_ms": sum(per_kernel.values()), "kernels": dict(ranked[:top])}
+    # the top kernel's launches of one step in launch order (us): which layer's launch is slow, when one is
+    first = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                    and e.name.startswith(ranked[0][0].removesuffix("..."))), key=lambda e: e.time_range.start)
+    per_step = len(first) // steps
+    launches = [round(e.time_range.elapsed_us(), 1) for e in first[per_step:2 * per_step]] if steps > 1 else []
+    return {"gpu_ms": sum(per_kernel.values()), "kernels": dict(ranked[:top]), "top_kernel_launches_us": launches}
 
 
 def overlap_phases(llm: LLM, steps: int) -> dict:
