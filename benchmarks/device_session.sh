@@ -12,6 +12,7 @@
 #   bash benchmarks/device_session.sh F    # ~10 min: the paper's Table 1 way at 8K, prefix_sliding vs full (38.6)
 #   bash benchmarks/device_session.sh G    # ~10 min: the learner with compiled element-wise chains vs eager, 32K (38.3)
 #   bash benchmarks/device_session.sh P    # ~9 min: batch 1 and 8 at 8K, cuBLAS/GEMV x plain/PDL, per-kernel split (38.2)
+#   bash benchmarks/device_session.sh Q    # ~4 min: the GEMV regression alone: per-layer table, the engine's launches (38.2)
 #   bash benchmarks/device_session.sh X2   # ~10 min on nvidia-h200-x2: the sharded learner's 2-GPU rows (36)
 #
 # carry: .whl for A, .whl for B, E and X2, a Ray-less copy of .whl
@@ -20,7 +21,7 @@
 # docs/results.md gives.
 set -u
 OUT=${OUT:?set OUT to the folder whose files come back}
-group=${1:?name a group: A, B, C, D, E, F, G, P or X2}
+group=${1:?name a group: A, B, C, D, E, F, G, P, Q or X2}
 summary=()
 
 item() {  # item NAME SECONDS COMMAND...: run with a limit, tee its log, note rc and seconds
@@ -118,6 +119,13 @@ case "$group" in
     item batch8-8k 200 python benchmarks/engine_gpu.py --positions 8192 --policies prefix_sliding:4096 --max-seqs 8 \
       --hf-batch 0 --steps 64 --profile 32 --gemv off on --pdl off on --out "$OUT/batch8-8k/engine_gpu.json"
     ;;
+  Q)
+    # issue 38, item 2, the GEMV regression alone (~4 min): the per-layer table, then the engine's batch-1 GEMV row
+    # with the top kernel's launches of one step in order (engine_gpu.py's profile "top_kernel_launches_us")
+    item gemv-layers-m1 100 python benchmarks/gemv.py --m 1
+    item batch1-gemv 150 python benchmarks/engine_gpu.py --positions 8192 --policies prefix_sliding:4096 --max-seqs 1 \
+      --hf-batch 0 --steps 16 --profile 4 --gemv on --out "$OUT/batch1-gemv/engine_gpu.json"
+    ;;
   X2)
     # issue 36 on a two-GPU machine (kind nvidia-h200-x2; carry .whl, as B): 1.7B at 1 and 2 ranks at the same global
     # batch with the weight sync's time, then the 7B step at 2 ranks without offload (docs/results.md, "A sharded
@@ -128,7 +136,7 @@ case "$group" in
       --out "$OUT/scaling-7b-2gpu"
     ;;
   *)
-    echo "unknown group $group: A, B, C, D, E, F, G, P or X2" >&2
+    echo "unknown group $group: A, B, C, D, E, F, G, P, Q or X2" >&2
     exit 2
     ;;
 esac
