@@ -161,11 +161,17 @@ def test_two_ranks_take_the_step_one_rank_takes(name, model, ranks_out):
     # without their rejected ones and the ranks fail). Each planted bug fails these cases. Checked: the
     # step's metrics, the clipped gradients after step 1 (Adam's first steps are nearly scale-free, so the
     # weights alone would miss a scale), and the weights after two steps.
+    # Step 1 starts from the same weights, so its loss and gradient norm agree up to the order of float sums
+    # (rel 1e-5). Step 2 starts from weights that already differ by Adam's amplified rounding (the bound on the
+    # weights below): measured on one 2-core CPU, BoNBoN's step-2 loss (its gradient norm ~1,200) moved by 1.1e-5
+    # relative, and 0 on another machine, so step 2 gets 1e-3, which a normaliser or a batch off by any factor
+    # still fails.
     got, ref = torch.load(ranks_out / f"{name}.pt"), one_rank(name, model)
-    for mine, theirs in zip(got["metrics"], ref["metrics"]):
+    for step, (mine, theirs) in enumerate(zip(got["metrics"], ref["metrics"])):
+        rel = 1e-5 if step == 0 else 1e-3
         assert {k: mine[k] for k in COUNTS} == {k: theirs[k] for k in COUNTS}
-        assert mine["loss"] == pytest.approx(theirs["loss"], rel=1e-5)
-        assert mine["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-5)
+        assert mine["loss"] == pytest.approx(theirs["loss"], rel=rel), step
+        assert mine["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=rel), step
     for n, grad in ref["grads"].items():
         assert torch.allclose(got["grads"][n], grad, rtol=1e-4, atol=1e-7), n
     assert_same_weights(got["weights"], ref["weights"])
