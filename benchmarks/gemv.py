@@ -98,7 +98,7 @@ def compare_tail(ws: list[torch.Tensor], m: int) -> None:
     torch_us = graph_us([lambda w=w: torch_tail(w) for w in ws])
     gemv_us = graph_us([lambda w=w: gemv(gate_up, w, swiglu=True, residual=h) for w in ws])
     gb = n * k * 2 / 1e9
-    cfg = gemv_config(n, k, torch.bfloat16, gate_up.device)
+    cfg = gemv_config(n, k, torch.bfloat16, gate_up.device, swiglu=True)
     print(f"{'down_tail':<10}{n:>7}{k:>6}{m:>3}{torch_us:>10.1f}{gb / torch_us * 1e6:>10.0f}{gemv_us:>10.1f}"
           f"{gb / gemv_us * 1e6:>10.0f}{torch_us / gemv_us:>8.2f}x   {cfg.block_n}x{cfg.block_k}/{cfg.num_splits}",
           flush=True)

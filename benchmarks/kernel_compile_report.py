@@ -9,7 +9,10 @@ PTX has the wait (``griddepcontrol.wait``) and, for the GEMV and the decode kern
     python benchmarks/kernel_compile_report.py [--tile 32 64 128] [--stages 2 3 4 5] [--warps 4 8]
 
 Uses the ptxas / cuobjdump that ship inside the Triton wheel. Launch parameters default to the
-launchers' own choices (``decode_config`` / ``prefill_config``).
+launchers' own choices on an H200 (``decode_config`` / ``gemv_config`` with its 132 multiprocessors, whatever
+this machine is: on a CPU they would pick other shapes, and a spill at the GPU's shape would go unseen — the GEMV's
+MLP tail spilled ~15 KB a thread at the H200's 16 x 512 tile while the CPU's 64 x 128 compiled clean), the
+decode kernel at batch 1 (8K context, the graphs' split count) and at batch 16, every GEMV at its own split count.
 """
 
 from __future__ import annotations
@@ -31,11 +34,13 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from sliderl.kernels.cache_write import _write_kv_kernel  # noqa: E402
 from sliderl.kernels.decode import _decode_kernel, _page_mass_kernel, decode_config  # noqa: E402
-from sliderl.kernels.gemv import MAX_ROWS, _gemv_kernel, gemv_config  # noqa: E402
+from sliderl.kernels.gemv import MAX_ROWS, PREFETCH_BYTES, _gemv_kernel, gemv_config  # noqa: E402
+from sliderl.kernels.pdl import LINE_BYTES  # noqa: E402
 from sliderl.kernels.norm_rope import _qk_norm_rope_kernel, _rms_norm_kernel  # noqa: E402
 from sliderl.kernels.prefill import _prefill_kernel, prefill_config  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
+H200_SMS = 132  # the launchers size their grids by the device's multiprocessors: the H200's here
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 ALIGNED = [["tt.divisibility", 16]]
 STRIDES = ("stride_qn", "stride_qh", "stride_kb", "stride_ks", "stride_kh", "stride_on", "stride_oh",
@@ -98,19 +103,34 @@ def _first(pattern: str, text: str) -> str:
     return m.group(1) if m else "?"
 
 
+def h200_shapes() -> None:
+    """Make ``decode_config`` and ``gemv_config`` choose as on an H200 (132 multiprocessors) on any machine."""
+    import sliderl.kernels.decode as decode_module
+    import sliderl.kernels.gemv as gemv_module
+    decode_module.num_sms = gemv_module.num_sms = lambda device: H200_SMS
+
+
 def decode_rows(tiles, warps, stages) -> list[dict]:
-    base = decode_config(16, 8, 16, 263, 128, torch.bfloat16, torch.device("cpu"))
+    """The decode kernel at batch 1 (8K context under prefix_sliding:4096: 263 live blocks, the width rounded to
+    512 as ``DecodeGraphs`` rounds it) and batch 16, each plain, with h2o's mass, and in the PDL chain; or, with
+    ``--tile/--warps/--stages``, those shapes at 2 splits."""
+    if tiles or warps or stages:
+        base = decode_config(1, 8, 16, 512, 128, torch.bfloat16, torch.device("cuda"))
+        shapes = [(f"decode tile {t}", type(base)(t, 2, w, s)) for t in tiles or [base.tile_n]
+                  for w in warps or [base.num_warps] for s in stages or [base.num_stages]]
+    else:
+        shapes = [(f"decode b{n}", decode_config(n, 8, 16, 512, 128, torch.bfloat16, torch.device("cuda")))
+                  for n in (1, 16)]
     rows = []
-    for t in tiles or [base.tile_n]:
-        for w in warps or [base.num_warps]:
-            for s in stages or [base.num_stages]:
-                # every policy's decode; h2o's, which also writes per-segment mass; the PDL chain's
-                for mass, pdl in ((False, False), (True, False), (False, True), (True, True)):
-                    consts = dict(GROUP=2, GROUP_PAD=16, HEAD_DIM=128, DIM_PAD=128, BLOCK_SIZE=16, TILE_N=t,
-                                  NUM_SPLITS=2, PRECISION=None, UPCAST=False, OUTPUT_MASS=mass, SEG=min(t, 16),
-                                  SEGS_PER_TILE=t // min(t, 16), PDL=pdl, LINE=64, LINES_PAD=2)
-                    tag = f"decode tile {t}" + (" h2o" if mass else "") + (" pdl" if pdl else "")
-                    rows.append(compile_and_report(tag, _decode_kernel, consts, w, s))
+    for name, cfg in shapes:
+        t = cfg.tile_n
+        # every policy's decode; h2o's, which also writes per-segment mass; the PDL chain's
+        for mass, pdl in ((False, False), (True, False), (False, True), (True, True)):
+            consts = dict(GROUP=2, GROUP_PAD=16, HEAD_DIM=128, DIM_PAD=128, BLOCK_SIZE=16, TILE_N=t,
+                          NUM_SPLITS=cfg.num_splits, PRECISION=None, UPCAST=False, OUTPUT_MASS=mass, SEG=min(t, 16),
+                          SEGS_PER_TILE=t // min(t, 16), PDL=pdl, LINE=64, LINES_PAD=2)
+            tag = name + (" h2o" if mass else "") + (" pdl" if pdl else "")
+            rows.append(compile_and_report(tag, _decode_kernel, consts, cfg.num_warps, cfg.num_stages))
     mass = dict(GROUP=2, GROUP_PAD=16, BLOCK_SIZE=16, SEG=16, CHUNK=128)
     rows.append(compile_and_report("h2o page mass", _page_mass_kernel, mass, 4, 1))
     return rows
@@ -130,14 +150,18 @@ def other_rows() -> list[dict]:
         rows.append(compile_and_report("rms_norm" + tail, _rms_norm_kernel, norm, 8, 1))
         rope = dict(Q_HEADS=16, Q_HEADS_PAD=16, KV_HEADS=8, KV_HEADS_PAD=8, HALF=64, HALF_PAD=64, NORM=True, PDL=pdl)
         rows.append(compile_and_report("qk_norm_rope" + tail, _qk_norm_rope_kernel, rope, 4, 1))
-    # the decoder's linears at batch <= 16 (kernels.gemv at Qwen3-1.7B's shapes); down_proj as the MLP's fused tail
+    # the decoder's linears at batch <= 16 (kernels.gemv at Qwen3-1.7B's shapes, each at the launcher's choices);
+    # down_proj as the MLP's fused tail
     for name, n, k, tail in (("gemv qkv", 4096, 2048, False), ("gemv gate_up", 12288, 2048, False),
-                             ("gemv o_proj", 2048, 2048, False), ("gemv down+swiglu+res", 2048, 6144, True)):
-        cfg = gemv_config(n, k, torch.bfloat16, torch.device("cpu"))
+                             ("gemv o_proj", 2048, 2048, False), ("gemv down+swiglu+res", 2048, 6144, True),
+                             ("gemv lm_head", 151936, 2048, False)):
+        cfg = gemv_config(n, k, torch.bfloat16, torch.device("cuda"), swiglu=tail)
+        k_per_split = triton.cdiv(triton.cdiv(k, cfg.block_k), cfg.num_splits) * cfg.block_k
+        lines = max(1, min(PREFETCH_BYTES // (cfg.block_n * LINE_BYTES), triton.cdiv(k_per_split, 64)))
         for pdl in (False, True):
-            consts = dict(M_PAD=MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_SPLITS=2, HAS_BIAS=False,
-                          EVEN_K=True, PRECISION=None, UPCAST=False, SWIGLU=tail, RESIDUAL=tail, PDL=pdl,
-                          PREFETCH_LINES=8, LINE=64)
+            consts = dict(M_PAD=MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_SPLITS=cfg.num_splits,
+                          HAS_BIAS=False, EVEN_K=k % cfg.block_k == 0, PRECISION=None, UPCAST=False, SWIGLU=tail,
+                          RESIDUAL=tail, PDL=pdl, PREFETCH_LINES=1 << (lines.bit_length() - 1), LINE=64)
             rows.append(compile_and_report(name + (" pdl" if pdl else ""), _gemv_kernel, consts, cfg.num_warps,
                                            cfg.num_stages))
     return rows
@@ -149,6 +173,7 @@ def main() -> None:
     p.add_argument("--warps", type=int, nargs="*")
     p.add_argument("--stages", type=int, nargs="*")
     args = p.parse_args()
+    h200_shapes()
     rows = decode_rows(args.tile, args.warps, args.stages) + other_rows()
     print(f"{'kernel':<28} {'warps':>5} {'stages':>6} {'regs':>5} {'spill':>5} {'smem':>7} {'K/V bufs':>8} "
           f"{'16B ld':>6} {'LDGSTS':>6} {'mma':>5} {'wait':>5} {'prefetch':>8}")
