@@ -118,20 +118,21 @@ def test_gemv_config_fills_an_h200(monkeypatch):
     # H200: 132 SMs. o_proj (N = K = 2048, bf16): 2048 / 16 = 128 tiles < 132, so BLOCK_N = 16 with
     # BLOCK_K = 16384 B / (16 * 2 B) = 512, and two splits make 256 of the 264 program slots (97%);
     # lm_head (N = 151936): 151936 / 64 = 2374 tiles, BLOCK_K = 16384 / (64 * 2) = 128, no split.
-    # The MLP tail (down_proj, N = 2048, K = 6144, swiglu): BLOCK_N = 16 as o_proj, BLOCK_K = 8192 B / (16 * 2 B) =
-    # 256 (the fused input's float32 SiLU temporaries ride with each W tile), 24 K chunks, two splits again.
+    # The MLP tail (down_proj, N = 2048, K = 6144, swiglu): BLOCK_N = 16 as o_proj, BLOCK_K = 4096 B / (16 * 2 B) =
+    # 128 (the fused input's float32 SiLU temporaries ride with each W tile), 6 stages, 48 K chunks, two splits
+    # again (128 tiles x 2 = 256 of 264 slots; 4 splits fill the same 97%, and the fewest wins).
     # catches: a config that leaves most SMs idle at small N (one tile per 16 rows and no split), and the tail
     # launched at the plain GEMV's 16 x 512 tile, which spills on sm_90 (test_kernel_compile; planted: swiglu not
     # passed on to gemv_config)
     monkeypatch.setattr(gemv_module, "num_sms", lambda device: 132)
     assert gemv_config(2048, 2048, torch.bfloat16, DEVICE) == GemvConfig(block_n=16, block_k=512, num_splits=2)
     assert gemv_config(151936, 2048, torch.bfloat16, DEVICE) == GemvConfig(block_n=64, block_k=128, num_splits=1)
-    assert gemv_config(2048, 6144, torch.bfloat16, DEVICE, swiglu=True) == GemvConfig(block_n=16, block_k=256,
-                                                                                      num_splits=2)
+    assert gemv_config(2048, 6144, torch.bfloat16, DEVICE, swiglu=True) == GemvConfig(block_n=16, block_k=128,
+                                                                                      num_splits=2, num_stages=6)
     chosen = []
     real = gemv_module.gemv_config
     monkeypatch.setattr(gemv_module, "gemv_config", lambda *a, **k: chosen.append(real(*a, **k)) or chosen[-1])
-    k = 256  # float32 here: the plain GEMV's tile would be 16 x 256, the tail's 16 x 128
+    k = 256  # float32 here: the plain GEMV's tile would be 16 x 256, the tail's 16 x 64
     gate_up = torch.randn(1, 2 * k, device=DEVICE)
     gemv(gate_up, torch.randn(16, k, device=DEVICE), swiglu=True, residual=torch.zeros(1, 16, device=DEVICE))
     assert chosen == [real(16, k, torch.float32, DEVICE, swiglu=True)] != [real(16, k, torch.float32, DEVICE)]

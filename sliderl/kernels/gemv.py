@@ -33,9 +33,12 @@ MAX_ROWS = 16  # rows of x one launch takes: x is padded to this for tl.dot
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 W_TILE_BYTES = 16384  # bytes of W per pipeline stage of one program
 # the MLP tail (``swiglu``) also holds its gate and up tiles, and SiLU's float32 temporaries, for every padded row:
-# at 16 KB of W a stage (block 16 x 512 at down_proj's shape) ptxas spills ~15 KB a thread for sm_90, at 8 KB
-# (16 x 256) it needs 142 registers and spills nothing (benchmarks/kernel_compile_report.py at the H200's shapes)
-SWIGLU_W_TILE_BYTES = 8192
+# at 16 KB of W a stage (block 16 x 512 at down_proj's shape) ptxas spills 12-15 KB a thread for sm_90 (triton 3.6 /
+# 3.9), at 8 KB (16 x 256) still 8 bytes with triton 3.6; at 4 KB (16 x 128) it needs 92 registers and spills
+# nothing with either, and 6 stages keep 24 KB of W in flight per program (benchmarks/kernel_compile_report.py at
+# the H200's shapes)
+SWIGLU_W_TILE_BYTES = 4096
+SWIGLU_STAGES = 6
 BLOCK_NS = (64, 32, 16)  # tried largest first; 16 is tl.dot's minimum
 PREFETCH_BYTES = 65536  # with pdl: bytes of its W slice each program asks L2 for before it waits (at most)
 
@@ -136,9 +139,9 @@ def gemv_config(n: int, k: int, dtype: torch.dtype, device: torch.device, swiglu
 
     ``BLOCK_N``: the largest of 64/32/16 that still gives one tile per multiprocessor; when even 16
     does not (N = 2048 on an H200's 132), split K to fill two programs per multiprocessor
-    (``choose_num_splits``). ``BLOCK_K``: ``W_TILE_BYTES`` of W per stage (``SWIGLU_W_TILE_BYTES`` for the MLP
-    tail, ``gemv(swiglu=True)``). Not yet swept on the GPU: ``benchmarks/gemv.py --sweep`` times the neighbours
-    of this choice.
+    (``choose_num_splits``). ``BLOCK_K``: ``W_TILE_BYTES`` of W per stage (``SWIGLU_W_TILE_BYTES`` and
+    ``SWIGLU_STAGES`` for the MLP tail, ``gemv(swiglu=True)``). Not yet swept on the GPU: ``benchmarks/gemv.py
+    --sweep`` times the neighbours of this choice.
     """
     elem = torch.empty((), dtype=dtype).element_size()
     sms = num_sms(device)
@@ -147,7 +150,7 @@ def gemv_config(n: int, k: int, dtype: torch.dtype, device: torch.device, swiglu
     block_k = max(16, min(tile_bytes // (block_n * elem), next_pow2(k)))
     tiles, chunks = triton.cdiv(n, block_n), triton.cdiv(k, block_k)
     splits = 1 if tiles >= sms else choose_num_splits(tiles, chunks, sms, programs_per_sm=2)
-    return GemvConfig(block_n=block_n, block_k=block_k, num_splits=splits)
+    return GemvConfig(block_n=block_n, block_k=block_k, num_splits=splits, num_stages=SWIGLU_STAGES if swiglu else 4)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
