@@ -12,7 +12,7 @@
 #   bash benchmarks/device_session.sh F    # ~10 min: the paper's Table 1 way at 8K, prefix_sliding vs full (38.6)
 #   bash benchmarks/device_session.sh G    # ~10 min: the learner with compiled element-wise chains vs eager, 32K (38.3)
 #   bash benchmarks/device_session.sh P    # ~9 min: batch 1 and 8 at 8K, cuBLAS/GEMV x plain/PDL, per-kernel split (38.2)
-#   bash benchmarks/device_session.sh Q    # ~4 min: the GEMV regression alone: per-layer table, the engine's launches (38.2)
+#   bash benchmarks/device_session.sh Q    # ~5 min: the GEMV fix alone: per-layer table, batch 1 cuBLAS vs GEMV with each launch (38.2)
 #   bash benchmarks/device_session.sh X2   # ~10 min on nvidia-h200-x2: the sharded learner's 2-GPU rows (36)
 #
 # carry: .whl for A, .whl for B, E and X2, a Ray-less copy of .whl
@@ -107,8 +107,8 @@ case "$group" in
     # each row with the GPU's ms per step by kernel (torch.profiler over 32 steps, graphs included). First the GPU
     # tests of the PDL chain (bit-equal tokens, every captured launch chained, the PTX's wait and prefetch), then
     # per batch: cuBLAS vs the Triton GEMV (whose MLP tail is one launch), each launched plainly and as a PDL chain
-    # (at 4ae9f64 the engine with gemv on decoded 20 tok/s, 49 ms a step in _gemv_kernel, cause not yet found: the
-    # per-layer GEMV table, the fused MLP tail included, runs first to find the slow launch)
+    # (at 4ae9f64 the engine with gemv on decoded 20 tok/s, 49 ms a step in _gemv_kernel; the likely cause, the MLP
+    # tail's register spill at its 16 x 512 tile, is fixed since: the per-layer GEMV table, the tail included, first)
     item gemv-layers 90 python benchmarks/gemv.py --m 1 8
     item pdl-gpu-tests 120 python -m pytest -q tests/test_engine_gpu.py tests/test_gemv.py -m gpu -k "pdl or gemv"
     # (batch 1 also splits the overlapped step's host time by phase and by function: with the GPU faster, the host's
@@ -120,11 +120,13 @@ case "$group" in
       --hf-batch 0 --steps 64 --profile 32 --gemv off on --pdl off on --out "$OUT/batch8-8k/engine_gpu.json"
     ;;
   Q)
-    # issue 38, item 2, the GEMV regression alone (~4 min): the per-layer table, then the engine's batch-1 GEMV row
-    # with the top kernel's launches of one step in order (engine_gpu.py's profile "top_kernel_launches_us")
+    # issue 38, item 2, the GEMV regression alone (~5 min): is the MLP tail's spill (fixed since 4ae9f64: 16 x 128
+    # tiles) the 20 tok/s? The per-layer table (the tail's row against torch's four kernels), then batch 1 with cuBLAS
+    # and with the GEMV in one run, each row with its top kernel's launches of one step in order (engine_gpu.py's
+    # profile "top_kernel_launches_us": which launch is slow, if one still is)
     item gemv-layers-m1 100 python benchmarks/gemv.py --m 1
-    item batch1-gemv 150 python benchmarks/engine_gpu.py --positions 8192 --policies prefix_sliding:4096 --max-seqs 1 \
-      --hf-batch 0 --steps 16 --profile 4 --gemv on --out "$OUT/batch1-gemv/engine_gpu.json"
+    item batch1-gemv 200 python benchmarks/engine_gpu.py --positions 8192 --policies prefix_sliding:4096 --max-seqs 1 \
+      --hf-batch 0 --steps 32 --profile 8 --gemv off on --out "$OUT/batch1-gemv/engine_gpu.json"
     ;;
   X2)
     # issue 36 on a two-GPU machine (kind nvidia-h200-x2; carry .whl, as B): 1.7B at 1 and 2 ranks at the same global
