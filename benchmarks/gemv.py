@@ -8,9 +8,9 @@ copies of W to overflow L2 (>= 256 MB), so every read comes from HBM and launch 
 graph. Reported per call: microseconds (CUDA events around a replay, median of 50 after warm-up,
 divided by the copies), GB/s of W read (x and y are negligible at M <= 8), and cuBLAS time / GEMV
 time. ``--sweep`` also times launch shapes around ``gemv_config``'s choice at M = 1 (slower: one
-compile per shape tried) and prints the best few per layer. The ``down_tail`` row is the decoder MLP's tail as the
-engine runs it with ``gemv``: ``h + down(silu(gate) * up)`` as one GEMV launch (``swiglu``, ``residual``) against
-torch's SiLU, multiply, cuBLAS GEMM and add.
+compile per shape tried) and prints the best few per layer and the default's own time, the MLP tail's shapes
+too. The ``down_tail`` row is the decoder MLP's tail as the engine runs it with ``gemv``: ``h + down(silu(gate) *
+up)`` as one GEMV launch (``swiglu``, ``residual``) against torch's SiLU, multiply, cuBLAS GEMM and add.
 """
 
 from __future__ import annotations
@@ -104,23 +104,31 @@ def compare_tail(ws: list[torch.Tensor], m: int) -> None:
           flush=True)
 
 
-def sweep(name: str, ws: list[torch.Tensor], top: int = 4) -> None:
-    """Time launch shapes around the default at M = 1; print the fastest ``top``."""
+def sweep(name: str, ws: list[torch.Tensor], top: int = 4, tail: bool = False) -> None:
+    """Time launch shapes around the default at M = 1; print the fastest ``top``. ``tail``: the MLP's fused tail
+    (``swiglu``, ``residual``) at down_proj's shape, whose SiLU temporaries bound its tiles (a spilling shape shows
+    as a slow one), also over 8 warps."""
     n, k = ws[0].shape
-    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(1, 2 * k if tail else k, device="cuda", dtype=torch.bfloat16)
+    h = torch.randn(1, n, device="cuda", dtype=torch.bfloat16)
     gb = n * k * 2 / 1e9
     results = []
-    for block_n, block_k, splits, stages in itertools.product((16, 32, 64, 128), (64, 128, 256, 512),
-                                                               (1, 2, 4, 8), (3, 4)):
+    shapes = (itertools.product((16, 32), (64, 128, 256), (1, 2, 4), (4, 6), (4, 8)) if tail else
+              itertools.product((16, 32, 64, 128), (64, 128, 256, 512), (1, 2, 4, 8), (3, 4), (4,)))
+    for block_n, block_k, splits, stages, warps in shapes:
         if block_n * block_k * 2 > 65536 or (splits > 1 and math.ceil(n / block_n) * splits > 8 * 132):
             continue  # tiles over 64 KB, or far more programs than any GPU here has slots for
-        cfg = GemvConfig(block_n, block_k, splits, num_warps=4, num_stages=stages)
+        cfg = GemvConfig(block_n, block_k, splits, num_warps=warps, num_stages=stages)
+        calls = ([lambda w=w: gemv(x, w, config=cfg, swiglu=True, residual=h) for w in ws] if tail else
+                 [lambda w=w: gemv(x, w, config=cfg) for w in ws])
         try:
-            results.append((graph_us([lambda w=w: gemv(x, w, config=cfg) for w in ws], repeats=20), cfg))
+            results.append((graph_us(calls, repeats=20), cfg))
         except OutOfResources:  # more shared memory than the GPU has: skip it, say so
             print(f"  {name} {cfg}: out of resources", flush=True)
-    default = gemv_config(n, k, torch.bfloat16, x.device)
-    for us, cfg in sorted(results, key=lambda r: r[0])[:top]:
+    default = gemv_config(n, k, torch.bfloat16, x.device, swiglu=tail)
+    ranked = sorted(results, key=lambda r: r[0])
+    shown = ranked[:top] + [r for r in ranked[top:] if r[1] == default]  # the default's own row, wherever it ranks
+    for us, cfg in shown:
         mark = "  (default)" if cfg == default else ""
         print(f"  {name:<10}{us:>8.1f} us {gb / us * 1e6:>6.0f} GB/s  {cfg}{mark}", flush=True)
 
@@ -140,6 +148,8 @@ def main() -> None:
                 compare_tail(ws, m)
         if args.sweep:
             sweep(name, ws)
+            if name == "down_proj":
+                sweep("down_tail", ws, tail=True)
         del ws
         torch.cuda.empty_cache()
 
