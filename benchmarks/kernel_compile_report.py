@@ -34,8 +34,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from sliderl.kernels.cache_write import _write_kv_kernel  # noqa: E402
 from sliderl.kernels.decode import _decode_kernel, _page_mass_kernel, decode_config  # noqa: E402
-from sliderl.kernels.gemv import MAX_ROWS, PREFETCH_BYTES, _gemv_kernel, gemv_config  # noqa: E402
-from sliderl.kernels.pdl import LINE_BYTES  # noqa: E402
+from sliderl.kernels.gemv import MAX_ROWS, _gemv_kernel, gemv_config, split_layout  # noqa: E402
 from sliderl.kernels.norm_rope import _qk_norm_rope_kernel, _rms_norm_kernel  # noqa: E402
 from sliderl.kernels.prefill import _prefill_kernel, prefill_config  # noqa: E402
 
@@ -156,12 +155,11 @@ def other_rows() -> list[dict]:
                              ("gemv o_proj", 2048, 2048, False), ("gemv down+swiglu+res", 2048, 6144, True),
                              ("gemv lm_head", 151936, 2048, False)):
         cfg = gemv_config(n, k, torch.bfloat16, torch.device("cuda"), swiglu=tail)
-        k_per_split = triton.cdiv(triton.cdiv(k, cfg.block_k), cfg.num_splits) * cfg.block_k
-        lines = max(1, min(PREFETCH_BYTES // (cfg.block_n * LINE_BYTES), triton.cdiv(k_per_split, 64)))
+        _, prefetch_lines, line = split_layout(cfg, k, torch.bfloat16)  # as gemv() launches it
         for pdl in (False, True):
             consts = dict(M_PAD=MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NUM_SPLITS=cfg.num_splits,
                           HAS_BIAS=False, EVEN_K=k % cfg.block_k == 0, PRECISION=None, UPCAST=False, SWIGLU=tail,
-                          RESIDUAL=tail, PDL=pdl, PREFETCH_LINES=1 << (lines.bit_length() - 1), LINE=64)
+                          RESIDUAL=tail, PDL=pdl, PREFETCH_LINES=prefetch_lines, LINE=line)
             rows.append(compile_and_report(name + (" pdl" if pdl else ""), _gemv_kernel, consts, cfg.num_warps,
                                            cfg.num_stages))
     return rows

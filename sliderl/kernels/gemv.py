@@ -150,7 +150,7 @@ def gemv_config(n: int, k: int, dtype: torch.dtype, device: torch.device, swiglu
     block_k = max(16, min(tile_bytes // (block_n * elem), next_pow2(k)))
     tiles, chunks = triton.cdiv(n, block_n), triton.cdiv(k, block_k)
     splits = 1 if tiles >= sms else choose_num_splits(tiles, chunks, sms, programs_per_sm=2)
-    return GemvConfig(block_n=block_n, block_k=block_k, num_splits=splits, num_stages=SWIGLU_STAGES if swiglu else 4)
+    return GemvConfig(block_n=block_n, block_k=block_k, num_splits=splits, num_stages=SWIGLU_STAGES if swiglu else GemvConfig.num_stages)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -187,13 +187,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     cfg = config or gemv_config(n, k, weight.dtype, x.device, swiglu)
     _check_config(cfg)
     tiles, splits = triton.cdiv(n, cfg.block_n), cfg.num_splits
-    k_per_split = triton.cdiv(triton.cdiv(k, cfg.block_k), splits) * cfg.block_k
+    k_per_split, prefetch_lines, line = split_layout(cfg, k, weight.dtype)
     part = torch.empty((splits, m, n), dtype=torch.float32, device=x.device) if splits > 1 else out
     counters = split_counters(x.device, tiles) if splits > 1 else out
-    line = line_elems(weight.dtype)
-    # lines per W row to prefetch: a power of two (tl.arange), within PREFETCH_BYTES and the program's K range
-    lines = max(1, min(PREFETCH_BYTES // (cfg.block_n * LINE_BYTES), triton.cdiv(k_per_split, line)))
-    prefetch_lines = 1 << (lines.bit_length() - 1)
     _gemv_kernel[(tiles, splits)](
         x, weight, bias if bias is not None else out, residual if residual is not None else out, out, part, counters,
         m, n, k, k_per_split, x.stride(0), weight.stride(0), residual.stride(0) if residual is not None else 0,
@@ -204,6 +200,16 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         PREFETCH_LINES=prefetch_lines, LINE=line,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl))
     return out
+
+
+def split_layout(cfg: GemvConfig, k: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """What a launch at ``cfg`` derives from K: the K elements per split (whole ``BLOCK_K`` chunks), the L2 lines
+    per W row each program prefetches under ``pdl`` (a power of two for ``tl.arange``, within ``PREFETCH_BYTES``
+    and the split's K range) and the elements per line."""
+    k_per_split = triton.cdiv(triton.cdiv(k, cfg.block_k), cfg.num_splits) * cfg.block_k
+    line = line_elems(dtype)
+    lines = max(1, min(PREFETCH_BYTES // (cfg.block_n * LINE_BYTES), triton.cdiv(k_per_split, line)))
+    return k_per_split, 1 << (lines.bit_length() - 1), line
 
 
 def check_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
