@@ -11,17 +11,18 @@
 #   bash benchmarks/device_session.sh E 1  # ~9 min: TIP's GPU-scale arms with decode wall time, seed 1 (41); carry .whl (Ray)
 #   bash benchmarks/device_session.sh F    # ~10 min: the paper's Table 1 way at 8K, prefix_sliding vs full (38.6)
 #   bash benchmarks/device_session.sh G    # ~10 min: the learner with compiled element-wise chains vs eager, 32K (38.3)
+#   bash benchmarks/device_session.sh M    # ~10 min: the 7B learner's MFU on one GPU, checkpointing all / compiled / 12 of 28 layers (38.3)
 #   bash benchmarks/device_session.sh P    # ~9 min: batch 1 and 8 at 8K, cuBLAS/GEMV x plain/PDL, per-kernel split (38.2)
 #   bash benchmarks/device_session.sh Q    # ~5 min: the GEMV fix alone: per-layer table, batch 1 cuBLAS vs GEMV with each launch (38.2)
 #   bash benchmarks/device_session.sh X2   # ~10 min on nvidia-h200-x2: the sharded learner's 2-GPU rows (36)
 #
 # carry: .whl for A, .whl for B, E and X2, a Ray-less copy of .whl
-# (runs/whl-light) with runs/pasta-h200 and runs/pd-long for C, runs/whl-light for D, F, G and P: everything carried must
+# (runs/whl-light) with runs/pasta-h200 and runs/pd-long for C, runs/whl-light for D, F, G, M and P: everything carried must
 # stay under 64 MiB with the tree (~9 MB), and Ray's wheel alone is 47 MB. The commands are the ones
 # docs/results.md gives.
 set -u
 OUT=${OUT:?set OUT to the folder whose files come back}
-group=${1:?name a group: A, B, C, D, E, F, G, P, Q or X2}
+group=${1:?name a group: A, B, C, D, E, F, G, M, P, Q or X2}
 summary=()
 
 item() {  # item NAME SECONDS COMMAND...: run with a limit, tee its log, note rc and seconds
@@ -49,7 +50,7 @@ case "$group" in
   B)
     # issue 36: one H200 holds 7B's float32 masters only with the optimizer state in host memory (128 GiB here)
     item scaling-7b-offload 570 python benchmarks/learner_scaling.py --shape 7b --ranks 1 --seq 32768 \
-      --offload cpu --steps 2 --out "$OUT/scaling-7b-offload"
+      --offload cpu --steps 2 --out "$OUT/scaling-7b-offload" --models /tmp/sliderl-models
     ;;
   C)
     # issue 41: the trained Pasta models' realised batch-1 speedup (Pasta-BoNBoN and Pasta-SFT vs Baseline-SFT,
@@ -102,6 +103,24 @@ case "$group" in
       sliderl:full:ckpt:32768:compiled sliderl:truncated:nockpt:32768:compiled sliderl:full:nockpt:32768:compiled \
       --budget-s 470 --out "$OUT/learner-compiled"
     ;;
+  M)
+    # issue 38, item 3 at the 7B shape (target: >= 45% MFU): one H200, AdamW on the bf16 weights (8 B/param, 61 GB of
+    # state: float32 masters need offload, group B), truncated T = 32K (W 4,096, k 4, prompt 128: the 1.7B rows'
+    # shape), one window per micro-batch; every layer recomputed, eager, then compiled, then with 16 of the 28
+    # layers keeping their activations (compiled: 2.33 GiB a layer at 16,512 tokens, 37 GiB for 16, counted on the
+    # CPU by benchmarks/activation_memory.py; eager 3.47), beside ~71 GiB for the step with every layer recomputed.
+    # An OOM row says so in its status. The 7B is built once on the CPU under /tmp (not $OUT: 15 GB)
+    # (the first row builds the model: ~1-2 min of the 250 s)
+    limit=250
+    for variant in "" "--compiled" "--compiled --checkpoint-layers 12"; do
+      name=mfu-7b$(echo "$variant" | tr -d ' -' | sed 's/compiled/-comp/; s/checkpointlayers/-ckpt/')
+      # shellcheck disable=SC2086  # the variant's flags are words
+      item "$name" $limit python benchmarks/learner_scaling.py --shape 7b --ranks 1 --seq 32768 --mode truncated \
+        --window 4096 --prompt 128 --no-masters --micro-batch-tokens 16512 --steps 2 $variant \
+        --out "$OUT/mfu-7b" --models /tmp/sliderl-models
+      limit=150
+    done
+    ;;
   P)
     # issue 38, item 2: small-batch decode at 8K (target: batch 1 >= 760 tok/s, >= 80% of the byte limit at 2-8),
     # each row with the GPU's ms per step by kernel (torch.profiler over 32 steps, graphs included). First the GPU
@@ -133,12 +152,12 @@ case "$group" in
     # batch with the weight sync's time, then the 7B step at 2 ranks without offload (docs/results.md, "A sharded
     # learner"); rows print as each finishes
     item scaling-1p7b 300 python benchmarks/learner_scaling.py --shape 1.7b --ranks 1 2 --seq 8192 32768 --sync \
-      --out "$OUT/scaling-1p7b"
+      --out "$OUT/scaling-1p7b" --models /tmp/sliderl-models
     item scaling-7b-2gpu 280 python benchmarks/learner_scaling.py --shape 7b --ranks 2 --seq 32768 \
-      --out "$OUT/scaling-7b-2gpu"
+      --out "$OUT/scaling-7b-2gpu" --models /tmp/sliderl-models
     ;;
   *)
-    echo "unknown group $group: A, B, C, D, E, F, G, P, Q or X2" >&2
+    echo "unknown group $group: A, B, C, D, E, F, G, M, P, Q or X2" >&2
     exit 2
     ;;
 esac

@@ -12,7 +12,9 @@ process group (NCCL; gloo on CPU) whose rendezvous store this script serves, eac
 GRPO groups of ``--group`` synthetic traces (``benchmarks.learner_gpu.make_traces``: a prompt of ``--prompt``
 (256) tokens then T - 256 generated, random ids, rewards 0..group-1, ``prefix_sliding:--window``), trained with
 ``window_mode --mode`` (full: every token of every trace; truncated: the last k·W), bf16 with float32
-masters, activation checkpointing, one trace per micro-batch (``micro_batch_tokens`` = T). Every rank steps
+masters (``--no-masters``: AdamW on the bf16 weights), activation checkpointing (of the first
+``--checkpoint-layers`` layers; default all; ``--compiled``: the element-wise chains compiled), one trace
+per micro-batch (``micro_batch_tokens`` = T unless ``--micro-batch-tokens``). Every rank steps
 on all the groups; the learner splits them by tokens. One warm-up step (compiles FlexAttention), then
 ``--steps`` timed steps.
 
@@ -107,8 +109,9 @@ def rank_main(args: argparse.Namespace) -> None:
     spec = ProcessGroupSpec(args.address, args.world, process_group_backend(device), 1800)
     parallel = FSDPParallel.join(spec, args.rank, torch.device(device)) if sharded else Parallel()
     learner = Learner(args.model, LearnerArgs(
-        lr=1e-6, device=device, dtype="float32" if args.cpu_smoke else "bfloat16", master_weights=True,
-        gradient_checkpointing=True, window_mode=args.mode, micro_batch_tokens=args.seq, offload=args.offload,
+        lr=1e-6, device=device, dtype="float32" if args.cpu_smoke else "bfloat16", master_weights=args.masters,
+        gradient_checkpointing=True, checkpoint_layers=args.checkpoint_layers, compile_elementwise=args.compiled,
+        window_mode=args.mode, micro_batch_tokens=args.micro_batch_tokens or args.seq, offload=args.offload,
         vocab_policy=None), parallel=parallel)
     vocab = learner.model.config.vocab_size
     groups = [make_traces(args.prompt, args.seq - args.prompt, args.window, min(vocab, 256 * 256))[:args.group]
@@ -239,7 +242,9 @@ def run_row(args: argparse.Namespace, model: Path, ranks: int, seq: int, out: Pa
         log.close()
     del store, weights_store
     row = {"shape": args.shape, "ranks": ranks, "seq": seq, "group": args.group, "groups": args.groups,
-           "mode": args.mode, "prompt": args.prompt, "window": args.window, "offload": args.offload, "fsdp": args.fsdp}
+           "mode": args.mode, "prompt": args.prompt, "window": args.window, "offload": args.offload, "fsdp": args.fsdp,
+           "masters": args.masters, "checkpoint_layers": args.checkpoint_layers, "compiled": args.compiled,
+           "micro_batch_tokens": args.micro_batch_tokens or seq}
     if codes != [0] * len(procs) or not row_file.is_file():
         tail = (out / f"rank0-{ranks}-{seq}.log").read_text()[-2000:]
         return {**row, "status": f"failed {codes}", "tail": tail}
@@ -266,6 +271,10 @@ def _passed(args: argparse.Namespace) -> list[str]:
            "--prompt", str(args.prompt),
            "--mode", args.mode, "--window", str(args.window), "--offload", args.offload, "--fsdp", args.fsdp,
            "--sync-repeats", str(args.sync_repeats)]
+    out += ["--checkpoint-layers", str(args.checkpoint_layers)] if args.checkpoint_layers is not None else []
+    out += ["--micro-batch-tokens", str(args.micro_batch_tokens)] if args.micro_batch_tokens else []
+    out += ["--no-masters"] if not args.masters else []
+    out += ["--compiled"] if args.compiled else []
     return out + (["--sync"] if args.sync else []) + (["--cpu-smoke"] if args.cpu_smoke else [])
 
 
@@ -292,15 +301,25 @@ def add_rates(rows: list[dict], model: Path) -> list[dict]:
     return rows
 
 
+def setup_label(row: dict) -> str:
+    """The row's memory settings in a few characters: ``masters ckpt:all`` (float32 masters, every layer
+    recomputed) or ``plain ckpt:12 comp`` (AdamW on the weights, 12 layers recomputed, compiled chains)."""
+    layers = row.get("checkpoint_layers")
+    label = f"{'masters' if row.get('masters', True) else 'plain'} ckpt:{'all' if layers is None else layers}"
+    label += " comp" if row.get("compiled") else ""
+    return label + (f" off:{row['offload']}" if row.get("offload", "none") != "none" else "")
+
+
 def table(rows: list[dict]) -> str:
-    lines = [f"{'shape':>5} {'ranks':>5} {'T':>6} {'status':>8} {'step_s':>8} {'tok/s':>9} {'scaling':>7} {'MFU':>6} "
-             f"{'sync_s':>7}  peak GiB per rank"]
+    lines = [f"{'shape':>5} {'ranks':>5} {'T':>6} {'setup':>22} {'status':>8} {'step_s':>8} {'tok/s':>9} {'scaling':>7} "
+             f"{'MFU':>6} {'sync_s':>7}  peak GiB per rank"]
     for r in rows:
+        setup = setup_label(r)
         if r["status"] != "ok":
-            lines.append(f"{r['shape']:>5} {r['ranks']:>5} {r['seq']:>6} {r['status']:>8}")
+            lines.append(f"{r['shape']:>5} {r['ranks']:>5} {r['seq']:>6} {setup:>22} {r['status']:>8}")
             continue
         sync = f"{r['sync_s']:.4f}" if "sync_s" in r else "-"
-        lines.append(f"{r['shape']:>5} {r['ranks']:>5} {r['seq']:>6} {'ok':>8} {r['step_s']:8.3f} {r['tok_s']:9.0f} "
+        lines.append(f"{r['shape']:>5} {r['ranks']:>5} {r['seq']:>6} {setup:>22} {'ok':>8} {r['step_s']:8.3f} {r['tok_s']:9.0f} "
                      f"{r.get('scaling', float('nan')):7.2f} {r['mfu']:6.1%} {sync:>7}  {r['peak_gib']}")
     return "\n".join(lines)
 
@@ -318,10 +337,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--window", type=int, default=1024, help="W of the traces' prefix_sliding policy")
     p.add_argument("--offload", choices=("none", "cpu"), default="none")
     p.add_argument("--fsdp", choices=("auto", "always"), default="auto")
+    p.add_argument("--checkpoint-layers", type=int, default=None,
+                   help="recompute only the first K decoder layers (learner.checkpoint_layers); default every layer")
+    p.add_argument("--micro-batch-tokens", type=int, default=None,
+                   help="learner.micro_batch_tokens; default T (one trace, or several truncated windows, per micro-batch)")
+    p.add_argument("--no-masters", dest="masters", action="store_false",
+                   help="AdamW on the bf16 weights (no float32 masters: 8 B/param less; the MFU rows at 7B on one GPU)")
+    p.add_argument("--compiled", action="store_true", help="learner.compile_elementwise on")
     p.add_argument("--sync", action="store_true", help="also time the weight sync to a receiver process")
     p.add_argument("--sync-repeats", type=int, default=5)
     p.add_argument("--row-timeout-s", type=float, default=1800)
     p.add_argument("--out", type=Path, default=Path("runs/learner_scaling"))
+    p.add_argument("--models", type=Path, help="build (or reuse) the random model under this folder instead of --out "
+                                               "(on the GPU machine: outside the folder whose files come back)")
     p.add_argument("--cpu-smoke", action="store_true", help="CPU, gloo, a tiny model, T 64: the script runs")
     # one process of a row (set by run_row)
     p.add_argument("--role", choices=("rank", "receiver"))
@@ -344,7 +372,7 @@ def main(argv: list[str] | None = None) -> None:
         return rank_main(args)
     args.out.mkdir(parents=True, exist_ok=True)
     # the 7B is initialised on the CPU: this process then holds no GPU memory while the rows run
-    model = build_model(args.shape, args.out, "cpu" if args.cpu_smoke or args.shape == "7b" else "cuda")
+    model = build_model(args.shape, args.models or args.out, "cpu" if args.cpu_smoke or args.shape == "7b" else "cuda")
     rows = add_rates([run_row(args, model, ranks, seq, args.out) for seq in args.seq for ranks in args.ranks], model)
     with (args.out / "results.jsonl").open("a") as f:
         for row in rows:

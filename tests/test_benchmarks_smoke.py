@@ -397,13 +397,40 @@ def test_learner_scaling_smoke_has_a_row_per_rank_count_at_the_same_global_batch
     # would then fail on the device instead), a global batch that shrinks with the ranks, where both rows must
     # feed the model 8 traces x 63 inputs = 504
     # per step (16 prompt + 48 generated tokens, each but the last an input: the Learner's num_tokens), a sync
-    # never timed (sync_s missing or 0), and scaling not taken over the 1-rank row
+    # never timed (sync_s missing or 0), and scaling not taken over the 1-rank row; group M's flags (partial
+    # checkpointing, the model built outside the folder whose files come back) not reaching the rows
     out = subprocess.run([sys.executable, "benchmarks/learner_scaling.py", "--cpu-smoke", "--sync", "--out",
-                          str(tmp_path)], capture_output=True, text=True, timeout=500)
+                          str(tmp_path / "out"), "--checkpoint-layers", "1", "--models", str(tmp_path / "models")],
+                         capture_output=True, text=True, timeout=500)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert (tmp_path / "models/model-tiny/config.json").is_file() and not list((tmp_path / "out").glob("model-*"))
+    rows = [json.loads(line) for line in (tmp_path / "out/results.jsonl").read_text().splitlines()]
+    assert all(r["checkpoint_layers"] == 1 and r["masters"] for r in rows) and "masters ckpt:1" in out.stdout
     assert [(r["ranks"], r["seq"], r["status"]) for r in rows] == [(1, 64, "ok"), (2, 64, "ok")], rows
     for r in rows:
         assert r["num_tokens"] == 8 * 63 and r["tok_s"] == pytest.approx(504 / r["step_s"]) and r["sync_s"] > 0
         assert 0 < r["mfu"] < 1
     assert rows[0]["scaling"] == 1.0 and rows[1]["scaling"] == pytest.approx(rows[1]["tok_s"] / rows[0]["tok_s"])
+
+
+# ---------------------------------------------------------------------------- benchmarks/activation_memory.py
+
+
+def test_activation_memory_of_an_eager_qwen3_1p7b_layer_by_hand():
+    # catches: the count taking in the weights or another fixed-size buffer (bytes per token would then differ
+    # between T = 32 and 64), a view's storage counted twice, FlexAttention's saves left out or double counted, and
+    # a change to the eager layer that makes it keep more for backward. By hand, bytes a token (d = 2048 hidden,
+    # I = 6144 MLP, Hq = 16 and Hkv = 8 heads of D = 128), from what each eager op saves:
+    #   each of the two RMSNorms: its float32 input 4d, the float32 1/rms 4, two bf16 [d] products 2d + 2d
+    #   q/k-norm: float32 q and k 4(Hq + Hkv)D, 1/rms 4(Hq + Hkv), the bf16 normed q and k 2(Hq + Hkv)D
+    #   o_proj's input (the attention output) 2·Hq·D; the MLP: gate, up, silu(gate) and its product with up, 4 x 2I
+    #   FlexAttention (added by the script): q, k, v 2(Hq + 2Hkv)D and the float32 log-sum-exp 4Hq
+    from benchmarks.activation_memory import measure
+
+    d, inter, hq, hkv, dh = 2048, 6144, 16, 8, 128
+    by_hand = (2 * (8 * d + 4) + 6 * (hq + hkv) * dh + 4 * (hq + hkv) + 2 * hq * dh + 8 * inter
+               + 2 * (hq + 2 * hkv) * dh + 4 * hq)
+    assert by_hand == 112_808
+    row = measure("1.7b", [32, 64], compiled=False)
+    assert row["extra_bytes_per_token"] == [by_hand, by_hand]
+    assert row["extra_gib_per_layer_at_window"] == pytest.approx(by_hand * 16_512 / 2**30)

@@ -175,6 +175,34 @@ def test_gradient_checkpointing_gives_hf_gradients(tiny_model_factory):
         assert (param.grad - ref).abs().max() <= 1e-4 * (1 + ref.abs().max()), name
 
 
+@pytest.mark.parametrize("checkpoint_layers, runs", [(1, [2, 1, 1]), (2, [2, 2, 1]), (0, [1, 1, 1]),
+                                                    (5, [2, 2, 2]), (None, [2, 2, 2])])
+def test_checkpoint_layers_recomputes_only_the_first_k(tiny_model_factory, checkpoint_layers, runs):
+    # catches: checkpoint_layers ignored (every layer recomputed, or none), the count off by one or taken from the
+    # end, and a partly checkpointed model whose gradients are not transformers' own. A layer's forward runs once in
+    # the forward pass and once more in backward when it is recomputed (non-reentrant checkpointing calls the
+    # module again, and stops it early once it has what backward needs: hence a pre-hook), so the hooks count
+    # [2, 1, 1] for K = 1 of 3 layers; K past the layer count is "all".
+    path = tiny_model_factory("qwen3", num_layers=3)
+    model, hf = load_model(path), AutoModelForCausalLM.from_pretrained(path)
+    model.train().gradient_checkpointing = True
+    model.checkpoint_layers = checkpoint_layers
+    calls = [0] * 3
+    for i, layer in enumerate(model.model.layers):
+        layer.register_forward_pre_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
+    hf.train()
+    ids = tokens(24)
+    ours = model.compute_logits(model(ids, torch.arange(24), DenseAttention(causal_mask(24))))
+    torch.nn.functional.cross_entropy(ours[:-1], ids[1:]).backward()
+    assert calls == runs
+    theirs = hf(ids[None], attention_mask=torch.ones(1, 24, dtype=torch.long)).logits[0]
+    torch.nn.functional.cross_entropy(theirs[:-1], ids[1:]).backward()
+    hf_params = dict(hf.named_parameters())
+    for name, param in model.named_parameters():
+        ref = hf_params[name].grad
+        assert (param.grad - ref).abs().max() <= 1e-4 * (1 + ref.abs().max()), name
+
+
 def test_resize_vocab_adds_mean_rows(tiny_model_factory):
     path = tiny_model_factory("llama", tie_word_embeddings=False)
     model, hf = load_model(path), AutoModelForCausalLM.from_pretrained(path)

@@ -421,7 +421,8 @@ class DecoderLM(nn.Module):
 
     ``forward(input_ids [N], positions [N], attn) -> hidden [N, hidden_size]`` (after the final
     norm); ``compute_logits(hidden) -> [N, vocab] float32``. Set ``gradient_checkpointing = True``
-    to recompute each layer in backward while training. Set ``fused_kernels = True`` (CUDA, or
+    to recompute each layer in backward while training, or only the first ``checkpoint_layers`` of them (the
+    others keep their activations: less recomputation for more memory). Set ``fused_kernels = True`` (CUDA, or
     ``TRITON_INTERPRET=1``) to run, whenever autograd is off, the norms and q/k-norm + RoPE as Triton
     kernels and q/k/v and gate/up as one GEMM each (``FusedLinears``); with autograd on (training) the
     PyTorch ops run, which stay the reference. Set ``gemv_kernels = True`` as well to run the linear
@@ -439,6 +440,7 @@ class DecoderLM(nn.Module):
         self.model = Backbone(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.gradient_checkpointing = False
+        self.checkpoint_layers: int | None = None  # None: every layer (with gradient_checkpointing)
         self.fused_kernels = False
         self.gemv_kernels = False
         self.pdl_kernels = False
@@ -462,8 +464,10 @@ class DecoderLM(nn.Module):
         gemv = fused and self.gemv_kernels
         pdl = fused and self.pdl_kernels
         compiled = self.compile_elementwise and not fused
-        for layer in self.model.layers:
-            if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+        recompute = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
+        recomputed = len(self.model.layers) if self.checkpoint_layers is None else self.checkpoint_layers
+        for i, layer in enumerate(self.model.layers):
+            if recompute and i < recomputed:
                 h = checkpoint(layer, h, cos, sin, attn, False, False, compiled, use_reentrant=False)
             else:
                 h = layer(h, cos, sin, attn, fused, gemv, compiled, pdl)

@@ -94,6 +94,7 @@ class Learner:
         self.model = load_model(model_path, dtype=self.parallel.storage_dtype(args.dtype, args.master_weights),
                                 device=self.parallel.load_device(self.device)).train()
         self.model.gradient_checkpointing = args.gradient_checkpointing
+        self.model.checkpoint_layers = args.checkpoint_layers
         self.model.compile_elementwise = args.compile_elementwise
         self.tokenizer = load_tokenizer(model_path)
         self._hf_source = read_hf_source(model_path)  # model_path may be a checkpoint that gets pruned

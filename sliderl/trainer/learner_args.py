@@ -68,6 +68,10 @@ class LearnerArgs:
     bf16 spacing is lost (lr 1e-6 never moves a weight of 0.02). +12 bytes per parameter."""
     gradient_checkpointing: bool = False
     """Recompute each layer's activations in backward to save memory."""
+    checkpoint_layers: int | None = None
+    """With gradient_checkpointing: recompute only the first K decoder layers (all of them when K >= the model's
+    layer count); the others keep their activations, trading their memory for their forward's second run.
+    None: every layer."""
     compile_elementwise: bool = False
     """Run each layer's element-wise chains (the norms with their residual adds, q/k-norm + RoPE, SiLU·mul) as
     ``torch.compile``d graphs, forward and backward fused (``core.model.DecoderLM``): on the H200 those chains,
@@ -105,6 +109,11 @@ class LearnerArgs:
         require_field(self, "window_mode", self.window_mode in WINDOW_MODES, f"one of {', '.join(WINDOW_MODES)}")
         require_field(self, "multiplier", self.multiplier >= 1, ">= 1")
         require_field(self, "window", self.window is None or self.window >= 1, ">= 1 or None")
+        require_field(self, "checkpoint_layers", self.checkpoint_layers is None or self.checkpoint_layers >= 0,
+                      ">= 0 or None")
+        if self.checkpoint_layers is not None and not self.gradient_checkpointing:
+            raise ValueError(f"checkpoint_layers ({self.checkpoint_layers}) needs gradient_checkpointing: true (it "
+                             f"says how many layers recompute); set both, or leave checkpoint_layers None")
         require_field(self, "micro_batch_tokens", self.micro_batch_tokens >= 1, ">= 1")
         require_field(self, "attention", self.attention in ATTENTION_BACKENDS, f"one of {', '.join(ATTENTION_BACKENDS)}")
         require_field(self, "device", bool(_DEVICE.fullmatch(self.device)), "cpu, cuda or cuda:N")
