@@ -13,7 +13,7 @@
 #   bash benchmarks/device_session.sh G    # ~10 min: the learner with compiled element-wise chains vs eager, 32K (38.3)
 #   bash benchmarks/device_session.sh M    # ~10 min: the 7B learner's MFU on one GPU, checkpointing all / compiled / 12 of 28 layers (38.3)
 #   bash benchmarks/device_session.sh P    # ~9 min: batch 1 and 8 at 8K, cuBLAS/GEMV x plain/PDL, per-kernel split (38.2)
-#   bash benchmarks/device_session.sh Q    # ~5 min: the GEMV fix alone: per-layer table, batch 1 cuBLAS vs GEMV with each launch (38.2)
+#   bash benchmarks/device_session.sh Q    # ~7 min: the GEMV fix: per-layer table, batch 1 cuBLAS vs GEMV with each launch; batch-1 decode attention sweep (38.2)
 #   bash benchmarks/device_session.sh X2   # ~10 min on nvidia-h200-x2: the sharded learner's 2-GPU rows (36)
 #
 # carry: .whl for A, .whl for B, E and X2, a Ray-less copy of .whl
@@ -146,6 +146,10 @@ case "$group" in
     item gemv-layers-m1 100 python benchmarks/gemv.py --m 1
     item batch1-gemv 200 python benchmarks/engine_gpu.py --positions 8192 --policies prefix_sliding:4096 --max-seqs 1 \
       --hf-batch 0 --steps 32 --profile 8 --gemv off on --out "$OUT/batch1-gemv/engine_gpu.json"
+    # the batch-1 decode attention (0.37 ms a step at 8K, ~1.3 TB/s: 8 KV heads x 16 splits = 128 programs of two
+    # 32 KB tiles each): its launch shapes at 16 and 32 splits, then splits around the best
+    item decode-sweep-b1 150 python benchmarks/kernel_decode.py --sweep --batch 1 --window 4096 --pos 8192 \
+      --sweep-splits 16 32 --no-flex --no-sdpa --out "$OUT/decode-sweep-b1/kernel_decode.json"
     ;;
   X2)
     # issue 36 on a two-GPU machine (kind nvidia-h200-x2; carry .whl, as B): 1.7B at 1 and 2 ranks at the same global
