@@ -118,7 +118,8 @@ def main(argv: list[str] | None = None) -> None:
     for r in rows:
         each = " / ".join(f"{b / 1024:.2f}" for b in r["extra_bytes_per_token"])
         print(f"{r['shape']:>5} {str(r['compiled']):>8} {each:>26} {r['input_bytes_per_token'] / 1024:>15.2f} "
-              f"{r['extra_gib_per_layer_at_window']:>23.2f} {r['extra_gib_per_layer_at_window'] * r['num_layers']:>8.1f}")
+              f"{r['extra_gib_per_layer_at_window']:>23.2f} "
+              f"{r['extra_gib_per_layer_at_window'] * r['num_layers']:>8.1f}")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         with (args.out / "rows.jsonl").open("w") as f:

@@ -48,9 +48,11 @@ case "$group" in
     # (the trained PD models' rows need ~140 s more than a call has left here: group C runs them)
     ;;
   B)
-    # issue 36: one H200 holds 7B's float32 masters only with the optimizer state in host memory (128 GiB here)
+    # issue 36: one H200 holds 7B's float32 masters only with the optimizer state in host memory (128 GiB here);
+    # the gradients go to the host once a step (learner.gradient_sync: step; 30 GB of float32 gradients on the GPU
+    # in between) instead of once per 32K micro-batch (8 copies of 30 GB and 8 host-side adds over 7.6B floats)
     item scaling-7b-offload 570 python benchmarks/learner_scaling.py --shape 7b --ranks 1 --seq 32768 \
-      --offload cpu --steps 2 --out "$OUT/scaling-7b-offload" --models /tmp/sliderl-models
+      --offload cpu --gradient-sync step --steps 2 --out "$OUT/scaling-7b-offload" --models /tmp/sliderl-models
     ;;
   C)
     # issue 41: the trained Pasta models' realised batch-1 speedup (Pasta-BoNBoN and Pasta-SFT vs Baseline-SFT,

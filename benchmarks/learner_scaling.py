@@ -111,6 +111,7 @@ def rank_main(args: argparse.Namespace) -> None:
     learner = Learner(args.model, LearnerArgs(
         lr=1e-6, device=device, dtype="float32" if args.cpu_smoke else "bfloat16", master_weights=args.masters,
         gradient_checkpointing=True, checkpoint_layers=args.checkpoint_layers, compile_elementwise=args.compiled,
+        gradient_sync=args.gradient_sync,
         window_mode=args.mode, micro_batch_tokens=args.micro_batch_tokens or args.seq, offload=args.offload,
         vocab_policy=None), parallel=parallel)
     vocab = learner.model.config.vocab_size
@@ -244,6 +245,7 @@ def run_row(args: argparse.Namespace, model: Path, ranks: int, seq: int, out: Pa
     row = {"shape": args.shape, "ranks": ranks, "seq": seq, "group": args.group, "groups": args.groups,
            "mode": args.mode, "prompt": args.prompt, "window": args.window, "offload": args.offload, "fsdp": args.fsdp,
            "masters": args.masters, "checkpoint_layers": args.checkpoint_layers, "compiled": args.compiled,
+           "gradient_sync": args.gradient_sync,
            "micro_batch_tokens": args.micro_batch_tokens or seq}
     if codes != [0] * len(procs) or not row_file.is_file():
         tail = (out / f"rank0-{ranks}-{seq}.log").read_text()[-2000:]
@@ -275,6 +277,7 @@ def _passed(args: argparse.Namespace) -> list[str]:
     out += ["--micro-batch-tokens", str(args.micro_batch_tokens)] if args.micro_batch_tokens else []
     out += ["--no-masters"] if not args.masters else []
     out += ["--compiled"] if args.compiled else []
+    out += ["--gradient-sync", args.gradient_sync]
     return out + (["--sync"] if args.sync else []) + (["--cpu-smoke"] if args.cpu_smoke else [])
 
 
@@ -307,20 +310,21 @@ def setup_label(row: dict) -> str:
     layers = row.get("checkpoint_layers")
     label = f"{'masters' if row.get('masters', True) else 'plain'} ckpt:{'all' if layers is None else layers}"
     label += " comp" if row.get("compiled") else ""
+    label += " sync:step" if row.get("gradient_sync") == "step" else ""
     return label + (f" off:{row['offload']}" if row.get("offload", "none") != "none" else "")
 
 
 def table(rows: list[dict]) -> str:
-    lines = [f"{'shape':>5} {'ranks':>5} {'T':>6} {'setup':>22} {'status':>8} {'step_s':>8} {'tok/s':>9} {'scaling':>7} "
-             f"{'MFU':>6} {'sync_s':>7}  peak GiB per rank"]
+    lines = [f"{'shape':>5} {'ranks':>5} {'T':>6} {'setup':>22} {'status':>8} {'step_s':>8} {'tok/s':>9} "
+             f"{'scaling':>7} {'MFU':>6} {'sync_s':>7}  peak GiB per rank"]
     for r in rows:
         setup = setup_label(r)
         if r["status"] != "ok":
             lines.append(f"{r['shape']:>5} {r['ranks']:>5} {r['seq']:>6} {setup:>22} {r['status']:>8}")
             continue
         sync = f"{r['sync_s']:.4f}" if "sync_s" in r else "-"
-        lines.append(f"{r['shape']:>5} {r['ranks']:>5} {r['seq']:>6} {setup:>22} {'ok':>8} {r['step_s']:8.3f} {r['tok_s']:9.0f} "
-                     f"{r.get('scaling', float('nan')):7.2f} {r['mfu']:6.1%} {sync:>7}  {r['peak_gib']}")
+        lines.append(f"{r['shape']:>5} {r['ranks']:>5} {r['seq']:>6} {setup:>22} {'ok':>8} {r['step_s']:8.3f} "
+                     f"{r['tok_s']:9.0f} {r.get('scaling', float('nan')):7.2f} {r['mfu']:6.1%} {sync:>7}  {r['peak_gib']}")
     return "\n".join(lines)
 
 
@@ -340,10 +344,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--checkpoint-layers", type=int, default=None,
                    help="recompute only the first K decoder layers (learner.checkpoint_layers); default every layer")
     p.add_argument("--micro-batch-tokens", type=int, default=None,
-                   help="learner.micro_batch_tokens; default T (one trace, or several truncated windows, per micro-batch)")
+                   help="learner.micro_batch_tokens; default T (one trace, or several truncated windows, a "
+                        "micro-batch)")
     p.add_argument("--no-masters", dest="masters", action="store_false",
                    help="AdamW on the bf16 weights (no float32 masters: 8 B/param less; the MFU rows at 7B on one GPU)")
     p.add_argument("--compiled", action="store_true", help="learner.compile_elementwise on")
+    p.add_argument("--gradient-sync", choices=("micro_batch", "step"), default="micro_batch",
+                   help="learner.gradient_sync: sum (and, offloaded, copy to host) the gradients after every "
+                        "micro-batch or once a step")
     p.add_argument("--sync", action="store_true", help="also time the weight sync to a receiver process")
     p.add_argument("--sync-repeats", type=int, default=5)
     p.add_argument("--row-timeout-s", type=float, default=1800)

@@ -111,6 +111,10 @@ SCENARIOS = {
     # compiler for inductor)
     "compiled": lambda m: (LearnerArgs(algo=GRPOOptions(), compile_elementwise=True, gradient_checkpointing=True,
                                        **GRPO), [policies_batch(m, 11)[:3], policies_batch(m, 12)[:3]]),
+    # the ranks' gradients summed once a step (gradient_sync: step): each rank adds its micro-batches' (a unit
+    # each, 3-5 a rank) unsharded and the last one's backward reduce-scatters the sum
+    "step_sync": lambda m: (LearnerArgs(algo=GRPOOptions(), gradient_sync="step", vocab_policy="registers:3", **GRPO),
+                            [policies_batch(m, 13), policies_batch(m, 14)]),
     # bf16 compute with float32 masters (FSDP2's sharded float32 parameters vs MasterAdamW)
     "masters": lambda m: (LearnerArgs(algo=GRPOOptions(), dtype="bfloat16", master_weights=True, **GRPO),
                           [policies_batch(m, 9)[:3], policies_batch(m, 10)[:3]]),

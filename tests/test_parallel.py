@@ -152,7 +152,8 @@ def test_two_ranks_take_the_step_one_rank_takes(name, model, ranks_out):
     # catches every way two ranks' step can differ from one rank's on the same groups (GRPO over every KV policy
     # with truncated windows, chunked windows with per-trace means, Dr.GRPO's constant with the sharded
     # reference and activation checkpointing, BoNBoN pairs, SFT, the compiled element-wise chains: a graph
-    # that FSDP2's unsharded forward breaks fails "compiled"): the loss and its normaliser (planted: the
+    # that FSDP2's unsharded forward breaks fails "compiled"; gradients summed once a step: planted, the last
+    # micro-batch left unsynced too, each rank steps on its own gradients and "step_sync" fails): the loss and its normaliser (planted: the
     # totals of a rank's own units), the sum of the ranks' gradients (planted: a gradient divide factor of 2,
     # FSDP2's default mean; rank 1's loss scaled by 0, its share missing), the clipping by the global norm
     # (planted: the norm of each rank's local shards; every GRPO case clips at 0.05), the split (planted:

@@ -178,10 +178,13 @@ class Learner:
         batches, most, num_batches = self._split_micro_batches(units, inputs)
         sums: dict[str, float] = {}
         self._nonfinite: str | None = None
-        for batch in batches:
-            self._accumulate(batch, totals, sums)
-        for _ in range(most - len(batches)):  # FSDP2's collectives need as many forwards/backwards on every rank
-            self._accumulate_padding()
+        sync_each = self.args.gradient_sync == "micro_batch"
+        for i in range(most):  # FSDP2's collectives need as many forwards/backwards on every rank: padding after
+            self.parallel.set_gradient_sync(self.model, sync_each or i == most - 1)
+            if i < len(batches):
+                self._accumulate(batches[i], totals, sums)
+            else:
+                self._accumulate_padding()
         sums = self._reduce(sums)
         grad_norm = self._clip_and_step(lr)
         n, m = totals.num_loss_tokens, sums.get("_mismatch_tokens", 0.0)

@@ -21,6 +21,7 @@ from sliderl.trainer.windows import WINDOW_MODES
 LR_SCHEDULES = ("constant", "cosine")
 OFFLOADS = ("none", "cpu")
 REDUCE_DTYPES = ("float32", "bfloat16")
+GRADIENT_SYNCS = ("micro_batch", "step")
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 
 
@@ -83,6 +84,12 @@ class LearnerArgs:
     forward and backward): the GPU then holds only activations and one layer at a time. Needs a CUDA device."""
     reduce_dtype: Literal["float32", "bfloat16"] = "float32"
     """Sharded learner: the dtype gradients are summed over ranks in (bfloat16 halves that traffic)."""
+    gradient_sync: Literal["micro_batch", "step"] = "micro_batch"
+    """Sharded learner: when gradients are summed over ranks into their shards (and, with offload, copied to host
+    memory). micro_batch: after each micro-batch's backward; step: once, after the step's last (FSDP2's
+    ``set_requires_gradient_sync``): until then each rank adds its micro-batches' gradients unsharded on its GPU,
+    in reduce_dtype — +4 bytes per parameter per rank (30 GB at 7B) for one reduce-scatter (and one host copy) a
+    step instead of one a micro-batch. The one-process learner accumulates in place either way."""
     seed: int = 0
     """torch seed set when the learner starts."""
     reference_model_path: str | None = None
@@ -123,6 +130,8 @@ class LearnerArgs:
             raise ValueError(f"offload must be 'none' with device {self.device!r} (it moves GPU state to the "
                              f"CPU; the learner is on the CPU already), got {self.offload!r}")
         require_field(self, "reduce_dtype", self.reduce_dtype in REDUCE_DTYPES, f"one of {', '.join(REDUCE_DTYPES)}")
+        require_field(self, "gradient_sync", self.gradient_sync in GRADIENT_SYNCS,
+                      f"one of {', '.join(GRADIENT_SYNCS)}")
         if self.vocab_policy is not None:
             object.__setattr__(self, "vocab_policy", KVPolicy.parse(self.vocab_policy).spec)
         if self.algo.type == "bonbon" and self.window_mode == "chunked":

@@ -95,6 +95,10 @@ class Parallel:
                     offload: str) -> nn.Module:
         return model
 
+    def set_gradient_sync(self, model: nn.Module, sync: bool) -> None:
+        """Whether the next backward sums its gradients over ranks into the shards (else they accumulate
+        unsharded until one that does); here there is nothing to sum."""
+
     def split(self, sizes: list[int]) -> list[list[int]]:
         """Each rank's unit indices (``sizes``: each unit's tokens); here all of them."""
         return [list(range(len(sizes)))]
@@ -195,6 +199,9 @@ class FSDPParallel(Parallel):
             module.set_gradient_divide_factor(1.0)  # sum over ranks: each loss is a share of one global loss
             module.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
         return model
+
+    def set_gradient_sync(self, model: nn.Module, sync: bool) -> None:
+        model.set_requires_gradient_sync(sync)  # every FSDP2 unit of the model (recurse)
 
     def split(self, sizes: list[int]) -> list[list[int]]:
         return balanced_partition(sizes, self.world_size)
