@@ -13,7 +13,7 @@
 #   bash benchmarks/device_session.sh G    # ~10 min: the learner with compiled element-wise chains vs eager, 32K (38.3)
 #   bash benchmarks/device_session.sh M    # ~10 min: the 7B learner's MFU on one GPU, checkpointing all / compiled / 12 of 28 layers (38.3)
 #   bash benchmarks/device_session.sh P    # ~9 min: batch 1 and 8 at 8K, cuBLAS/GEMV x plain/PDL, per-kernel split (38.2)
-#   bash benchmarks/device_session.sh Q    # ~7 min: the GEMV fix: per-layer table, batch 1 cuBLAS vs GEMV with each launch; batch-1 decode attention sweep (38.2)
+#   bash benchmarks/device_session.sh Q    # ~9 min: the GEMV fix: per-layer table, batch 1 cuBLAS vs GEMV with each launch; batch-1 decode attention sweep (38.2); the offload GPU test (36)
 #   bash benchmarks/device_session.sh X2   # ~10 min on nvidia-h200-x2: the sharded learner's 2-GPU rows (36)
 #
 # carry: .whl for A, .whl for B, E and X2, a Ray-less copy of .whl
@@ -152,6 +152,9 @@ case "$group" in
     # 32 KB tiles each): its launch shapes at 16 and 32 splits, then splits around the best
     item decode-sweep-b1 150 python benchmarks/kernel_decode.py --sweep --batch 1 --window 4096 --pos 8192 \
       --sweep-splits 16 32 --no-flex --no-sdpa --out "$OUT/decode-sweep-b1/kernel_decode.json"
+    # issue 36, before group B's offloaded 7B row: on one GPU, the state offloaded with the gradients summed once a
+    # step takes FSDP2's resident step (tests/test_parallel.py, a tiny model, NCCL at one rank)
+    item offload-gpu-test 90 python -m pytest -q tests/test_parallel.py -m gpu -k offloaded
     ;;
   X2)
     # issue 36 on a two-GPU machine (kind nvidia-h200-x2; carry .whl, as B): 1.7B at 1 and 2 ranks at the same global

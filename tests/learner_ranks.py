@@ -119,13 +119,22 @@ SCENARIOS = {
     "masters": lambda m: (LearnerArgs(algo=GRPOOptions(), dtype="bfloat16", master_weights=True, **GRPO),
                           [policies_batch(m, 9)[:3], policies_batch(m, 10)[:3]]),
 }
+# on one GPU (RANKS_DEVICE=cuda, one rank: NCCL), bf16 with float32 masters: FSDP2 with its state on the GPU and
+# the gradients summed after each micro-batch, and with the state in host memory (CPUOffloadPolicy) and the
+# gradients summed once a step (the 7B row of benchmarks/device_session.sh B); the same groups
+GPU_SCENARIOS = {
+    name: (lambda m, kw=kw: (LearnerArgs(algo=GRPOOptions(), dtype="bfloat16", master_weights=True, device="cuda",
+                                         vocab_policy="registers:3", **kw, **GRPO),
+                             [policies_batch(m, 15), policies_batch(m, 16)]))
+    for name, kw in (("gpu_resident", {}), ("gpu_offload_step", {"offload": "cpu", "gradient_sync": "step"}))
+}
 # resume scenarios: the same learner and batches as their base, started from a checkpoint after step 1:
 # resume_*: the ranks save it (the test resumes it at one rank), from1_*: the test saved it at one rank
 RESUMES = {"resume_fp32": "policies", "resume_masters": "masters", "from1_fp32": "policies", "from1_masters": "masters"}
 
 
 def scenario(name: str, model: str):
-    return SCENARIOS[RESUMES.get(name, name)](model)
+    return {**SCENARIOS, **GPU_SCENARIOS}[RESUMES.get(name, name)](model)
 
 
 def sharded_state(learner) -> dict:
@@ -173,15 +182,17 @@ def run(name: str, model: str, out: Path, parallel) -> None:
 
 
 def main(rank: int, world: int, address: str, out: Path, names: list[str]) -> None:
-    from sliderl.trainer.parallel import FSDPParallel, ProcessGroupSpec, destroy_process_group
+    from sliderl.trainer.parallel import FSDPParallel, ProcessGroupSpec, destroy_process_group, process_group_backend
 
     torch.set_num_threads(1)
     faulthandler.dump_traceback_later(float(os.environ.get("RANKS_STACKS_AFTER_S", 240)), exit=True)
     model = os.environ["RANKS_MODEL"]
-    spec = ProcessGroupSpec(address, world, "gloo", float(os.environ.get("RANKS_TIMEOUT_S", TIMEOUT_S)))
+    device = os.environ.get("RANKS_DEVICE", "cpu")  # cuda: NCCL, the GPU scenarios
+    spec = ProcessGroupSpec(address, world, process_group_backend(device),
+                            float(os.environ.get("RANKS_TIMEOUT_S", TIMEOUT_S)))
     if names == ["hang"]:
         return hang(rank, model, spec)
-    parallel = FSDPParallel.join(spec, rank, torch.device("cpu"))
+    parallel = FSDPParallel.join(spec, rank, torch.device(device))
     try:
         for name in names:
             run(name, model, out, parallel)

@@ -254,3 +254,34 @@ def test_a_rank_that_never_arrives_is_caught_by_the_collective_timeout(model, tm
     finish(procs[1:], timeout_s=0)
     assert code0 == 1 and "a collective failed in step; exiting" in out0, out0[-3000:]
     assert "rank 0 steps" in out0 and "the step returned" not in out0
+
+
+# ------------------------------------------------------------------------ one GPU: offload, one sync a step
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(600)
+def test_offloaded_state_summed_once_a_step_takes_the_resident_step(model, tmp_path):
+    # catches, on the GPU path only group B runs (the 7B step on one H200): CPU offload (FSDP2's CPUOffloadPolicy:
+    # masters, gradients and AdamW on the host, each layer copied in) or gradients accumulated unsharded on the
+    # GPU and summed once a step (gradient_sync: step) giving another step than FSDP2 with everything on the GPU
+    # and a sum per micro-batch (planted: the sum after the first micro-batch, not the last: the loss of step 2
+    # and the weights differ). Both float32 accumulations add the same bf16 gradients in the same order and AdamW
+    # steps float32 masters (on the host vs on the GPU), so the steps agree to the CPU test's bound.
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    _store, address = open_rendezvous("127.0.0.1")  # served here while the rank runs
+    env = {**os.environ, "RANKS_MODEL": str(model), "RANKS_DEVICE": "cuda", "OMP_NUM_THREADS": "4",
+           "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "learner_ranks.py"), "0", "1", address, str(tmp_path),
+                             "gpu_resident", "gpu_offload_step"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    (code, out), = finish([proc], timeout_s=500)
+    assert code == 0, out[-6000:]
+    resident, offloaded = (torch.load(tmp_path / f"{n}.pt") for n in ("gpu_resident", "gpu_offload_step"))
+    assert offloaded["metrics"][0]["num_micro_batches"] > 1  # several micro-batches, so the sync point matters
+    for mine, theirs in zip(offloaded["metrics"], resident["metrics"]):
+        assert {k: mine[k] for k in COUNTS} == {k: theirs[k] for k in COUNTS}
+        assert mine["loss"] == pytest.approx(theirs["loss"], rel=1e-5)
+        assert mine["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-5)
+    assert_same_weights(offloaded["weights"], resident["weights"])
