@@ -120,6 +120,34 @@ def test_fused_decoder_forward_equals_the_pytorch_forward(tiny_model_factory, ar
                                    rtol=1e-5, atol=1e-5)
 
 
+def test_fused_forward_leaves_each_residual_add_to_the_next_norm(tiny_model_factory):
+    # catches: the fused (inference) forward adding a layer's MLP output to its residual stream in a kernel of its
+    # own (one launch per layer at batch 1, where a step's time is its launches), and a residual the next norm
+    # drops or adds twice (the forward test above then fails). Counted at the aten level: an add producing a
+    # [tokens, hidden] tensor is such a kernel; the layers' residual adds all belong to the norms' launches.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    model = load_model(tiny_model_factory("llama"), device=DEVICE)
+    ids = torch.randint(0, 256, (7,), generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    hidden = model.config.hidden_size
+
+    class CountAdds(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten.add.Tensor and tuple(out.shape) == (7, hidden):
+                CountAdds.count += 1
+            return out
+
+    with torch.inference_mode(), CountAdds():
+        forward_logits(model, ids, True)
+    fused_adds = CountAdds.count
+    with torch.inference_mode(), CountAdds():
+        forward_logits(model, ids, False)
+    assert fused_adds == 0 and CountAdds.count - fused_adds == 2 * model.config.num_layers  # eager: 2 a layer
+
+
 def test_fused_kernels_leave_training_to_pytorch(tiny_model_factory):
     """With autograd on, the switch changes nothing: the same loss and the same gradients."""
     model = load_model(tiny_model_factory("qwen3"), device=DEVICE)

@@ -396,13 +396,27 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h: Tensor, cos: Tensor, sin: Tensor, attn: AttentionBackend, fused: bool = False,
                 gemv: bool = False, compiled: bool = False, pdl: bool = False) -> Tensor:
-        a = self.self_attn(self.input_layernorm(h, fused=fused, compiled=compiled, pdl=pdl), cos, sin, attn, fused,
-                           gemv, compiled, pdl)
+        """The layer's output ``h + attention + MLP``."""
+        out, residual = self.forward_deferred(h, None, cos, sin, attn, fused, gemv, compiled, pdl)
+        return out if residual is None else residual + out
+
+    def forward_deferred(self, h: Tensor, residual: Tensor | None, cos: Tensor, sin: Tensor, attn: AttentionBackend,
+                         fused: bool = False, gemv: bool = False, compiled: bool = False,
+                         pdl: bool = False) -> tuple[Tensor, Tensor | None]:
+        """The layer with its last residual add left to the next norm: the input is ``h + residual`` (``h``
+        alone when ``residual`` is None), the output ``(mlp, residual)`` stands for ``residual + mlp`` (or
+        ``(output, None)`` where the add is fused already: the GEMV's MLP tail). The next layer's input norm (or
+        the final norm) then adds and normalises in one launch, as the post-attention norm does."""
+        if residual is None:
+            x = self.input_layernorm(h, fused=fused, compiled=compiled, pdl=pdl)
+        else:  # x = norm(h + residual), h = h + residual
+            x, h = self.input_layernorm(h, residual, fused=fused, compiled=compiled, pdl=pdl)
+        a = self.self_attn(x, cos, sin, attn, fused, gemv, compiled, pdl)
         # x = norm(h + a), h = h + a
         x, h = self.post_attention_layernorm(a, h, fused=fused, compiled=compiled, pdl=pdl)
         if fused and gemv and self.mlp.silu and gemv_applies(x):
-            return self.mlp.gemv_tail(x, h, pdl)
-        return h + self.mlp(x, fused, gemv, compiled)
+            return self.mlp.gemv_tail(x, h, pdl), None
+        return self.mlp(x, fused, gemv, compiled), h
 
 
 class Backbone(nn.Module):
@@ -424,7 +438,8 @@ class DecoderLM(nn.Module):
     to recompute each layer in backward while training, or only the first ``checkpoint_layers`` of them (the
     others keep their activations: less recomputation for more memory). Set ``fused_kernels = True`` (CUDA, or
     ``TRITON_INTERPRET=1``) to run, whenever autograd is off, the norms and q/k-norm + RoPE as Triton
-    kernels and q/k/v and gate/up as one GEMM each (``FusedLinears``); with autograd on (training) the
+    kernels, each residual add inside the norm after it (``DecoderLayer.forward_deferred``), and q/k/v and
+    gate/up as one GEMM each (``FusedLinears``); with autograd on (training) the
     PyTorch ops run, which stay the reference. Set ``gemv_kernels = True`` as well to run the linear
     layers and ``compute_logits`` over at most ``GEMV_MAX_TOKENS`` tokens with ``kernels.gemv`` (a SiLU MLP's
     tail, ``h + down(silu(gate) * up)``, as one GEMV). Set ``pdl_kernels = True`` (Hopper) to launch the fused
@@ -466,11 +481,16 @@ class DecoderLM(nn.Module):
         compiled = self.compile_elementwise and not fused
         recompute = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         recomputed = len(self.model.layers) if self.checkpoint_layers is None else self.checkpoint_layers
+        residual = None  # fused: each layer's last residual add is done by the next norm (one launch fewer)
         for i, layer in enumerate(self.model.layers):
             if recompute and i < recomputed:
                 h = checkpoint(layer, h, cos, sin, attn, False, False, compiled, use_reentrant=False)
+            elif fused:
+                h, residual = layer.forward_deferred(h, residual, cos, sin, attn, fused, gemv, compiled, pdl)
             else:
                 h = layer(h, cos, sin, attn, fused, gemv, compiled, pdl)
+        if residual is not None:
+            return self.model.norm(h, residual, fused=fused, compiled=compiled, pdl=pdl)[0]
         return self.model.norm(h, fused=fused, compiled=compiled, pdl=pdl)
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
