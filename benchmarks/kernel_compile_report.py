@@ -35,7 +35,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from sliderl.kernels.cache_write import _write_kv_kernel  # noqa: E402
 from sliderl.kernels.decode import _decode_kernel, _page_mass_kernel, decode_config  # noqa: E402
 from sliderl.kernels.gemv import MAX_ROWS, _gemv_kernel, gemv_config, split_layout  # noqa: E402
-from sliderl.kernels.norm_rope import _qk_norm_rope_kernel, _rms_norm_kernel  # noqa: E402
+from sliderl.kernels.norm_rope import _qk_norm_rope_kernel, _rms_norm_kernel, _silu_mul_kernel  # noqa: E402
 from sliderl.kernels.prefill import _prefill_kernel, prefill_config  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -149,6 +149,7 @@ def other_rows() -> list[dict]:
         rows.append(compile_and_report("rms_norm" + tail, _rms_norm_kernel, norm, 8, 1))
         rope = dict(Q_HEADS=16, Q_HEADS_PAD=16, KV_HEADS=8, KV_HEADS_PAD=8, HALF=64, HALF_PAD=64, NORM=True, PDL=pdl)
         rows.append(compile_and_report("qk_norm_rope" + tail, _qk_norm_rope_kernel, rope, 4, 1))
+        rows.append(compile_and_report("silu_mul" + tail, _silu_mul_kernel, dict(BLOCK=1024, PDL=pdl), 4, 1))
     # the decoder's linears at batch <= 16 (kernels.gemv at Qwen3-1.7B's shapes, each at the launcher's choices);
     # down_proj as the MLP's fused tail
     for name, n, k, tail in (("gemv qkv", 4096, 2048, False), ("gemv gate_up", 12288, 2048, False),

@@ -45,7 +45,7 @@ def test_every_kernel_compiles_for_sm90_without_spills():
     # leaking into the plain kernels (planted: wait_then_release ignoring PDL), and the GEMV's fused MLP tail or
     # the PDL variants failing to compile for sm_90 at all.
     chained = {"decode b1 pdl", "decode b1 h2o pdl", "decode b16 pdl", "decode b16 h2o pdl", "write_kv pdl",
-               "rms_norm pdl", "qk_norm_rope pdl", "gemv qkv pdl", "gemv gate_up pdl", "gemv o_proj pdl",
+               "rms_norm pdl", "qk_norm_rope pdl", "silu_mul pdl", "gemv qkv pdl", "gemv gate_up pdl", "gemv o_proj pdl",
                "gemv down+swiglu+res pdl", "gemv lm_head pdl"}
     assert chained <= set(rows), sorted(set(rows))
     for name, row in rows.items():

@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
 
 from sliderl.core.loader import load_model
 from sliderl.core.model import DenseAttention, RMSNorm, apply_rope, causal_mask
-from sliderl.kernels.norm_rope import qk_norm_rope, rms_norm
+from sliderl.kernels.norm_rope import qk_norm_rope, rms_norm, silu_mul
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EPS = 1e-6
@@ -87,6 +87,18 @@ def test_qk_norm_rope_matches_norm_then_apply_rope(dtype, dim, h_q, h_kv, with_n
     assert_matches(out_k, ref_k)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("inter", [24, 1500])  # 1500: two column blocks of 1024, the second partly masked
+def test_silu_mul_matches_silu_then_multiply(dtype, inter):
+    # catches: gate and up swapped (silu(up) * gate), the up half read at the wrong offset, a masked tail column
+    # written or read out of range (inter 1500 is not a multiple of the block), and the product not rounded as
+    # torch rounds silu's bf16 result before the multiply (bf16: < 99% bit-equal)
+    gate_up = randn(9, 2 * inter, dtype=dtype, scale=2.0, seed=7)
+    with torch.no_grad():
+        gate, up = gate_up.split(inter, dim=-1)
+        assert_matches(silu_mul(gate_up), torch.nn.functional.silu(gate) * up)
+
+
 def test_launchers_name_the_bad_argument():
     x, w = randn(5, 16, dtype=torch.float32), norm_weight(16, torch.float32, seed=1)
     with pytest.raises(ValueError, match="weight must be torch.float32 \\(16,\\)"):
@@ -103,6 +115,8 @@ def test_launchers_name_the_bad_argument():
         qk_norm_rope(q, k, cos[:4], sin)
     with pytest.raises(ValueError, match="given together"):
         qk_norm_rope(q, k, cos, sin, q_weight=w)
+    with pytest.raises(ValueError, match="gate_up must be \\[N, 2I\\]"):
+        silu_mul(x[:, :15])  # an odd width has no gate and up halves
 
 
 def forward_logits(model, ids, fused):
@@ -120,16 +134,16 @@ def test_fused_decoder_forward_equals_the_pytorch_forward(tiny_model_factory, ar
                                    rtol=1e-5, atol=1e-5)
 
 
-def test_fused_forward_leaves_each_residual_add_to_the_next_norm(tiny_model_factory):
+def test_fused_forward_runs_no_residual_add_or_silu_mul_kernel_of_its_own(tiny_model_factory):
     # catches: the fused (inference) forward adding a layer's MLP output to its residual stream in a kernel of its
-    # own (one launch per layer at batch 1, where a step's time is its launches), and a residual the next norm
-    # drops or adds twice (the forward test above then fails). Counted at the aten level: an add producing a
+    # own, or running SiLU·mul as torch's two kernels (launches per layer at batch 1, where a step's time is its
+    # launches), and a residual the next norm drops or adds twice (the forward test above then fails). Counted at the aten level: an add producing a
     # [tokens, hidden] tensor is such a kernel; the layers' residual adds all belong to the norms' launches.
     from torch.utils._python_dispatch import TorchDispatchMode
 
     model = load_model(tiny_model_factory("llama"), device=DEVICE)
     ids = torch.randint(0, 256, (7,), generator=torch.Generator().manual_seed(2)).to(DEVICE)
-    hidden = model.config.hidden_size
+    hidden, inter = model.config.hidden_size, model.config.intermediate_size
 
     class CountAdds(TorchDispatchMode):
         count = 0
@@ -138,6 +152,8 @@ def test_fused_forward_leaves_each_residual_add_to_the_next_norm(tiny_model_fact
             out = func(*args, **(kwargs or {}))
             if func is torch.ops.aten.add.Tensor and tuple(out.shape) == (7, hidden):
                 CountAdds.count += 1
+            if func in (torch.ops.aten.silu.default, torch.ops.aten.mul.Tensor) and out.shape[-1] == inter:
+                CountAdds.count += 100  # SiLU·mul as torch ops (two kernels) instead of silu_mul's one
             return out
 
     with torch.inference_mode(), CountAdds():
@@ -145,7 +161,8 @@ def test_fused_forward_leaves_each_residual_add_to_the_next_norm(tiny_model_fact
     fused_adds = CountAdds.count
     with torch.inference_mode(), CountAdds():
         forward_logits(model, ids, False)
-    assert fused_adds == 0 and CountAdds.count - fused_adds == 2 * model.config.num_layers  # eager: 2 a layer
+    # eager: 2 adds (after attention, after the MLP) and SiLU, mul a layer
+    assert fused_adds == 0 and CountAdds.count - fused_adds == 202 * model.config.num_layers
 
 
 def test_fused_kernels_leave_training_to_pytorch(tiny_model_factory):

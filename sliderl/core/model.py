@@ -368,13 +368,17 @@ class MLP(nn.Module):
         self.gate_up.refresh()
         return self
 
-    def forward(self, x: Tensor, fused: bool = False, gemv: bool = False, compiled: bool = False) -> Tensor:
+    def forward(self, x: Tensor, fused: bool = False, gemv: bool = False, compiled: bool = False,
+                pdl: bool = False) -> Tensor:
         if not fused:
             if compiled and self.silu:
                 return self.down_proj(elementwise(silu_mul_math, True)(self.gate_proj(x), self.up_proj(x)))
             return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
-        gate, up = self.gate_up(x, gemv)
         down = self.down_proj
+        if self.silu:  # silu(gate) * up in one Triton launch, straight from the joined GEMM's output
+            from sliderl.kernels.norm_rope import silu_mul
+            return linear(silu_mul(self.gate_up.joined(x, gemv, pdl), pdl), down.weight, down.bias, gemv)
+        gate, up = self.gate_up(x, gemv)
         return linear(self.act_fn(gate) * up, down.weight, down.bias, gemv)
 
     def gemv_tail(self, x: Tensor, residual: Tensor, pdl: bool = False) -> Tensor:
@@ -416,7 +420,7 @@ class DecoderLayer(nn.Module):
         x, h = self.post_attention_layernorm(a, h, fused=fused, compiled=compiled, pdl=pdl)
         if fused and gemv and self.mlp.silu and gemv_applies(x):
             return self.mlp.gemv_tail(x, h, pdl), None
-        return self.mlp(x, fused, gemv, compiled), h
+        return self.mlp(x, fused, gemv, compiled, pdl), h
 
 
 class Backbone(nn.Module):

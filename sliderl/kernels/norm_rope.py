@@ -1,4 +1,5 @@
-"""Fused RMSNorm (with the residual add before it) and q/k-norm + RoPE: one launch where PyTorch needs ~6-30.
+"""Fused RMSNorm (with the residual add before it), q/k-norm + RoPE and SiLU·mul: one launch where PyTorch needs
+~2-30.
 
 The decoder's inference path uses these; ``core.model``'s PyTorch ops stay the training path and
 the reference. Both kernels round where those ops round: the norm runs in fp32 and is cast to the
@@ -169,3 +170,32 @@ def _check_like(name: str, t: torch.Tensor, shape: tuple[int, ...], like: torch.
     if tuple(t.shape) != shape or t.dtype != like.dtype or t.device != like.device or t.stride(-1) != 1:
         raise ValueError(f"{name} must be {like.dtype} {shape} on {like.device} with a contiguous last dim, "
                          f"got {t.dtype} {tuple(t.shape)} on {t.device} with strides {t.stride()}")
+
+
+@triton.jit
+def _silu_mul_kernel(gate_up_ptr, out_ptr, stride_in, stride_out, inter, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < inter
+    dtype = out_ptr.dtype.element_ty
+    wait_then_release(PDL)
+    gate = tl.load(gate_up_ptr + row * stride_in + cols, mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(gate_up_ptr + row * stride_in + inter + cols, mask=ok, other=0.0).to(tl.float32)
+    out = round_to(round_to(gate / (1.0 + tl.exp(-gate)), dtype) * up, dtype)  # torch's silu, then its multiply
+    tl.store(out_ptr + row * stride_out + cols, out.to(dtype), mask=ok)
+
+
+def silu_mul(gate_up: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+    """``silu(gate) * up`` of ``gate_up [N, 2I]`` (gate then up, side by side: ``FusedLinears.joined`` of a SwiGLU
+    MLP) in one launch -> ``[N, I]``, each op rounded to the dtype as the two torch ops round it."""
+    if gate_up.dim() != 2 or gate_up.dtype not in FLOAT_DTYPES or gate_up.stride(-1) != 1 or gate_up.shape[1] % 2:
+        raise ValueError(f"gate_up must be [N, 2I] of {FLOAT_DTYPES} with a contiguous last dim, got "
+                         f"{gate_up.dtype} {tuple(gate_up.shape)} with strides {gate_up.stride()}")
+    n, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty((n, inter), dtype=gate_up.dtype, device=gate_up.device)
+    if n > 0:
+        block = min(1024, next_pow2(inter))
+        _silu_mul_kernel[(n, triton.cdiv(inter, block))](
+            gate_up, out, gate_up.stride(0), out.stride(0), inter, BLOCK=block, PDL=check_pdl(pdl, gate_up.device),
+            num_warps=4, enable_fp_fusion=False, **launch_options(pdl))
+    return out
