@@ -141,20 +141,23 @@ case "$group" in
       --hf-batch 0 --steps 64 --profile 32 --gemv off on --pdl off on --out "$OUT/batch8-8k/engine_gpu.json"
     ;;
   Q)
-    # issue 38, item 2, the GEMV regression alone (~5 min): is the MLP tail's spill (fixed since 4ae9f64: 16 x 128
+    # issue 38, item 2, the GEMV regression (~9 min, limits 510 s): is the MLP tail's spill (fixed since 4ae9f64: 16 x 128
     # tiles) the 20 tok/s? The per-layer table (the tail's row against torch's four kernels), then batch 1 with cuBLAS
     # and with the GEMV in one run, each row with its top kernel's launches of one step in order (engine_gpu.py's
     # profile "top_kernel_launches_us": which launch is slow, if one still is)
-    item gemv-layers-m1 100 python benchmarks/gemv.py --m 1
-    item batch1-gemv 200 python benchmarks/engine_gpu.py --positions 8192 --policies prefix_sliding:4096 --max-seqs 1 \
+    # the fused path's kernels on the GPU first (norms with the residual add, q/k-norm + RoPE, SiLU·mul, the fused
+    # decoder forward against the PyTorch one; the whole file runs on CUDA there)
+    item norm-rope-gpu-test 60 python -m pytest -q tests/test_norm_rope.py
+    item gemv-layers-m1 80 python benchmarks/gemv.py --m 1
+    item batch1-gemv 180 python benchmarks/engine_gpu.py --positions 8192 --policies prefix_sliding:4096 --max-seqs 1 \
       --hf-batch 0 --steps 32 --profile 8 --gemv off on --out "$OUT/batch1-gemv/engine_gpu.json"
     # the batch-1 decode attention (0.37 ms a step at 8K, ~1.3 TB/s: 8 KV heads x 16 splits = 128 programs of two
     # 32 KB tiles each): its launch shapes at 16 and 32 splits, then splits around the best
-    item decode-sweep-b1 150 python benchmarks/kernel_decode.py --sweep --batch 1 --window 4096 --pos 8192 \
+    item decode-sweep-b1 130 python benchmarks/kernel_decode.py --sweep --batch 1 --window 4096 --pos 8192 \
       --sweep-splits 16 32 --no-flex --no-sdpa --out "$OUT/decode-sweep-b1/kernel_decode.json"
     # issue 36, before group B's offloaded 7B row: on one GPU, the state offloaded with the gradients summed once a
     # step takes FSDP2's resident step (tests/test_parallel.py, a tiny model, NCCL at one rank)
-    item offload-gpu-test 90 python -m pytest -q tests/test_parallel.py -m gpu -k offloaded
+    item offload-gpu-test 60 python -m pytest -q tests/test_parallel.py -m gpu -k offloaded
     ;;
   X2)
     # issue 36 on a two-GPU machine (kind nvidia-h200-x2; carry .whl, as B): 1.7B at 1 and 2 ranks at the same global
