@@ -16,6 +16,9 @@
 #   bash benchmarks/device_session.sh Q    # ~9 min: the GEMV fix: per-layer table, batch 1 cuBLAS vs GEMV with each launch; batch-1 decode attention sweep (38.2); the offload GPU test (36)
 #   bash benchmarks/device_session.sh X2   # ~10 min on nvidia-h200-x2: the sharded learner's 2-GPU rows (36)
 #
+# Order when a machine is lent (2026-12-05): E 1 and E 2 (the last rows issue 41 needs), then Q, G, M, B, D, F, P, C,
+# A, and X2 whenever a two-GPU machine is lent. One session holds 30 minutes of device time: three groups at most.
+#
 # carry: .whl for A, .whl for B, E and X2, a Ray-less copy of .whl
 # (runs/whl-light) with runs/pasta-h200 and runs/pd-long for C, runs/whl-light for D, F, G, M and P: everything carried must
 # stay under 64 MiB with the tree (~9 MB), and Ray's wheel alone is 47 MB. The commands are the ones
