@@ -177,6 +177,7 @@ def run(name: str, model: str, out: Path, parallel) -> None:
                 learner.save_checkpoint(out / f"{name}.ckpt")
                 record["saved"] = sharded_state(learner)
     record["weights"] = learner.state_dict()
+    record["placements"] = str(next(learner.model.parameters()).placements)  # (Shard(dim=0),); HSDP: Replicate first
     if parallel.rank == 0:
         torch.save(record, out / f"{name}.pt")
 
@@ -188,8 +189,9 @@ def main(rank: int, world: int, address: str, out: Path, names: list[str]) -> No
     faulthandler.dump_traceback_later(float(os.environ.get("RANKS_STACKS_AFTER_S", 240)), exit=True)
     model = os.environ["RANKS_MODEL"]
     device = os.environ.get("RANKS_DEVICE", "cpu")  # cuda: NCCL, the GPU scenarios
+    shard = int(os.environ["RANKS_SHARD"]) if "RANKS_SHARD" in os.environ else None  # HSDP: ranks per copy
     spec = ProcessGroupSpec(address, world, process_group_backend(device),
-                            float(os.environ.get("RANKS_TIMEOUT_S", TIMEOUT_S)))
+                            float(os.environ.get("RANKS_TIMEOUT_S", TIMEOUT_S)), shard)
     if names == ["hang"]:
         return hang(rank, model, spec)
     parallel = FSDPParallel.join(spec, rank, torch.device(device))

@@ -44,6 +44,8 @@ def weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
      "learner.device=cuda:1 pins one GPU, but each of learner.num_ranks=2 ranks uses the GPU Ray gives it"),
     (["learner.offload=cpu"], "offload must be 'none' with device 'cpu'"),
     (["learner.checkpoint_layers=2"], "checkpoint_layers (2) needs gradient_checkpointing: true"),
+    (["learner.num_ranks=4", "learner.shard_ranks=3"],
+     "shard_ranks must divide num_ranks=4 (one of [1, 2, 4]) or be None, got 3"),
     (["learner.gradient_checkpointing=true", "learner.checkpoint_layers=-1"], "checkpoint_layers must be >= 0 or None, got -1"),
     (["learner.num_ranks=2", "learner.rank_resources=[{node_a: 1}]"],
      "rank_resources must list one entry per rank (num_ranks=2) or none, got 1"),
@@ -53,7 +55,8 @@ def weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
 def test_a_sharded_learner_set_wrong_is_one_line_before_ray(overrides, message, model_dir, tmp_path, capsys):
     # catches: a learner group that cannot work (two NCCL ranks without a GPU each, every rank pinned to one GPU,
     # CPU offload of a CPU learner, per-rank resources that do not match the ranks, NCCL on a machine without
-    # CUDA, a count of checkpointed layers without checkpointing or below 0) failing inside Ray, or with a traceback, instead of exit 2 and one line naming the key and the value
+    # CUDA, a count of checkpointed layers without checkpointing or below 0, shard groups that do not divide the
+    # ranks) failing inside Ray, or with a traceback, instead of exit 2 and one line naming the key and the value
     import ray
 
     if torch.cuda.is_available() and "this machine's torch" in message:

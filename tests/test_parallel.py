@@ -27,13 +27,14 @@ WORLD = 2
 COUNTS = ("num_tokens", "num_loss_tokens", "num_traces", "num_windows", "num_micro_batches", "stepped", "version")
 
 
-def start_ranks(model: Path, out: Path, names: list[str], **env: str) -> tuple[list[subprocess.Popen], object]:
+def start_ranks(model: Path, out: Path, names: list[str], world: int = WORLD,
+                **env: str) -> tuple[list[subprocess.Popen], object]:
     store, address = open_rendezvous("127.0.0.1")  # served here, for as long as the ranks run
     env = {**os.environ, "RANKS_MODEL": str(model), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
            "SLIDERL_COMPILE_BACKEND": model_module.COMPILE_BACKEND, **env}
-    procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "learner_ranks.py"), str(rank), str(WORLD),
+    procs = [subprocess.Popen([sys.executable, str(ROOT / "tests" / "learner_ranks.py"), str(rank), str(world),
                                address, str(out), *names], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True) for rank in range(WORLD)]
+                              text=True) for rank in range(world)]
     return procs, store
 
 
@@ -235,6 +236,38 @@ def test_a_checkpoint_of_one_rank_resumes_at_two_with_its_optimizer_state(dtype,
                            {n: s[key] for n, s in state["adamw"].items()}).max() == 0, key
     if dtype == "fp32":
         assert_same_weights(got["weights"], ref["weights"])
+
+
+# ------------------------------------------------------------------------ HSDP: two copies of two shards
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_four_ranks_as_two_copies_of_two_shards_take_the_step_one_rank_takes(model, tmp_path):
+    # catches: shard_ranks not reaching the mesh (planted: join ignoring shard_size, the ranks shard four ways:
+    # the placements say so), HSDP (learner.shard_ranks: FSDP2 on a (replicate, shard) mesh) taking another step
+    # than one rank: the copies' gradients not summed across copies (planted: set_requires_all_reduce(False) in
+    # set_gradient_sync: FSDP2 then leaves the ranks without their gradients and they fail), and a checkpoint of
+    # replicated shards that one process cannot resume (the next step must be the uninterrupted run's).
+    procs, _store = start_ranks(model, tmp_path, ["policies", "resume_fp32"], world=4, RANKS_SHARD="2")
+    results = finish(procs, timeout_s=500)
+    assert [code for code, _ in results] == [0] * 4, "\n".join(out[-6000:] for _, out in results)
+    got, ref = torch.load(tmp_path / "policies.pt"), one_rank("policies", model)
+    assert got["placements"] == "(Replicate(), Shard(dim=0))", got["placements"]
+    for step, (mine, theirs) in enumerate(zip(got["metrics"], ref["metrics"])):
+        rel = 1e-5 if step == 0 else 1e-3  # as in test_two_ranks_take_the_step_one_rank_takes
+        assert {k: mine[k] for k in COUNTS} == {k: theirs[k] for k in COUNTS}
+        assert mine["loss"] == pytest.approx(theirs["loss"], rel=rel), step
+        assert mine["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=rel), step
+    for n, grad in ref["grads"].items():
+        assert torch.allclose(got["grads"][n], grad, rtol=1e-4, atol=1e-7), n
+    assert_same_weights(got["weights"], ref["weights"])
+    saved = torch.load(tmp_path / "resume_fp32.pt")
+    args, batches = scenario("resume_fp32", str(model))
+    learner = Learner.from_checkpoint(tmp_path / "resume_fp32.ckpt", args=args)
+    assert differences(one_rank_state(learner)["params"], saved["saved"]["params"]).max() == 0
+    learner.step(batches[1])
+    assert_same_weights(learner.state_dict(), saved["weights"])
 
 
 # ------------------------------------------------------------------------------------ a hung rank

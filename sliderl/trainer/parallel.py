@@ -40,12 +40,14 @@ from sliderl.trainer.optimizer import MasterAdamW
 @dataclass(frozen=True)
 class ProcessGroupSpec:
     """How the learner ranks meet: rank 0's rendezvous store (``host:port``), the world size, the
-    ``torch.distributed`` backend and how long any collective may wait before it is an error."""
+    ``torch.distributed`` backend, how long any collective may wait before it is an error, and how many
+    consecutive ranks shard one copy of the state (None: all of them)."""
 
     address: str
     world_size: int
     backend: str
     timeout_s: float
+    shard_size: int | None = None
 
 
 def process_group_backend(device: str) -> str:
@@ -173,7 +175,12 @@ class FSDPParallel(Parallel):
         if device.type == "cuda":
             torch.cuda.set_device(device if device.index is not None else torch.cuda.current_device())
         dist.init_process_group(spec.backend, store=store, rank=rank, world_size=spec.world_size, timeout=timeout)
-        return cls(init_device_mesh(device.type, (spec.world_size,)), rank, spec.world_size)
+        shard = spec.shard_size or spec.world_size
+        if shard == spec.world_size:
+            return cls(init_device_mesh(device.type, (spec.world_size,)), rank, spec.world_size)
+        # HSDP: each row of consecutive ranks shards one copy; the copies' gradients are summed across rows
+        mesh = init_device_mesh(device.type, (spec.world_size // shard, shard), mesh_dim_names=("replicate", "shard"))
+        return cls(mesh, rank, spec.world_size)
 
     def storage_dtype(self, dtype: str, master_weights: bool) -> torch.dtype:
         # master weights: the sharded parameters themselves are the float32 masters

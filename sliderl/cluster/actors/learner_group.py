@@ -40,7 +40,7 @@ class LearnerGroup:
         if section.sharded:
             self._store, address = open_rendezvous(ray.util.get_node_ip_address())  # lives as long as the group
             spec = ProcessGroupSpec(address, section.num_ranks, process_group_backend(section.device),
-                                    section.collective_timeout_s)
+                                    section.collective_timeout_s, section.shard_ranks)
         bundles = learner_bundles(cfg)
         self.actors = [
             ray.remote(LearnerActor).options(max_restarts=0, **actor_options(cfg, rank_role(rank), bundles[rank], pg,

@@ -80,6 +80,12 @@ class LearnerSection(LearnerArgs):
     """Learner ranks, one actor each (one GPU each on CUDA), forming one torch.distributed process group
     (NCCL on GPU, gloo on CPU) that shards the model, gradients and AdamW state with FSDP2; 1: one process,
     the plain model (unless fsdp=always or offload=cpu)."""
+    shard_ranks: int | None = None
+    """Ranks that shard one copy of the model, gradients and AdamW state (FSDP2 on a 2D mesh, HSDP): the
+    num_ranks / shard_ranks copies each sum their gradients over their own ranks, then across copies. Shard
+    within a node (e.g. 8 on 2 nodes x 8 GPUs; consecutive ranks share a node): parameter gathers and gradient
+    reduce-scatters then stay on the node and only an all-reduce of each shard crosses nodes, for 16·P/shard_ranks
+    bytes of state per rank instead of 16·P/num_ranks. Must divide num_ranks; None: num_ranks (one copy)."""
     fsdp: Literal["auto", "always"] = "auto"
     """auto: FSDP2 when num_ranks > 1 or offload=cpu; always: at one rank too (float32 masters are then the
     sharded parameters: 16 bytes per parameter with AdamW, without the plain learner's float32 gradient copy)."""
@@ -108,6 +114,11 @@ class LearnerSection(LearnerArgs):
             raise ValueError(f"num_ranks must be an integer >= 1, got {self.num_ranks!r}")
         if not self.collective_timeout_s > 0:
             raise ValueError(f"collective_timeout_s must be > 0, got {self.collective_timeout_s}")
+        if self.shard_ranks is not None and not (isinstance(self.shard_ranks, int) and self.shard_ranks >= 1
+                                                 and self.num_ranks % self.shard_ranks == 0):
+            divisors = [d for d in range(1, self.num_ranks + 1) if self.num_ranks % d == 0]
+            raise ValueError(f"shard_ranks must divide num_ranks={self.num_ranks} (one of {divisors}) or be None, "
+                             f"got {self.shard_ranks!r}")
         if self.rank_resources and len(self.rank_resources) != self.num_ranks:
             raise ValueError(f"rank_resources must list one entry per rank (num_ranks={self.num_ranks}) or none, "
                              f"got {len(self.rank_resources)}: {self.rank_resources}")
