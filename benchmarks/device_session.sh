@@ -14,18 +14,19 @@
 #   bash benchmarks/device_session.sh M    # ~10 min: the 7B learner's MFU on one GPU, checkpointing all / compiled / 12 of 28 layers (38.3)
 #   bash benchmarks/device_session.sh P    # ~9 min: batch 1 and 8 at 8K, cuBLAS/GEMV x plain/PDL, per-kernel split (38.2)
 #   bash benchmarks/device_session.sh Q    # ~9 min: the GEMV fix: per-layer table, batch 1 cuBLAS vs GEMV with each launch; batch-1 decode attention sweep (38.2); the offload GPU test (36)
+#   bash benchmarks/device_session.sh R    # ~10 min: regress.py on batch 1 and the learner (38.1)
 #   bash benchmarks/device_session.sh X2   # ~10 min on nvidia-h200-x2: the sharded learner's 2-GPU rows (36)
 #
-# Order when a machine is lent (2026-12-05): E 1 and E 2 (the last rows issue 41 needs), then Q, G, M, B, D, F, P, C,
+# Order when a machine is lent (2026-12-05): E 1 and E 2 (the last rows issue 41 needs), then Q, G, M, B, D, R, F, P, C,
 # A, and X2 whenever a two-GPU machine is lent. One session holds 30 minutes of device time: three groups at most.
 #
 # carry: .whl for A, .whl for B, E and X2, a Ray-less copy of .whl
-# (runs/whl-light) with runs/pasta-h200 and runs/pd-long for C, runs/whl-light for D, F, G, M and P: everything carried must
+# (runs/whl-light) with runs/pasta-h200 and runs/pd-long for C, runs/whl-light for D, F, G, M, P, Q and R: everything carried must
 # stay under 64 MiB with the tree (~9 MB), and Ray's wheel alone is 47 MB. The commands are the ones
 # docs/results.md gives.
 set -u
 OUT=${OUT:?set OUT to the folder whose files come back}
-group=${1:?name a group: A, B, C, D, E, F, G, M, P, Q or X2}
+group=${1:?name a group: A, B, C, D, E, F, G, M, P, Q, R or X2}
 summary=()
 
 item() {  # item NAME SECONDS COMMAND...: run with a limit, tee its log, note rc and seconds
@@ -162,6 +163,12 @@ case "$group" in
     # step takes FSDP2's resident step (tests/test_parallel.py, a tiny model, NCCL at one rank)
     item offload-gpu-test 60 python -m pytest -q tests/test_parallel.py -m gpu -k offloaded
     ;;
+  R)
+    # issue 38, item 1: benchmarks/regress.py's headlines that have not yet been compared on the GPU, batch 1 (its
+    # last run was cut at 110 s) and the learner's two 32K rows; each prints recorded vs measured with a verdict
+    item regress-batch1 240 python benchmarks/regress.py --only batch1 --record --out "$OUT/regress-batch1"
+    item regress-learner 330 python benchmarks/regress.py --only learner --record --out "$OUT/regress-learner"
+    ;;
   X2)
     # issue 36 on a two-GPU machine (kind nvidia-h200-x2; carry .whl, as B): 1.7B at 1 and 2 ranks at the same global
     # batch with the weight sync's time, then the 7B step at 2 ranks without offload (docs/results.md, "A sharded
@@ -172,7 +179,7 @@ case "$group" in
       --out "$OUT/scaling-7b-2gpu" --models /tmp/sliderl-models
     ;;
   *)
-    echo "unknown group $group: A, B, C, D, E, F, G, M, P, Q or X2" >&2
+    echo "unknown group $group: A, B, C, D, E, F, G, M, P, Q, R or X2" >&2
     exit 2
     ;;
 esac
