@@ -106,7 +106,8 @@ def rank_main(args: argparse.Namespace) -> None:
 
     device = "cpu" if args.cpu_smoke else "cuda"
     sharded = args.world > 1 or args.fsdp == "always" or args.offload != "none"
-    spec = ProcessGroupSpec(args.address, args.world, process_group_backend(device), 1800)
+    shard = args.shard_ranks if args.shard_ranks and args.world % args.shard_ranks == 0 else None  # 1 rank: none
+    spec = ProcessGroupSpec(args.address, args.world, process_group_backend(device), 1800, shard)
     parallel = FSDPParallel.join(spec, args.rank, torch.device(device)) if sharded else Parallel()
     learner = Learner(args.model, LearnerArgs(
         lr=1e-6, device=device, dtype="float32" if args.cpu_smoke else "bfloat16", master_weights=args.masters,
@@ -245,7 +246,7 @@ def run_row(args: argparse.Namespace, model: Path, ranks: int, seq: int, out: Pa
     row = {"shape": args.shape, "ranks": ranks, "seq": seq, "group": args.group, "groups": args.groups,
            "mode": args.mode, "prompt": args.prompt, "window": args.window, "offload": args.offload, "fsdp": args.fsdp,
            "masters": args.masters, "checkpoint_layers": args.checkpoint_layers, "compiled": args.compiled,
-           "gradient_sync": args.gradient_sync,
+           "gradient_sync": args.gradient_sync, "shard_ranks": args.shard_ranks,
            "micro_batch_tokens": args.micro_batch_tokens or seq}
     if codes != [0] * len(procs) or not row_file.is_file():
         tail = (out / f"rank0-{ranks}-{seq}.log").read_text()[-2000:]
@@ -278,6 +279,7 @@ def _passed(args: argparse.Namespace) -> list[str]:
     out += ["--no-masters"] if not args.masters else []
     out += ["--compiled"] if args.compiled else []
     out += ["--gradient-sync", args.gradient_sync]
+    out += ["--shard-ranks", str(args.shard_ranks)] if args.shard_ranks else []
     return out + (["--sync"] if args.sync else []) + (["--cpu-smoke"] if args.cpu_smoke else [])
 
 
@@ -311,6 +313,7 @@ def setup_label(row: dict) -> str:
     label = f"{'masters' if row.get('masters', True) else 'plain'} ckpt:{'all' if layers is None else layers}"
     label += " comp" if row.get("compiled") else ""
     label += " sync:step" if row.get("gradient_sync") == "step" else ""
+    label += f" hsdp:{row['shard_ranks']}" if row.get("shard_ranks") else ""
     return label + (f" off:{row['offload']}" if row.get("offload", "none") != "none" else "")
 
 
@@ -349,6 +352,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-masters", dest="masters", action="store_false",
                    help="AdamW on the bf16 weights (no float32 masters: 8 B/param less; the MFU rows at 7B on one GPU)")
     p.add_argument("--compiled", action="store_true", help="learner.compile_elementwise on")
+    p.add_argument("--shard-ranks", type=int, default=None,
+                   help="learner.shard_ranks: ranks per copy of the state (HSDP); default all of a row's ranks")
     p.add_argument("--gradient-sync", choices=("micro_batch", "step"), default="micro_batch",
                    help="learner.gradient_sync: sum (and, offloaded, copy to host) the gradients after every "
                         "micro-batch or once a step")

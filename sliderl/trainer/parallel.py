@@ -176,7 +176,7 @@ class FSDPParallel(Parallel):
             torch.cuda.set_device(device if device.index is not None else torch.cuda.current_device())
         dist.init_process_group(spec.backend, store=store, rank=rank, world_size=spec.world_size, timeout=timeout)
         shard = spec.shard_size or spec.world_size
-        if shard == spec.world_size:
+        if shard >= spec.world_size:
             return cls(init_device_mesh(device.type, (spec.world_size,)), rank, spec.world_size)
         # HSDP: each row of consecutive ranks shards one copy; the copies' gradients are summed across rows
         mesh = init_device_mesh(device.type, (spec.world_size // shard, shard), mesh_dim_names=("replicate", "shard"))
