@@ -97,9 +97,10 @@ SCENARIOS = {
     "chunked": lambda m: (LearnerArgs(algo=GRPOOptions(aggregation="seq_mean_token_mean"), window_mode="chunked",
                                       **{**GRPO, "micro_batch_tokens": 40}),
                           [policies_batch(m, 3)[:2], policies_batch(m, 4)[:2]]),
-    # Dr.GRPO's constant normaliser, a k3 KL to the (sharded) reference, activation checkpointing
+    # Dr.GRPO's constant normaliser, a k3 KL to the (sharded) reference, activation checkpointing of the first of
+    # the two layers (checkpoint_layers: the second keeps its activations inside FSDP2's unsharded forward)
     "constant_kl": lambda m: (LearnerArgs(algo=GRPOOptions(aggregation="constant", constant_norm=64.0, kl_coef=0.1),
-                                          gradient_checkpointing=True, **GRPO),
+                                          gradient_checkpointing=True, checkpoint_layers=1, **GRPO),
                               [policies_batch(m, 5)[:3], policies_batch(m, 6)[:3]]),
     # best-vs-worst pairs, each pair a unit that no split may cut
     "bonbon": lambda m: (LearnerArgs(algo=BoNBoNOptions(alpha=0.1), lr=1e-4, max_grad_norm=1.0, micro_batch_tokens=1),
