@@ -249,8 +249,10 @@ def kernel_profile(llm: LLM, steps: int, top: int = 12) -> dict:
             llm.step()
         torch.cuda.synchronize()
     per_kernel: dict[str, float] = {}
+    launches_total = 0
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
+            launches_total += 1
             name = e.name if len(e.name) <= 60 else e.name[:57] + "..."
             per_kernel[name] = per_kernel.get(name, 0.0) + e.time_range.elapsed_us() / 1e3 / steps
     ranked = sorted(per_kernel.items(), key=lambda kv: -kv[1])
@@ -259,7 +261,9 @@ def kernel_profile(llm: LLM, steps: int, top: int = 12) -> dict:
                     and e.name.startswith(ranked[0][0].removesuffix("..."))), key=lambda e: e.time_range.start)
     per_step = len(first) // steps
     launches = [round(e.time_range.elapsed_us(), 1) for e in first[per_step:2 * per_step]] if steps > 1 else []
-    return {"gpu_ms": sum(per_kernel.values()), "kernels": dict(ranked[:top]), "top_kernel_launches_us": launches}
+    # launches a step: every kernel (and memcpy/memset) the step put on the GPU, graphs included
+    return {"gpu_ms": sum(per_kernel.values()), "launches_per_step": launches_total / steps,
+            "kernels": dict(ranked[:top]), "top_kernel_launches_us": launches}
 
 
 def overlap_phases(llm: LLM, steps: int) -> dict:
