@@ -85,7 +85,11 @@ case "$group" in
   E)
     # issue 41, TIP: the GPU-scale recipe's arms with their decode wall time on the H200 (summary.md's "decode s"),
     # one seed a call: `E` is seed 0 (measured at 4ae9f64), `E 1` and `E 2` the other two
-    # (the GPU machine's Python has no wandb: the run logs to its own files only)
+    # (the GPU machine's Python has no wandb: the run logs to its own files only). With seeds 1 and 2 back, the
+    # table over the three: seed 0's rows are its over-seeds/results.jsonl (one seed: the same records), so
+    #   D=docs/results/tip/h200-3-seeds; mkdir -p $D/s0/eval && cp docs/results/tip/h200-wall-4ae9f64/over-seeds/results.jsonl $D/s0/eval/
+    #   (and each call's $OUT/tip/s1 and $OUT/tip/s2 eval/ folders to $D/s1/eval, $D/s2/eval), then
+    #   python benchmarks/tip_seeds.py --recipe tip-gpu --seeds 0 1 2 --out $D --report-only
     seed=${2:-0}
     item tip-gpu-s$seed 575 python benchmarks/tip_seeds.py --recipe tip-gpu --device cuda --seeds "$seed" --out "$OUT/tip" \
       --grpo-seconds 110 --sft sft.max_seconds=150 --train monitor.wandb.mode=disabled eval.before=false eval.after=false
