@@ -118,5 +118,39 @@ def test_the_learner_setting_reaches_the_trained_model_and_the_reference(tiny_mo
                           micro_batch_tokens=64, compile_elementwise=compiled, vocab_policy="registers:3")
         assert learner.model.compile_elementwise == compiled and learner.reference.compile_elementwise == compiled
         losses[compiled] = learner.step(policies_batch(path, 1)).loss
-        assert (model_module._compiled.cache_info().currsize == 4) == compiled
+        # the four chains and the LM head's logprob (trainer.logprobs.head_logprobs)
+        assert (model_module._compiled.cache_info().currsize == 5) == compiled
     assert losses[True] == pytest.approx(losses[False], rel=1e-5)
+
+
+@pytest.mark.timeout(300)
+def test_the_compiled_lm_head_gives_the_eager_logprobs_and_gradients(tiny_model_factory, monkeypatch):
+    # Catches a compiled head (trainer.logprobs.head_logprobs) that scores other than the eager chunks: the
+    # temperature dropped or applied to greedy rows (T = 0 must score unscaled; planted, temperature passed as
+    # ones: the T = 0.7 rows differ), the target's logit taken at another id, or a chunk's gradient lost under
+    # the chunks' checkpointing (chunk_rows 7 splits the 30 targets into five chunks, the last one short).
+    from sliderl.core.kv_policy import KVPolicy
+    from sliderl.trainer.logprobs import pack_windows, packed_logprobs, window_input
+
+    monkeypatch.setattr(model_module, "COMPILE_BACKEND", "aot_eager")
+    model_module._compiled.cache_clear()
+    torch._dynamo.reset()
+    model = load_model(tiny_model_factory("qwen3")).train()
+    gen = torch.Generator().manual_seed(5)
+    prompt = torch.randint(0, VOCAB, (6,), generator=gen).tolist()
+    completion = torch.randint(0, VOCAB, (15,), generator=gen).tolist()
+    policy = KVPolicy.parse("prefix_sliding:8")
+    packed = pack_windows([window_input(prompt, completion, policy, t) for t in (0.7, 0.0)])
+    out = {}
+    for compiled in (False, True):
+        model.compile_elementwise = compiled
+        model.zero_grad()
+        logprobs = packed_logprobs(model, packed, "sdpa", chunk_rows=7)
+        (logprobs * torch.linspace(0.5, 1.5, logprobs.numel())).sum().backward()
+        out[compiled] = logprobs.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    assert model_module._compiled.cache_info().currsize == 5
+    (eager, eager_grads), (comp, comp_grads) = out[False], out[True]
+    assert comp.shape == (30,) and (eager[:15] - eager[15:]).abs().max() > 1e-3  # T = 0.7 and T = 0 differ
+    torch.testing.assert_close(comp, eager, rtol=1e-5, atol=1e-6)
+    for name, grad in eager_grads.items():
+        torch.testing.assert_close(comp_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)

@@ -74,7 +74,8 @@ class LearnerArgs:
     layer count); the others keep their activations, trading their memory for their forward's second run.
     None: every layer."""
     compile_elementwise: bool = False
-    """Run each layer's element-wise chains (the norms with their residual adds, q/k-norm + RoPE, SiLU·mul) as
+    """Run each layer's element-wise chains (the norms with their residual adds, q/k-norm + RoPE, SiLU·mul) and
+    the LM head's logprob chunks (``trainer.logprobs.head_logprobs``) as
     ``torch.compile``d graphs, forward and backward fused (``core.model.DecoderLM``): on the H200 those chains,
     eager, were 28% of a 1.7B GRPO step's device time. The first micro-batch compiles them (seconds); the math
     is the eager path's."""

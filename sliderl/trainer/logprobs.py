@@ -33,7 +33,7 @@ from torch import Tensor
 
 from sliderl.core.kv_policy import KVPolicy
 from sliderl.core.logprob import logprobs_at
-from sliderl.core.model import DecoderLM
+from sliderl.core.model import DecoderLM, elementwise
 from sliderl.core.pasta import PastaLayout
 from sliderl.core.planned_diffusion import NoisedLayout
 from sliderl.core.trace import Trace
@@ -185,20 +185,33 @@ def packed_logprobs(model: DecoderLM, packed: PackedWindows, backend: str = "aut
     ``chunk_rows`` (default: ``LOGIT_CHUNK_ELEMENTS // V``, about 880 rows of a 152K vocabulary), each
     under activation checkpointing when grad is on, so backward recomputes one chunk's logits at a
     time. Memory for the loss is then flat in the number of targets instead of M x V x 4 bytes
-    (13.9 GiB at M = 23K of a 152K vocabulary).
+    (13.9 GiB at M = 23K of a 152K vocabulary). With the model's ``compile_elementwise`` (training) each chunk's
+    head — GEMM, float32 cast, temperature, log-sum-exp and the target's logit — is one ``torch.compile``d
+    graph, whose float32 passes over ``[C, V]`` the compiler fuses (forward and backward).
     """
     device = device or next(model.parameters()).device  # as packed_logits
     packed = packed.to(device)
     attn = training_attention(packed.visibility, device, backend)
     hidden = model(packed.input_ids, packed.positions, attn)[packed.predictor_index]  # [M, hidden]
     rows = chunk_rows or max(1, LOGIT_CHUNK_ELEMENTS // model.config.vocab_size)
+    if model.compile_elementwise and torch.is_grad_enabled():
+        head = elementwise(head_logprobs, True)
+        chunk_fn = lambda h, t, temp: head(h, model.lm_head.weight, t, temp)  # noqa: E731
+    else:
+        chunk_fn = lambda h, t, temp: _chunk_logprobs(model, h, t, temp)  # noqa: E731
     if hidden.shape[0] <= rows:
-        return _chunk_logprobs(model, hidden, packed.target_ids, packed.temperature)
+        return chunk_fn(hidden, packed.target_ids, packed.temperature)
     chunks = zip(hidden.split(rows), packed.target_ids.split(rows), packed.temperature.split(rows))
     if not torch.is_grad_enabled():
-        return torch.cat([_chunk_logprobs(model, *chunk) for chunk in chunks])
+        return torch.cat([chunk_fn(*chunk) for chunk in chunks])
     from torch.utils.checkpoint import checkpoint
-    return torch.cat([checkpoint(_chunk_logprobs, model, *chunk, use_reentrant=False) for chunk in chunks])
+    return torch.cat([checkpoint(chunk_fn, *chunk, use_reentrant=False) for chunk in chunks])
+
+
+def head_logprobs(hidden: Tensor, weight: Tensor, target_ids: Tensor, temperature: Tensor) -> Tensor:
+    """The LM head and the sampler's logprob in one function (what ``compile_elementwise`` compiles): ``hidden
+    [C, hidden]``, ``weight [V, hidden]`` -> float32 ``[C]``; the math of ``_chunk_logprobs`` in training."""
+    return logprobs_at(torch.nn.functional.linear(hidden, weight).float(), target_ids, temperature)
 
 
 def _chunk_logprobs(model: DecoderLM, hidden: Tensor, target_ids: Tensor, temperature: Tensor) -> Tensor:
