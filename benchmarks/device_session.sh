@@ -16,9 +16,11 @@
 #   bash benchmarks/device_session.sh Q    # ~9 min: the GEMV fix: per-layer table, batch 1 cuBLAS vs GEMV with each launch; batch-1 decode attention sweep (38.2); the offload GPU test (36)
 #   bash benchmarks/device_session.sh R    # ~10 min: regress.py on batch 1 and the learner (38.1)
 #   bash benchmarks/device_session.sh X2   # ~10 min on nvidia-h200-x2: the sharded learner's 2-GPU rows (36)
+#   bash benchmarks/device_session.sh X8   # ~10 min on an eight-GPU kind: 1.7B at 1-8 ranks, 7B at 4 and 8 (36)
 #
 # Order when a machine is lent (2026-12-05): E 1 and E 2 (the last rows issue 41 needs), then Q, G, M, B, D, R, F, P, C,
-# A, and X2 whenever a two-GPU machine is lent. One session holds 30 minutes of device time: three groups at most.
+# A, and X2 (X8) whenever a two-GPU (eight-GPU) machine is lent. One session holds 30 minutes of device time:
+# three groups at most.
 #
 # carry: .whl for A, .whl for B, E and X2, a Ray-less copy of .whl
 # (runs/whl-light) with runs/pasta-h200 and runs/pd-long for C, runs/whl-light for D, F, G, M, P, Q and R: everything carried must
@@ -26,7 +28,7 @@
 # docs/results.md gives.
 set -u
 OUT=${OUT:?set OUT to the folder whose files come back}
-group=${1:?name a group: A, B, C, D, E, F, G, M, P, Q, R or X2}
+group=${1:?name a group: A, B, C, D, E, F, G, M, P, Q, R, X2 or X8}
 summary=()
 
 item() {  # item NAME SECONDS COMMAND...: run with a limit, tee its log, note rc and seconds
@@ -182,8 +184,18 @@ case "$group" in
     item scaling-7b-2gpu 280 python benchmarks/learner_scaling.py --shape 7b --ranks 2 --seq 32768 \
       --out "$OUT/scaling-7b-2gpu" --models /tmp/sliderl-models
     ;;
+  X8)
+    # issue 36 on an eight-GPU machine (kind nvidia-h100-x8 or nvidia-h200-x8; carry .whl): 1.7B from 1 to 8 ranks at
+    # the same global batch (4 groups of 8 traces), the 7B step at 4 and 8 ranks, and 8 ranks as 2 copies of 4 (HSDP)
+    item scaling-1p7b-x8 220 python benchmarks/learner_scaling.py --shape 1.7b --ranks 1 2 4 8 --seq 32768 --groups 4 \
+      --sync --out "$OUT/scaling-1p7b-x8" --models /tmp/sliderl-models
+    item scaling-7b-x8 220 python benchmarks/learner_scaling.py --shape 7b --ranks 4 8 --seq 32768 --groups 2 \
+      --out "$OUT/scaling-7b-x8" --models /tmp/sliderl-models
+    item scaling-7b-hsdp 150 python benchmarks/learner_scaling.py --shape 7b --ranks 8 --shard-ranks 4 --seq 32768 \
+      --groups 2 --out "$OUT/scaling-7b-hsdp" --models /tmp/sliderl-models
+    ;;
   *)
-    echo "unknown group $group: A, B, C, D, E, F, G, M, P, Q, R or X2" >&2
+    echo "unknown group $group: A, B, C, D, E, F, G, M, P, Q, R, X2 or X8" >&2
     exit 2
     ;;
 esac
