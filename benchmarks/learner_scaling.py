@@ -106,8 +106,8 @@ def rank_main(args: argparse.Namespace) -> None:
 
     device = "cpu" if args.cpu_smoke else "cuda"
     sharded = args.world > 1 or args.fsdp == "always" or args.offload != "none"
-    shard = args.shard_ranks if args.shard_ranks and args.world % args.shard_ranks == 0 else None  # 1 rank: none
-    spec = ProcessGroupSpec(args.address, args.world, process_group_backend(device), 1800, shard)
+    spec = ProcessGroupSpec(args.address, args.world, process_group_backend(device), 1800,
+                            hsdp_shard(args.shard_ranks, args.world))
     parallel = FSDPParallel.join(spec, args.rank, torch.device(device)) if sharded else Parallel()
     learner = Learner(args.model, LearnerArgs(
         lr=1e-6, device=device, dtype="float32" if args.cpu_smoke else "bfloat16", master_weights=args.masters,
@@ -246,7 +246,8 @@ def run_row(args: argparse.Namespace, model: Path, ranks: int, seq: int, out: Pa
     row = {"shape": args.shape, "ranks": ranks, "seq": seq, "group": args.group, "groups": args.groups,
            "mode": args.mode, "prompt": args.prompt, "window": args.window, "offload": args.offload, "fsdp": args.fsdp,
            "masters": args.masters, "checkpoint_layers": args.checkpoint_layers, "compiled": args.compiled,
-           "gradient_sync": args.gradient_sync, "shard_ranks": args.shard_ranks,
+           "gradient_sync": args.gradient_sync,
+           "shard_ranks": hsdp_shard(args.shard_ranks, ranks),
            "micro_batch_tokens": args.micro_batch_tokens or seq}
     if codes != [0] * len(procs) or not row_file.is_file():
         tail = (out / f"rank0-{ranks}-{seq}.log").read_text()[-2000:]
@@ -304,6 +305,11 @@ def add_rates(rows: list[dict], model: Path) -> list[dict]:
         if row["status"] == "ok" and base is not None:
             row["scaling"] = row["tok_s"] / base["tok_s"]
     return rows
+
+
+def hsdp_shard(shard_ranks: int | None, ranks: int) -> int | None:
+    """``--shard-ranks`` where it makes a row HSDP (it divides the row's ranks into more than one copy), else None."""
+    return shard_ranks if shard_ranks and ranks % shard_ranks == 0 and shard_ranks < ranks else None
 
 
 def setup_label(row: dict) -> str:
