@@ -22,9 +22,13 @@
 # A, and X2 (X8) whenever a two-GPU (eight-GPU) machine is lent. One session holds 30 minutes of device time:
 # three groups at most.
 #
-# carry: .whl for A, .whl for B, E and X2, a Ray-less copy of .whl
-# (runs/whl-light) with runs/pasta-h200 and runs/pd-long for C, runs/whl-light for D, F, G, M, P, Q and R: everything carried must
-# stay under 64 MiB with the tree (~9 MB), and Ray's wheel alone is 47 MB. The commands are the ones
+# carry: a Ray-less copy of .whl (runs/whl-light) for C (with runs/pasta-h200 and runs/pd-long), D, F, G, M, P, Q
+# and R; for A, B, E, X2 and X8, which start Ray, a copy whose Ray wheel drops what sliderl never imports (the tree
+# is ~17 MB now, Ray's wheel 47 MB, and everything carried must stay under 64 MiB):
+#   mkdir -p runs/whl-e && cp .whl/*.whl runs/whl-e/ && (cd runs/whl-e && zip -q -d ray-*.whl 'ray/rllib/*' \
+#     'ray/serve/*' 'ray/data/*' 'ray/llm/*' 'ray/train/*' 'ray/tune/*' 'ray/dashboard/client/build/*')   # 43 MB
+#   mkdir -p runs/whl-light && cp .whl/*.whl runs/whl-light/ && rm runs/whl-light/ray-*.whl               # 4.5 MB
+# and install the carried folder's wheels as ../shared/tools/device-wheels.sh says. The commands are the ones
 # docs/results.md gives.
 set -u
 OUT=${OUT:?set OUT to the folder whose files come back}
