@@ -178,9 +178,10 @@ class Learner:
         batches, most, num_batches = self._split_micro_batches(units, inputs)
         sums: dict[str, float] = {}
         self._nonfinite: str | None = None
-        sync_each = self.args.gradient_sync == "micro_batch"
+        once = self.args.gradient_sync == "step"  # else FSDP2's default: every backward sums over the ranks
         for i in range(most):  # FSDP2's collectives need as many forwards/backwards on every rank: padding after
-            self.parallel.set_gradient_sync(self.model, sync_each or i == most - 1)
+            if once:
+                self.parallel.set_gradient_sync(self.model, i == most - 1)
             if i < len(batches):
                 self._accumulate(batches[i], totals, sums)
             else:
