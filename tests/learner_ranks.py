@@ -177,6 +177,11 @@ def run(name: str, model: str, out: Path, parallel) -> None:
             if name in RESUMES and not start.is_dir():
                 learner.save_checkpoint(out / f"{name}.ckpt")
                 record["saved"] = sharded_state(learner)
+    from sliderl.trainer.parallel import host_state_bytes
+
+    # what each rank's offload check counts (its shards' elements x 3 states), beside the model's whole size
+    record["host_state"] = parallel.gather(host_state_bytes(learner.model))
+    record["elements"] = sum(p.numel() for p in learner.model.parameters() if p.requires_grad)  # DTensor: global
     record["weights"] = learner.state_dict()
     record["placements"] = str(next(learner.model.parameters()).placements)  # (Shard(dim=0),); HSDP: Replicate first
     if parallel.rank == 0:

@@ -63,6 +63,28 @@ def test_learner_restarts_used_up_end_the_run_with_the_checkpoints_intact(ray_se
     assert latest is not None and latest[1].step == 2 and latest[1].learner_restarts == 1
 
 
+def test_an_actor_whose_init_raised_is_reported_by_its_exception(ray_session):
+    # catches: "the learner died (...)" (and "rollout worker N is gone for good: ...") cutting the actor's
+    # creation-task traceback at 300 characters, so the exception that says why never reaches the user (the
+    # learner's host-memory refusal is ~300 characters on its own). Planted by returning the 300-character
+    # slice for init failures too, the message lacks the exception's tail and this fails.
+    from sliderl.cluster.errors import actor_death
+
+    class RefusesToStart:  # defined here: Ray ships it by value (the workers cannot import this test module)
+        def __init__(self, message: str):
+            raise ValueError(message)  # as a learner rank does when its node cannot hold the offloaded state
+
+        def ping(self) -> int:
+            return 1
+
+    message = "learner.offload=cpu: " + "n" * 400 + " [the end]"
+    actor = ray_session.remote(num_cpus=0)(RefusesToStart).remote(message)
+    with pytest.raises(ray_session.exceptions.ActorDiedError) as died:
+        ray_session.get(actor.ping.remote(), timeout=60)
+    assert died.value.actor_init_failed
+    assert actor_death(died.value) == f"its __init__ raised ValueError: {message}"
+
+
 def test_a_hung_worker_ends_the_run_after_group_timeout(ray_session, model_dir, tmp_path):
     # Catches: a run that waits forever when no group arrives (a worker hung in a kernel, a stuck
     # verifier). The worker's process is stopped with SIGSTOP after step 1 (sync mode: step 2's groups

@@ -142,6 +142,22 @@ def assert_same_step(got: dict, ref: dict, later_rel: float = 1e-3) -> None:
 # ------------------------------------------------------------------------------------ the data split
 
 
+def test_the_offload_check_counts_three_states_an_element_and_sums_a_node():
+    # catches: the host-memory check of learner.offload=cpu counting too few states (planted: 2 * ... in
+    # host_state_bytes, 1,760 bytes here), counting frozen parameters, or comparing one rank's need with the node's
+    # memory rather than the sum over the node's ranks (planted: max(needs), the two-rank refusal passes)
+    from sliderl.trainer.parallel import check_host_memory, host_state_bytes
+
+    model = torch.nn.Linear(10, 20)  # 10 x 20 + 20 = 220 float32 elements x (gradient + 2 moments) x 4 B = 2,640 B
+    assert host_state_bytes(model) == 2640
+    model.bias.requires_grad_(False)  # frozen: no gradient, no moments
+    assert host_state_bytes(model.to(torch.bfloat16)) == 200 * 3 * 2
+    check_host_memory([2640, 2640], 5280, "node-a")  # two ranks fit exactly
+    with pytest.raises(ValueError, match=r"need 0\.0 GiB of host memory on node-a \(2 rank\(s\).*learner.num_ranks"):
+        check_host_memory([2640, 2640], 5279, "node-a")
+    check_host_memory([2640, 2640], None, "node-a")  # no /proc/meminfo: no check
+
+
 def test_balanced_partition_deals_every_unit_once_by_load():
     # catches: a unit dropped or dealt twice by the split (planted: the last index left out of its part; an
     # index appended to two parts), a split by count instead of tokens, and one that depends on the rank that
@@ -198,6 +214,10 @@ def test_master_weights_are_the_sharded_float32_parameters(model, ranks_out):
     assert all(m.dtype == torch.float32 for m in masters.values())
     d = differences(masters, FIRST["from1_masters"]["params"])  # the one-rank masters after that step
     assert d.mean() < 1e-5, d.mean().item()
+    # the offload check's count on sharded float32 masters: each rank its own shard (planted: the full tensor's
+    # numel instead of to_local()'s, each rank counts the whole model), 3 x 4 bytes an element over the two
+    full = 3 * 4 * got["elements"]
+    assert sum(got["host_state"]) == full and max(got["host_state"]) < full, (got["host_state"], full)
 
 
 # ---------------------------------------------------------------------------- resume at another count

@@ -9,3 +9,15 @@ class ConfigError(ValueError):
 
 class RunError(RuntimeError):
     """The run cannot continue; its checkpoints and trace log are left intact."""
+
+
+def actor_death(err: BaseException, limit: int = 300) -> str:
+    """One line saying why a Ray actor is gone. An actor whose ``__init__`` raised carries that exception's
+    traceback, whose last line names it ("ValueError: ..."): that line, whole, rather than the first ``limit``
+    characters of the traceback (which cut it off); any other death its message's first ``limit`` characters."""
+    text = str(err)
+    if getattr(err, "actor_init_failed", False):
+        last = [line.strip() for line in text.splitlines() if line.strip()]
+        if last:
+            return f"its __init__ raised {last[-1]}"
+    return " ".join(text.split())[:limit]

@@ -17,6 +17,7 @@ gradients over ranks and clipping uses their global norm.
 from __future__ import annotations
 
 import math
+import socket
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -50,7 +51,7 @@ from sliderl.trainer.logprobs import (
 from sliderl.trainer.manifest import Manifest, check_intact
 from sliderl.trainer.metrics import Evaluation, StepMetrics
 from sliderl.trainer.optimizer import make_optimizer
-from sliderl.trainer.parallel import Parallel
+from sliderl.trainer.parallel import Parallel, available_host_memory, check_host_memory, host_state_bytes
 from sliderl.trainer.trace_rows import TraceWindows, check_trace
 
 
@@ -106,6 +107,8 @@ class Learner:
         self.vocab_policy = self._bind(args.vocab_policy) if args.vocab_policy else None
         self._bind("full")  # grows the model when the tokenizer already has more tokens, as the engine does
         self._parallelize()
+        if args.offload == "cpu":
+            self._check_host_memory()
         self.optimizer = self._make_optimizer()
         self._padding: PackedWindows | None = None  # a zero-weight micro-batch, built on first use
 
@@ -124,6 +127,13 @@ class Learner:
         self.model = self.parallel.parallelize(self.model, a.dtype, a.master_weights, a.reduce_dtype, a.offload)
         if self.reference is not None:
             self.reference = self.parallel.parallelize(self.reference, a.dtype, False, a.reduce_dtype, a.offload)
+
+    def _check_host_memory(self) -> None:
+        """Offloaded: every rank on this node will add its gradients and AdamW state to host memory at the first
+        step; refuse now, with the numbers, if they cannot all fit (``parallel.check_host_memory``)."""
+        host = socket.gethostname()
+        needs = [need for h, need in self.parallel.gather((host, host_state_bytes(self.model))) if h == host]
+        check_host_memory(needs, available_host_memory(), host)
 
     def _make_optimizer(self) -> torch.optim.Optimizer:
         return make_optimizer(self.model.parameters(), self.args.lr, self.args.weight_decay, self.args.adam_betas,

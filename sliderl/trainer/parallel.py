@@ -282,6 +282,45 @@ class FSDPParallel(Parallel):
         dist.barrier()
 
 
+def host_state_bytes(model: nn.Module) -> int:
+    """The host memory an offloaded rank's first optimizer step still allocates once its parameter shards are
+    in place: a gradient and AdamW's two moments per local (shard) element of every trained parameter, each in
+    the shard's dtype (float32 masters: 12 bytes an element)."""
+    total = 0
+    for p in model.parameters():
+        if p.requires_grad:
+            local = p.to_local() if hasattr(p, "to_local") else p
+            total += 3 * local.numel() * local.element_size()
+    return total
+
+
+def available_host_memory() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (what the kernel can hand out without swapping), None off Linux."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_host_memory(needs: list[int], available: int | None, host: str) -> None:
+    """learner.offload: cpu — refuse, with the numbers, a node whose ranks (``needs``: each one's
+    ``host_state_bytes``) cannot fit their optimizer state in its host memory: the alternative is the kernel's OOM
+    killer taking a rank at the end of the first step, which reads as a dead rank and restarts into the same wall.
+    ``available`` None (not Linux): no check."""
+    if available is None or sum(needs) <= available:
+        return
+    gib = 2**30
+    raise ValueError(f"learner.offload=cpu: the gradients and AdamW state still to be allocated need "
+                     f"{sum(needs) / gib:.1f} GiB of host memory on {host} ({len(needs)} rank(s), up to "
+                     f"{max(needs) / gib:.1f} GiB each), but {available / gib:.1f} GiB is available there; split "
+                     f"the state over more ranks (learner.num_ranks, on more nodes), set learner.master_weights=false "
+                     f"(half the bytes), or use nodes with more memory")
+
+
 def fsdp_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The model's FSDP2 units as (qualified name, module), the root ('') first."""
     from torch.distributed.fsdp import FSDPModule
@@ -304,5 +343,5 @@ def destroy_process_group() -> None:
         dist.destroy_process_group()
 
 
-__all__ = ["FSDPParallel", "Parallel", "ProcessGroupSpec", "balanced_partition", "open_rendezvous",
-           "process_group_backend"]
+__all__ = ["FSDPParallel", "Parallel", "ProcessGroupSpec", "available_host_memory", "balanced_partition",
+           "check_host_memory", "host_state_bytes", "open_rendezvous", "process_group_backend"]

@@ -40,7 +40,7 @@ from sliderl.cluster.actors.learner_group import make_learner
 from sliderl.cluster.actors.placement import check_resources, cluster_capacity, connect, make_queue, release, reserve
 from sliderl.cluster.actors.weight_sync import WeightSync
 from sliderl.cluster.config.train import TrainConfig
-from sliderl.cluster.errors import RunError
+from sliderl.cluster.errors import RunError, actor_death
 from sliderl.cluster.eval.evaluation import score
 from sliderl.cluster.observe.dashboard import job_metadata, warn_if_submitted_without_metadata
 from sliderl.cluster.observe.monitor import EVAL_DIR, METRICS_FILE
@@ -329,7 +329,7 @@ class Session:
                     ray.wait([ref], timeout=self.cfg.train.health_check_s)
             return ray.get(ref)
         except RayActorError as err:
-            raise LearnerLost(" ".join(str(err).split())[:300]) from None
+            raise LearnerLost(actor_death(err)) from None
         except RayTaskError as err:  # the step raised (a non-finite loss or gradient, a bad trace): not retried
             cause = err.cause if err.cause is not None else err
             raise RunError(f"learner step {self.state.step + 1} failed: {type(cause).__name__}: "
@@ -437,7 +437,7 @@ class Session:
         try:
             return ray.get(ref)
         except RayActorError as err:
-            raise LearnerLost(" ".join(str(err).split())[:300]) from None
+            raise LearnerLost(actor_death(err)) from None
 
     def _evaluate(self, label: str) -> EvalResult:
         import ray

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from sliderl.cluster.actors.rollout_worker import make_worker
 from sliderl.cluster.config.train import TrainConfig
-from sliderl.cluster.errors import RunError
+from sliderl.cluster.errors import RunError, actor_death
 from sliderl.cluster.records import PromptGroup
 from sliderl.cluster.storage.model_files import ModelFiles
 
@@ -116,7 +116,7 @@ class WorkerPool:
             if self._failures[wid] >= 2 or err.actor_init_failed:
                 self.dead.add(wid)
                 health.died.append(wid)
-                print(f"sliderl: rollout worker {wid} is gone for good: {' '.join(str(err).split())[:300]}",
+                print(f"sliderl: rollout worker {wid} is gone for good: {actor_death(err)}",
                       file=sys.stderr)
             return
         except RayActorError:  # unavailable for the moment (e.g. restarting): ask again later
