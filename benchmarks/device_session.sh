@@ -18,8 +18,8 @@
 #   bash benchmarks/device_session.sh X2   # ~10 min on nvidia-h200-x2: the sharded learner's 2-GPU rows (36)
 #   bash benchmarks/device_session.sh X8   # ~10 min on an eight-GPU kind: 1.7B at 1-8 ranks, 7B at 4 and 8 (36)
 #
-# Order when a machine is lent (2026-12-05): E 1 and E 2 (the last rows issue 41 needs), then Q, G, M, B, D, R, F, P, C,
-# A, and X2 (X8) whenever a two-GPU (eight-GPU) machine is lent. One session holds 30 minutes of device time:
+# Order when a machine is lent (after 2026-12-05, when E 1, E 2 and part of Q ran): B, then G, M, D, R, F, P, Q, C, A,
+# and X2 (X8) whenever a two-GPU (eight-GPU) machine is lent. One session holds 30 minutes of device time:
 # three groups at most.
 #
 # carry: a Ray-less copy of .whl (runs/whl-light) for C (with runs/pasta-h200 and runs/pd-long), D, F, G, M, P, Q
@@ -90,7 +90,8 @@ case "$group" in
     ;;
   E)
     # issue 41, TIP: the GPU-scale recipe's arms with their decode wall time on the H200 (summary.md's "decode s"),
-    # one seed a call: `E` is seed 0 (measured at 4ae9f64), `E 1` and `E 2` the other two
+    # one seed a call: `E` is seed 0 (measured at 4ae9f64), `E 1` and `E 2` the other two (measured at 1bbeb04:
+    # docs/results/tip/h200-3-seeds)
     # (the GPU machine's Python has no wandb: the run logs to its own files only). With seeds 1 and 2 back, the
     # table over the three: seed 0's rows are its over-seeds/results.jsonl (one seed: the same records), so
     #   D=docs/results/tip/h200-3-seeds; mkdir -p $D/s0/eval && cp docs/results/tip/h200-wall-4ae9f64/over-seeds/results.jsonl $D/s0/eval/

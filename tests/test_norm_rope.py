@@ -134,6 +134,20 @@ def test_fused_decoder_forward_equals_the_pytorch_forward(tiny_model_factory, ar
                                    rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_fused_gemv_forward_equals_the_pytorch_forward(tiny_model_factory, arch):
+    # catches: the decode path with every linear a GEMV (``gemv_kernels``, at most GEMV_MAX_TOKENS rows) computing
+    # another MLP or residual stream than PyTorch's layer: the MLP tail's silu_mul + down GEMV taking gate and up
+    # swapped, the residual added twice or dropped (the tail adds it inside the down GEMV), a GEMV given another
+    # layer's weight. Independent reference: the model's plain PyTorch forward (SiLU, mul, F.linear, adds).
+    model = load_model(tiny_model_factory(arch), device=DEVICE)  # fp32
+    ids = torch.randint(0, 256, (5,), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    model.gemv_kernels = True
+    with torch.inference_mode():
+        torch.testing.assert_close(forward_logits(model, ids, True), forward_logits(model, ids, False),
+                                   rtol=1e-5, atol=1e-5)
+
+
 def test_fused_forward_runs_no_residual_add_or_silu_mul_kernel_of_its_own(tiny_model_factory):
     # catches: the fused (inference) forward adding a layer's MLP output to its residual stream in a kernel of its
     # own, or running SiLU·mul as torch's two kernels (launches per layer at batch 1, where a step's time is its

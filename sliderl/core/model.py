@@ -382,12 +382,15 @@ class MLP(nn.Module):
         return linear(self.act_fn(gate) * up, down.weight, down.bias, gemv)
 
     def gemv_tail(self, x: Tensor, residual: Tensor, pdl: bool = False) -> Tensor:
-        """``residual + forward(x, fused=True, gemv=True)`` for a SiLU MLP where ``gemv_applies``: two GEMV
-        launches, the second taking ``silu(gate) * up`` as its input and adding the residual to its output."""
+        """``residual + forward(x, fused=True, gemv=True)`` for a SiLU MLP where ``gemv_applies``: the gate/up
+        GEMV, ``silu_mul``, then the down GEMV adding the residual to its output. (The GEMV kernel can also take
+        ``silu(gate) * up`` itself, ``swiglu=True``, one launch fewer; on the H200 that launch took 92 us against
+        12.4 for the plain down GEMV at 1bbeb04, ``benchmarks/gemv.py --m 1``: SiLU's temporaries cap its tiles.)"""
         from sliderl.kernels.gemv import gemv as gemv_kernel
+        from sliderl.kernels.norm_rope import silu_mul
         down = self.down_proj
         gate_up = self.gate_up.joined(x, True, pdl)  # [N, 2 * intermediate]: gate, then up
-        return gemv_kernel(gate_up, down.weight, down.bias, swiglu=True, residual=residual, pdl=pdl)
+        return gemv_kernel(silu_mul(gate_up, pdl), down.weight, down.bias, residual=residual, pdl=pdl)
 
 
 class DecoderLayer(nn.Module):
