@@ -108,6 +108,7 @@ def rank_main(args: argparse.Namespace) -> None:
     sharded = args.world > 1 or args.fsdp == "always" or args.offload != "none"
     spec = ProcessGroupSpec(args.address, args.world, process_group_backend(device), 1800,
                             hsdp_shard(args.shard_ranks, args.world))
+    loading = time.perf_counter()
     parallel = FSDPParallel.join(spec, args.rank, torch.device(device)) if sharded else Parallel()
     learner = Learner(args.model, LearnerArgs(
         lr=1e-6, device=device, dtype="float32" if args.cpu_smoke else "bfloat16", master_weights=args.masters,
@@ -120,7 +121,7 @@ def rank_main(args: argparse.Namespace) -> None:
               for _ in range(args.groups)]
     started = time.perf_counter()
     progress = lambda what: print(f"rank {args.rank}: {what} at {time.perf_counter() - started:.0f} s", flush=True)  # noqa: E731
-    progress(f"model loaded and sharded ({torch.get_num_threads()} CPU threads)")
+    progress(f"model loaded and sharded in {started - loading:.0f} s ({torch.get_num_threads()} CPU threads)")
     if args.offload != "none":
         trace_phases(learner, progress)
     learner.step(groups)  # warm-up: compiles
@@ -394,7 +395,9 @@ def main(argv: list[str] | None = None) -> None:
         return rank_main(args)
     args.out.mkdir(parents=True, exist_ok=True)
     # the 7B is initialised on the CPU: this process then holds no GPU memory while the rows run
+    built = time.perf_counter()
     model = build_model(args.shape, args.models or args.out, "cpu" if args.cpu_smoke or args.shape == "7b" else "cuda")
+    print(f"model {model} ready in {time.perf_counter() - built:.0f} s", flush=True)  # a 7B build: minutes
     rows = add_rates([run_row(args, model, ranks, seq, args.out) for seq in args.seq for ranks in args.ranks], model)
     with (args.out / "results.jsonl").open("a") as f:
         for row in rows:
