@@ -182,13 +182,8 @@ class PastaLayout:
         completion (``RequestOutput.forced``, ``Trace.forced``); given (non-empty), only a forced ``<async>``
         opens a fork (module docstring); None or empty: SFT text, any ``<async>`` after a promise does.
         """
-        if isinstance(prompt_len, bool) or not isinstance(prompt_len, int) or prompt_len < 1:
-            raise ValueError(f"prompt_len must be an int >= 1 (a response follows its prompt), got {prompt_len!r}")
-        ids = completion_ids.tolist() if isinstance(completion_ids, Tensor) else list(completion_ids)
-        flags = [bool(f) for f in forced] if forced is not None else []
-        if flags and len(flags) != len(ids):
-            raise ValueError(f"forced has {len(flags)} flags for {len(ids)} completion tokens")
-        return _LayoutParser(prompt_len, ids, tags, decode, flags or None).run()
+        ids, flags = parse_input(prompt_len, completion_ids, forced)
+        return _LayoutParser(prompt_len, ids, tags, decode, flags).run()
 
     def __len__(self) -> int:
         return self.thread.shape[0]
@@ -288,6 +283,19 @@ class PastaLayout:
         if self.critical_path == 0:
             raise ValueError("an empty response has no critical path; the speedup needs at least one completion token")
         return baseline_len / self.critical_path
+
+
+def parse_input(prompt_len: int, completion_ids: Sequence[int] | Tensor,
+                forced: Sequence[bool] | None) -> tuple[list[int], list[bool] | None]:
+    """A layout parser's checked input (Pasta's and Planned Diffusion's): the completion's ids as a list and its
+    forced flags, None where none were given (or an empty list: SFT text)."""
+    if isinstance(prompt_len, bool) or not isinstance(prompt_len, int) or prompt_len < 1:
+        raise ValueError(f"prompt_len must be an int >= 1 (a response follows its prompt), got {prompt_len!r}")
+    ids = completion_ids.tolist() if isinstance(completion_ids, Tensor) else list(completion_ids)
+    flags = [bool(f) for f in forced] if forced is not None else []
+    if flags and len(flags) != len(ids):
+        raise ValueError(f"forced has {len(flags)} flags for {len(ids)} completion tokens")
+    return ids, flags or None
 
 
 class _LayoutParser:

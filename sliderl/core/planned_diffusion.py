@@ -73,7 +73,8 @@ import torch
 from torch import Tensor
 
 from sliderl.core.kv_policy import NEVER
-from sliderl.core.pasta import DEFAULT_PROMISE_UNITS, PASTA_TOKENS, UNIT, promise_units, thread_visible
+from sliderl.core.pasta import (DEFAULT_PROMISE_UNITS, PASTA_TOKENS, UNIT, parse_input, promise_units,
+                                thread_visible)
 
 MASK = "<mask>"
 NULL = "<null>"
@@ -163,13 +164,8 @@ class PDLayout:
         completion (``RequestOutput.forced``); given (non-empty), only a forced ``<async>`` opens a span (the
         runtime's); None or empty: SFT text, any ``<async>`` right after a plan does.
         """
-        if isinstance(prompt_len, bool) or not isinstance(prompt_len, int) or prompt_len < 1:
-            raise ValueError(f"prompt_len must be an int >= 1 (a response follows its prompt), got {prompt_len!r}")
-        ids = completion_ids.tolist() if isinstance(completion_ids, Tensor) else list(completion_ids)
-        flags = [bool(f) for f in forced] if forced is not None else []
-        if flags and len(flags) != len(ids):
-            raise ValueError(f"forced has {len(flags)} flags for {len(ids)} completion tokens")
-        return _Parser(prompt_len, ids, tags, decode, flags or None).run()
+        ids, flags = parse_input(prompt_len, completion_ids, forced)
+        return _Parser(prompt_len, ids, tags, decode, flags).run()
 
     def __len__(self) -> int:
         return self.span.shape[0]
