@@ -9,8 +9,10 @@ graph. Reported per call: microseconds (CUDA events around a replay, median of 5
 divided by the copies), GB/s of W read (x and y are negligible at M <= 8), and cuBLAS time / GEMV
 time. ``--sweep`` also times launch shapes around ``gemv_config``'s choice at M = 1 (slower: one
 compile per shape tried) and prints the best few per layer and the default's own time, the MLP tail's shapes
-too. The ``down_tail`` row is the decoder MLP's tail as the engine runs it with ``gemv``: ``h + down(silu(gate) *
-up)`` as one GEMV launch (``swiglu``, ``residual``) against torch's SiLU, multiply, cuBLAS GEMM and add.
+too. Two rows time the decoder MLP's tail ``h + down(silu(gate) * up)`` against torch's SiLU, multiply, cuBLAS GEMM
+and add: ``silu_down``, as the engine runs it with ``gemv`` (``silu_mul``, then the down GEMV adding the residual),
+and ``down_tail``, the GEMV's one-launch ``swiglu`` mode (92 us against torch's 16.6 on the H200 at 1bbeb04, why
+the engine no longer uses it).
 """
 
 from __future__ import annotations
@@ -83,7 +85,10 @@ def compare(name: str, ws: list[torch.Tensor], m: int) -> None:
 
 
 def compare_tail(ws: list[torch.Tensor], m: int) -> None:
-    """The MLP tail: torch's four launches vs the one fused GEMV (same bytes of W per call)."""
+    """The MLP tail: torch's four launches vs the engine's silu_mul + GEMV and the one-launch swiglu GEMV (same
+    bytes of W per call)."""
+    from sliderl.kernels.norm_rope import silu_mul
+
     n, k = ws[0].shape
     gate_up = torch.randn(m, 2 * k, device="cuda", dtype=torch.bfloat16)
     h = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
@@ -91,17 +96,20 @@ def compare_tail(ws: list[torch.Tensor], m: int) -> None:
     def torch_tail(w):
         return h + F.linear(F.silu(gate_up[:, :k]) * gate_up[:, k:], w)
 
+    tails = {"silu_down": (lambda w: gemv(silu_mul(gate_up), w, residual=h), False),
+             "down_tail": (lambda w: gemv(gate_up, w, swiglu=True, residual=h), True)}
     g = gate_up.double()[:, :k]
     ref = h.double() + F.linear(g * torch.sigmoid(g) * gate_up.double()[:, k:], ws[0].double())
-    for y in (torch_tail(ws[0]), gemv(gate_up, ws[0], swiglu=True, residual=h)):
-        assert (y.double() - ref).abs().max() <= 0.02 * ref.abs().max(), "down_tail"
+    for name, y in [("torch", torch_tail(ws[0]))] + [(name, tail(ws[0])) for name, (tail, _) in tails.items()]:
+        assert (y.double() - ref).abs().max() <= 0.02 * ref.abs().max(), name
     torch_us = graph_us([lambda w=w: torch_tail(w) for w in ws])
-    gemv_us = graph_us([lambda w=w: gemv(gate_up, w, swiglu=True, residual=h) for w in ws])
     gb = n * k * 2 / 1e9
-    cfg = gemv_config(n, k, torch.bfloat16, gate_up.device, swiglu=True)
-    print(f"{'down_tail':<10}{n:>7}{k:>6}{m:>3}{torch_us:>10.1f}{gb / torch_us * 1e6:>10.0f}{gemv_us:>10.1f}"
-          f"{gb / gemv_us * 1e6:>10.0f}{torch_us / gemv_us:>8.2f}x   {cfg.block_n}x{cfg.block_k}/{cfg.num_splits}",
-          flush=True)
+    for name, (tail, swiglu) in tails.items():
+        gemv_us = graph_us([lambda w=w: tail(w) for w in ws])
+        cfg = gemv_config(n, k, torch.bfloat16, gate_up.device, swiglu=swiglu)
+        print(f"{name:<10}{n:>7}{k:>6}{m:>3}{torch_us:>10.1f}{gb / torch_us * 1e6:>10.0f}{gemv_us:>10.1f}"
+              f"{gb / gemv_us * 1e6:>10.0f}{torch_us / gemv_us:>8.2f}x   {cfg.block_n}x{cfg.block_k}/{cfg.num_splits}",
+              flush=True)
 
 
 def sweep(name: str, ws: list[torch.Tensor], top: int = 4, tail: bool = False) -> None:

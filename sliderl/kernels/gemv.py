@@ -160,10 +160,12 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 
     ``weight [N, K]`` and ``bias [N]`` share x's dtype and device; rows of x and W may be strided,
     their K dim must be contiguous. fp32 accumulation; the bias is added in fp32 before the one cast.
-    ``config`` overrides ``gemv_config``. The decoder's MLP tail fuses in two more ops:
+    ``config`` overrides ``gemv_config``. Two more ops can ride on the launch:
 
     - ``swiglu``: x is ``[M, 2K]``, gate then up (the fused gate/up GEMV's output), and the input is
-      ``silu(gate) * up``, each op rounded to the dtype as torch rounds it;
+      ``silu(gate) * up``, each op rounded to the dtype as torch rounds it (not used by the engine: on the H200
+      its SiLU temporaries cap the tile, 92 us at down_proj's shape against 12.4 for ``silu_mul`` + a plain GEMV;
+      ``benchmarks/gemv.py``);
     - ``residual [M, N]``: returns ``residual + y``, y rounded first (the layer's ``h + mlp(x)``).
 
     ``pdl``: launched as part of a programmatic-dependent-launch chain (``kernels.pdl``; Hopper or later).
