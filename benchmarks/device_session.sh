@@ -11,6 +11,7 @@
 #   bash benchmarks/device_session.sh E 1  # ~9 min: TIP's GPU-scale arms with decode wall time, seed 1 (41); carry .whl (Ray)
 #   bash benchmarks/device_session.sh F    # ~10 min: the paper's Table 1 way at 8K, prefix_sliding vs full (38.6)
 #   bash benchmarks/device_session.sh G    # ~10 min: the learner with compiled element-wise chains vs eager, 32K (38.3)
+#   bash benchmarks/device_session.sh H    # ~9 min, one H200 (needs_h200): the 7B step with float32 masters, no offload (36); M's first row
 #   bash benchmarks/device_session.sh M    # ~10 min: the 7B learner's MFU on one GPU, checkpointing all / compiled / 12 of 28 layers (38.3)
 #   bash benchmarks/device_session.sh P    # ~9 min: batch 1 and 8 at 8K, cuBLAS/GEMV x plain/PDL, per-kernel split (38.2)
 #   bash benchmarks/device_session.sh Q    # ~4 min: batch 1 cuBLAS vs GEMV after the MLP tail's change; batch-1 decode attention at 64 splits (38.2)
@@ -32,7 +33,7 @@
 # docs/results.md gives.
 set -u
 OUT=${OUT:?set OUT to the folder whose files come back}
-group=${1:?name a group: A, B, C, D, E, F, G, M, P, Q, R, X2 or X8}
+group=${1:?name a group: A, B, C, D, E, F, G, H, M, P, Q, R, X2 or X8}
 summary=()
 
 item() {  # item NAME SECONDS COMMAND...: run with a limit, tee its log, note rc and seconds
@@ -63,6 +64,21 @@ case "$group" in
     # in between) instead of once per 32K micro-batch (8 copies of 30 GB and 8 host-side adds over 7.6B floats)
     item scaling-7b-offload 570 python benchmarks/learner_scaling.py --shape 7b --ranks 1 --seq 32768 \
       --offload cpu --gradient-sync step --steps 2 --out "$OUT/scaling-7b-offload" --models /tmp/sliderl-models
+    ;;
+  H)
+    # issue 36 on one H200 (needs_h200: the state alone is 113.6 GiB): the 7B step with float32 masters and no
+    # offload (group B's host offload does not fit a 128 GiB host: 28.4 GiB of float32 shards + 85.1 GiB of
+    # gradients and AdamW state, learner.offload's check refused it on the H100 machine, 68.7 GiB available), FSDP2
+    # on one rank (bf16 compute, float32 masters, AdamW one parameter at a time); truncated at T = 32K as M's rows,
+    # compiled element-wise chains. Then the compiled-path GPU test (its inputs were on the CPU at 82be973) and
+    # M's first row (no masters, every layer recomputed, eager)
+    item scaling-7b-masters 300 python benchmarks/learner_scaling.py --shape 7b --ranks 1 --seq 32768 --fsdp always \
+      --mode truncated --window 4096 --prompt 128 --micro-batch-tokens 16512 --compiled --steps 2 \
+      --out "$OUT/scaling-7b-masters" --models /tmp/sliderl-models
+    item compile-gpu-test 60 python -m pytest -q tests/test_compile_elementwise.py -m gpu
+    item mfu-7b 180 python benchmarks/learner_scaling.py --shape 7b --ranks 1 --seq 32768 --mode truncated \
+      --window 4096 --prompt 128 --no-masters --micro-batch-tokens 16512 --steps 2 --out "$OUT/mfu-7b" \
+      --models /tmp/sliderl-models
     ;;
   C)
     # issue 41: the trained Pasta models' realised batch-1 speedup (Pasta-BoNBoN and Pasta-SFT vs Baseline-SFT,
@@ -193,7 +209,7 @@ case "$group" in
       --groups 2 --out "$OUT/scaling-7b-hsdp" --models /tmp/sliderl-models
     ;;
   *)
-    echo "unknown group $group: A, B, C, D, E, F, G, M, P, Q, R, X2 or X8" >&2
+    echo "unknown group $group: A, B, C, D, E, F, G, H, M, P, Q, R, X2 or X8" >&2
     exit 2
     ;;
 esac

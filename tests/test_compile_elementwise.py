@@ -21,8 +21,8 @@ def loss_and_grads(model, ids, targets, checkpointing: bool):
     """Our model's summed target log-probability over a packed stream of two documents, and its gradients."""
     model.train()
     model.gradient_checkpointing = checkpointing
-    positions = torch.cat([torch.arange(20), torch.arange(ids.numel() - 20)])
-    mask = torch.block_diag(causal_mask(20), causal_mask(ids.numel() - 20))
+    positions = torch.cat([torch.arange(20), torch.arange(ids.numel() - 20)]).to(ids.device)
+    mask = torch.block_diag(causal_mask(20), causal_mask(ids.numel() - 20)).to(ids.device)
     model.zero_grad()
     logits = model.compute_logits(model(ids, positions, DenseAttention(mask)))
     loss = torch.log_softmax(logits, -1).gather(1, targets[:, None]).sum()
