@@ -292,7 +292,7 @@ def add_rates(rows: list[dict], model: Path) -> list[dict]:
     """tok/s, MFU and scaling (over the 1-rank row of the same T) of every ok row."""
     from transformers import AutoConfig
 
-    from benchmarks.learner_gpu import Shape, learner_counts, make_traces, model_flops
+    from benchmarks.learner_gpu import Shape, layer_params, learner_counts, make_traces, model_flops
 
     shape = Shape.of(AutoConfig.from_pretrained(model, local_files_only=True))
     for row in rows:
@@ -304,6 +304,9 @@ def add_rates(rows: list[dict], model: Path) -> list[dict]:
         flops = model_flops(shape, counts["processed"], counts["scored"], counts["visible"]) * row["groups"]
         row["tok_s"] = row["num_tokens"] / row["step_s"]
         row["mfu"] = flops / (row["step_s"] * PEAK_FLOPS * row["ranks"])
+        # 6·N·processed alone (the weight matrices), as learner_gpu's "MFU 6N"
+        dense = 6 * layer_params(shape) * counts["processed"] * row["groups"]
+        row["mfu_6n"] = dense / (row["step_s"] * PEAK_FLOPS * row["ranks"])
     for row in rows:
         base = next((r for r in rows if r["status"] == "ok" and r["ranks"] == 1 and r["seq"] == row["seq"]), None)
         if row["status"] == "ok" and base is not None:
@@ -329,7 +332,7 @@ def setup_label(row: dict) -> str:
 
 def table(rows: list[dict]) -> str:
     lines = [f"{'shape':>5} {'ranks':>5} {'T':>6} {'setup':>22} {'status':>8} {'step_s':>8} {'tok/s':>9} "
-             f"{'scaling':>7} {'MFU':>6} {'sync_s':>7}  peak GiB per rank"]
+             f"{'scaling':>7} {'MFU':>6} {'MFU 6N':>6} {'sync_s':>7}  peak GiB per rank"]
     for r in rows:
         setup = setup_label(r)
         if r["status"] != "ok":
@@ -337,7 +340,8 @@ def table(rows: list[dict]) -> str:
             continue
         sync = f"{r['sync_s']:.4f}" if "sync_s" in r else "-"
         lines.append(f"{r['shape']:>5} {r['ranks']:>5} {r['seq']:>6} {setup:>22} {'ok':>8} {r['step_s']:8.3f} "
-                     f"{r['tok_s']:9.0f} {r.get('scaling', float('nan')):7.2f} {r['mfu']:6.1%} {sync:>7}  {r['peak_gib']}")
+                     f"{r['tok_s']:9.0f} {r.get('scaling', float('nan')):7.2f} {r['mfu']:6.1%} {r['mfu_6n']:6.1%} {sync:>7}  "
+                     f"{r['peak_gib']}")
     return "\n".join(lines)
 
 

@@ -154,3 +154,22 @@ def test_the_compiled_lm_head_gives_the_eager_logprobs_and_gradients(tiny_model_
     torch.testing.assert_close(comp, eager, rtol=1e-5, atol=1e-6)
     for name, grad in eager_grads.items():
         torch.testing.assert_close(comp_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_auto_compiles_on_cuda_learners_only_and_the_config_parses_each_setting():
+    # Catches learner.compile_elementwise: auto resolved the wrong way round — a CPU learner compiling (inductor
+    # needs a C++ compiler, which CI's machine lacks: the default job would fail at its first step) or a GPU
+    # learner left eager (the truncated 32K step 1.57x slower on an H100, docs/results.md "Learner") — and an
+    # explicit true/false from the command line read as anything but a bool.
+    from sliderl.cluster.config.base import load_config
+    from sliderl.cluster.config.train import TrainConfig
+    from sliderl.trainer.learner_args import compiles_elementwise
+
+    assert compiles_elementwise("auto", torch.device("cuda", 0)) is True
+    assert compiles_elementwise("auto", torch.device("cpu")) is False
+    assert compiles_elementwise(True, torch.device("cpu")) is True
+    assert compiles_elementwise(False, torch.device("cuda")) is False
+    assert load_config(TrainConfig, None).learner.compile_elementwise == "auto"
+    for text, value in (("true", True), ("false", False), ("auto", "auto")):
+        got = load_config(TrainConfig, None, [f"learner.compile_elementwise={text}"]).learner.compile_elementwise
+        assert got is value or got == value and type(got) is type(value), (text, got)

@@ -38,7 +38,7 @@ from sliderl.trainer.checkpoint import (
     save_trainer_state,
     set_rng_state,
 )
-from sliderl.trainer.learner_args import LearnerArgs
+from sliderl.trainer.learner_args import LearnerArgs, compiles_elementwise
 from sliderl.trainer.logprobs import (
     PackedWindows,
     WindowInput,
@@ -96,7 +96,7 @@ class Learner:
                                 device=self.parallel.load_device(self.device)).train()
         self.model.gradient_checkpointing = args.gradient_checkpointing
         self.model.checkpoint_layers = args.checkpoint_layers
-        self.model.compile_elementwise = args.compile_elementwise
+        self.model.compile_elementwise = compiles_elementwise(args.compile_elementwise, self.device)
         self.tokenizer = load_tokenizer(model_path)
         self._hf_source = read_hf_source(model_path)  # model_path may be a checkpoint that gets pruned
         self.reference = self._load_reference() if self.algorithm.needs_reference else None
@@ -118,7 +118,7 @@ class Learner:
                                device=self.parallel.load_device(self.device))
         if len(self.tokenizer) > reference.config.vocab_size:
             reference.resize_vocab(len(self.tokenizer))
-        reference.compile_elementwise = self.args.compile_elementwise
+        reference.compile_elementwise = compiles_elementwise(self.args.compile_elementwise, self.device)
         return reference.eval().requires_grad_(False)
 
     def _parallelize(self) -> None:

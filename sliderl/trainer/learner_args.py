@@ -73,12 +73,14 @@ class LearnerArgs:
     """With gradient_checkpointing: recompute only the first K decoder layers (all of them when K >= the model's
     layer count); the others keep their activations, trading their memory for their forward's second run.
     None: every layer."""
-    compile_elementwise: bool = False
+    compile_elementwise: bool | Literal["auto"] = "auto"
     """Run each layer's element-wise chains (the norms with their residual adds, q/k-norm + RoPE, SiLU·mul) and
     the LM head's logprob chunks (``trainer.logprobs.head_logprobs``) as
-    ``torch.compile``d graphs, forward and backward fused (``core.model.DecoderLM``): on the H200 those chains,
-    eager, were 28% of a 1.7B GRPO step's device time. The first micro-batch compiles them (seconds); the math
-    is the eager path's."""
+    ``torch.compile``d graphs, forward and backward fused (``core.model.DecoderLM``): eager, those chains were 28%
+    of a 1.7B GRPO step's device time on the H200; compiled, the truncated 32K step took 5.21 s instead of 8.18 on
+    an H100 (docs/results.md, "Learner"). The first micro-batch compiles them (seconds); the math is the eager
+    path's. auto: on where the learner runs on CUDA, off on the CPU (where inductor needs a C++ compiler and the
+    tiny models gain nothing)."""
     offload: Literal["none", "cpu"] = "none"
     """Sharded learner (FSDP2): cpu keeps the sharded parameters (float32 masters), their gradients and AdamW's
     state in CPU memory and steps there (FSDP2's CPUOffloadPolicy; each layer is copied to the GPU for its
@@ -158,3 +160,9 @@ class LearnerArgs:
         if unknown:
             raise ValueError(f"unknown learner setting(s) {unknown}; valid: {sorted(valid)}")
         return cls(**data)
+
+
+def compiles_elementwise(setting: bool | str, device) -> bool:
+    """``LearnerArgs.compile_elementwise`` resolved for a learner on ``device`` (a ``torch.device``): auto is on
+    for CUDA only."""
+    return device.type == "cuda" if setting == "auto" else bool(setting)

@@ -268,7 +268,8 @@ def check_compile_elementwise(cfg: TrainConfig) -> None:
     started. A ConfigError here instead."""
     from sliderl.core.model import COMPILE_BACKEND
 
-    if not cfg.learner.compile_elementwise or cfg.learner.device.startswith("cuda") or COMPILE_BACKEND != "inductor":
+    on_cpu = not cfg.learner.device.startswith("cuda")
+    if cfg.learner.compile_elementwise is not True or not on_cpu or COMPILE_BACKEND != "inductor":  # auto: off there
         return
     if not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
         raise ConfigError("learner.compile_elementwise=true with learner.device=cpu needs a C++ compiler (g++, c++ or "
