@@ -13,15 +13,17 @@
 #   bash benchmarks/device_session.sh G    # ~10 min: the learner with compiled element-wise chains vs eager, 32K (38.3)
 #   bash benchmarks/device_session.sh H    # ~9 min, one H200 (needs_h200): the 7B step with float32 masters, no offload (36); M's first row
 #   bash benchmarks/device_session.sh M    # ~10 min: the 7B learner's MFU on one GPU, checkpointing all / compiled / 12 of 28 layers (38.3)
+#   bash benchmarks/device_session.sh M2   # ~9 min, one H200 (needs_h200): the 7B whole-trace step's MFU, compiled (38.3)
 #   bash benchmarks/device_session.sh P    # ~9 min: batch 1 and 8 at 8K, cuBLAS/GEMV x plain/PDL, per-kernel split (38.2)
 #   bash benchmarks/device_session.sh Q    # ~4 min: batch 1 cuBLAS vs GEMV after the MLP tail's change; batch-1 decode attention at 64 splits (38.2)
 #   bash benchmarks/device_session.sh R    # ~10 min: regress.py on batch 1 and the learner (38.1)
 #   bash benchmarks/device_session.sh X2   # ~10 min on nvidia-h200-x2: the sharded learner's 2-GPU rows (36)
 #   bash benchmarks/device_session.sh X8   # ~10 min on an eight-GPU kind: 1.7B at 1-8 ranks, 7B at 4 and 8 (36)
 #
-# Order when a machine is lent (after 2026-12-05, when E 1, E 2 and part of Q ran): B, then G, M, D, R, F, P, Q, C, A,
-# and X2 (X8) whenever a two-GPU (eight-GPU) machine is lent. One session holds 30 minutes of device time:
-# three groups at most.
+# Order when a machine is lent (after the second 2026-12-05 session, when G, H, M and most of Q ran, and B was
+# refused by its host's 128 GiB): M2, D, R (its learner item; batch 1 ran), F, P, C, A, and X2 (X8) whenever a
+# two-GPU (eight-GPU) machine is lent. One session holds 30 minutes of device time: three groups at most. B stays
+# for a host with more than ~125 GiB free (the 7B float32-master step without offload is group H).
 #
 # carry: a Ray-less copy of .whl (runs/whl-light) for C (with runs/pasta-h200 and runs/pd-long), D, F, G, M, P, Q
 # and R; for A, B, E, X2 and X8, which start Ray, a copy whose Ray wheel drops what sliderl never imports (the tree
@@ -33,7 +35,7 @@
 # docs/results.md gives.
 set -u
 OUT=${OUT:?set OUT to the folder whose files come back}
-group=${1:?name a group: A, B, C, D, E, F, G, H, M, P, Q, R, X2 or X8}
+group=${1:?name a group: A, B, C, D, E, F, G, H, M, M2, P, Q, R, X2 or X8}
 summary=()
 
 item() {  # item NAME SECONDS COMMAND...: run with a limit, tee its log, note rc and seconds
@@ -154,6 +156,17 @@ case "$group" in
       limit=150
     done
     ;;
+  M2)
+    # issue 38, item 3: the 7B whole-trace step (8 traces of 32K, one a micro-batch; target >= 45% MFU), one H200
+    # (needs_h200), AdamW on the bf16 weights, compiled: every layer recomputed, then 18 of 28 (the 10 kept hold
+    # ~47 GiB at 148 KiB a token beside 57 GiB of state). The truncated rows ran on 2026-12-05 (docs/results.md)
+    item mfu-7b-full-comp 250 python benchmarks/learner_scaling.py --shape 7b --ranks 1 --seq 32768 --mode full \
+      --prompt 128 --window 4096 --no-masters --compiled --steps 2 --out "$OUT/mfu-7b-full-comp" \
+      --models /tmp/sliderl-models
+    item mfu-7b-full-comp-ckpt18 250 python benchmarks/learner_scaling.py --shape 7b --ranks 1 --seq 32768 \
+      --mode full --prompt 128 --window 4096 --no-masters --compiled --checkpoint-layers 18 --steps 2 \
+      --out "$OUT/mfu-7b-full-comp-ckpt18" --models /tmp/sliderl-models
+    ;;
   P)
     # issue 38, item 2: small-batch decode at 8K (target: batch 1 >= 760 tok/s, >= 80% of the byte limit at 2-8),
     # each row with the GPU's ms per step by kernel (torch.profiler over 32 steps, graphs included). First the GPU
@@ -209,7 +222,7 @@ case "$group" in
       --groups 2 --out "$OUT/scaling-7b-hsdp" --models /tmp/sliderl-models
     ;;
   *)
-    echo "unknown group $group: A, B, C, D, E, F, G, H, M, P, Q, R, X2 or X8" >&2
+    echo "unknown group $group: A, B, C, D, E, F, G, H, M, M2, P, Q, R, X2 or X8" >&2
     exit 2
     ;;
 esac

@@ -134,6 +134,35 @@ def verdict(headline: Headline, recorded: float | None, measured: float | None, 
     return "better" if ratio > 1 + tolerance else "ok"
 
 
+def this_machine() -> str | None:
+    """"1x H200" / "1x H100" (the GPU's name without its vendor and memory), None without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    words = torch.cuda.get_device_name(0).replace("NVIDIA", "").split()
+    return f"{torch.cuda.device_count()}x {words[0] if words else 'GPU'}"
+
+
+def this_commit() -> str:
+    """SLIDERL_COMMIT, else git's short HEAD, else "unknown" (a device copy of the tree has no .git)."""
+    if os.environ.get("SLIDERL_COMMIT"):
+        return os.environ["SLIDERL_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip() or "unknown"
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def on_machine(word: str, recorded_on: str | None, machine: str | None) -> str:
+    """A verdict between different cards says so instead: an H100's decode is slower than an H200's record by
+    its memory bandwidth, not by a regression (the device may lend either)."""
+    if word in ("ok", "DROP", "better") and recorded_on and machine and recorded_on != machine:
+        return f"other card (recorded on {recorded_on})"
+    return word
+
+
 def table(rows: list[tuple[Headline, float | None, float | None, str]]) -> str:
     lines = [f"{'headline':<30}{'recorded':>12}{'measured':>12}{'ratio':>8}  verdict",
              "-" * 72]
@@ -150,8 +179,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tolerance", type=float, default=0.10, help="a drop larger than this fraction fails")
     parser.add_argument("--record", action="store_true", help="write the measured values as the new record")
     parser.add_argument("--out", type=Path, help="where the scripts' rows (and, with --record, headlines.json) go")
-    parser.add_argument("--commit", default=os.environ.get("SLIDERL_COMMIT", "unknown"))
-    parser.add_argument("--machine", default="1x H200")
+    parser.add_argument("--commit", default=None, help="recorded with --record; default SLIDERL_COMMIT or git HEAD")
+    parser.add_argument("--machine", default=None,
+                        help='the card the rows come from, e.g. "1x H200"; default this machine\'s GPU (with --from: '
+                             "the record's)")
     parser.add_argument("--from", dest="source", type=Path, metavar="DIR",
                         help="compare the rows an earlier run wrote to DIR (its --out) instead of running the "
                              "scripts: a device call cut short keeps what finished")
@@ -169,17 +200,20 @@ def main(argv: list[str] | None = None) -> int:
         rows = {name: read_rows(RUNS[name], args.source) for name in names}
     else:
         rows = {name: run_script(RUNS[name], out) for name in names}
+    machine = args.machine or (this_machine() if args.source is None else None)
     results = []
     for h in chosen:
         recorded = record.get(h.id, {}).get("value")
         measured = value_of(h, rows[h.run])
-        results.append((h, recorded, measured, verdict(h, recorded, measured, args.tolerance)))
+        word = verdict(h, recorded, measured, args.tolerance)
+        results.append((h, recorded, measured, on_machine(word, record.get(h.id, {}).get("machine"), machine)))
     print(table(results), flush=True)
     if args.record:
         for h, _, measured, _ in results:
             if measured is not None:
                 raw = RUNS[h.run]
-                record[h.id] = {"value": measured, "unit": h.unit, "commit": args.commit, "machine": args.machine,
+                record[h.id] = {"value": measured, "unit": h.unit, "commit": args.commit or this_commit(),
+                                "machine": machine or "unknown",
                                 "raw": f"headlines/{h.run}.json" if not raw.rows_file else f"headlines/{h.run}/{raw.rows_file}"}
         (out / "headlines.json").write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
     return 1 if any(word in ("DROP", "missing") for *_, word in results) else 0

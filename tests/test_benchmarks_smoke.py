@@ -351,6 +351,11 @@ def test_regress_from_compares_the_rows_a_cut_short_run_left(tmp_path, capsys):
     assert main(["--only", "batch1", "--from", str(tmp_path)]) == 1  # no batch1.json: missing, not ok
     out = capsys.readouterr().out
     assert "missing" in out and "no rows of batch1" in out
+    # catches: rows from another card judged against an H200 record (the device lends H100s too: an H100's
+    # decode is bound by its 3.35 TB/s, not the H200's 4.8) — the same planted 5,000 from an H100 is not a DROP
+    # and does not fail the run (planted: the machine comparison dropped, DROP and exit 1)
+    assert main(["--only", "decode.prefix_sliding.32k", "--from", str(tmp_path), "--machine", "1x H100"]) == 0
+    assert "other card (recorded on 1x H200)" in capsys.readouterr().out
 
 
 @pytest.mark.timeout(300)
