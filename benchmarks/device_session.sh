@@ -5,7 +5,7 @@
 # limit, writes its rows and log under $OUT/<item>/, and the call ends with one line per item (rc, seconds).
 #
 #   bash benchmarks/device_session.sh A    # ~8 min: restarts at batch 256 (39), PD's GPU test and scripted speedups (40)
-#   bash benchmarks/device_session.sh B    # ~10 min: the 7B step with --offload cpu on one GPU (36)
+#   bash benchmarks/device_session.sh B    # ~10 min: the 7B step with --offload cpu on one GPU (36; needs ~114 GiB of free host RAM)
 #   bash benchmarks/device_session.sh C    # ~6 min: trained Pasta's realised speedup (41), PD's trained rows (40)
 #   bash benchmarks/device_session.sh D    # ~9 min: h2o under CUDA graphs, its tests and speed (38.4); registers at the trained cadence (38.5)
 #   bash benchmarks/device_session.sh E 1  # ~9 min: TIP's GPU-scale arms with decode wall time, seed 1 (41); carry .whl (Ray)
