@@ -49,10 +49,14 @@ item() {  # item NAME SECONDS COMMAND...: run with a limit, tee its log, note rc
 }
 
 export HF_HUB_OFFLINE=1
+# KV pools sized on the H200's 139 GiB (118, 124 GiB); on a smaller card (the device lends H100s, 79 GiB, first) what
+# it holds beside the 1.7B model (benchmarks/engine_gpu.py kv_gb_for); engine_gpu.py and restart_gpu.py do this
+# themselves when --kv-gb is left out
+kv() { python -c "import sys; from benchmarks.engine_gpu import card_kv_gb; print(card_kv_gb(float(sys.argv[1])))" "$1"; }
 case "$group" in
   A)
     # issue 39: last_k at batch 256 on the engine with the run-ahead fix (8bd064b), beside PS in the same call
-    item restarts-256 240 python benchmarks/restart_gpu.py --batches 256 --tokens 5000 --kv-gb 124 \
+    item restarts-256 240 python benchmarks/restart_gpu.py --batches 256 --tokens 5000 --kv-gb "$(kv 124)" \
       --policies prefix_sliding:4096 last_k:4096:256 --out "$OUT/restarts-256"
     # issue 40: the denoise graphs against eager and the float64 reference, then the realised batch-1 speedups
     item pd-gpu-test 60 python -m pytest -q tests/test_pd_attention.py -m gpu
@@ -125,7 +129,7 @@ case "$group" in
     # is ~18 minutes for prefix_sliding alone, past a call's 10; 32K and 128K are hours at any batch that the
     # comparison means). "finished": false in a row says the run hit its budget first
     item table1-8k 580 python benchmarks/engine_e2e.py --tokens 8192 --seqs 256 \
-      --runs prefix_sliding:4096@118@250 full@118@300 --out "$OUT/table1-8k/engine_e2e.json"
+      --runs "prefix_sliding:4096@$(kv 118)@250" "full@$(kv 118)@300" --out "$OUT/table1-8k/engine_e2e.json"
     ;;
   G)
     # issue 38, item 3: the learner's element-wise chains compiled (learner.compile_elementwise; eager they were

@@ -328,6 +328,29 @@ def host_profile(llm: LLM, steps: int, top: int = 15) -> list[str]:
             for (f, line, name), (cc, nc, tt, ct, _) in rows]
 
 
+# Room left beside the KV pool on a card smaller than the rows' H200: the 1.7B weights (3.2 GiB), the CUDA graphs,
+# the sampler's logits and the activations at batch <= 256, and the allocator's slack. A margin, not a measurement:
+# a row that still runs out of memory says so in its log, and --kv-gb sets the pool by hand
+ENGINE_OVERHEAD_GIB = 17
+
+
+def kv_gb_for(total_bytes: int | None, ceiling: float) -> float:
+    """The KV pool a benchmark asks for (GiB, as ``EngineArgs.kv_cache_gb``): ``ceiling`` — the H200 rows' size —
+    or, on a card that cannot hold it beside the model (an H100: 79 GiB), its memory less ENGINE_OVERHEAD_GIB.
+    ``total_bytes`` None (no GPU): ``ceiling``."""
+    if total_bytes is None:
+        return ceiling
+    return min(ceiling, round(total_bytes / 2**30 - ENGINE_OVERHEAD_GIB, 1))
+
+
+def card_kv_gb(ceiling: float) -> float:
+    """``kv_gb_for`` this process's GPU 0."""
+    import torch
+
+    total = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
+    return kv_gb_for(total, ceiling)
+
+
 def live_tokens(spec: str, position: int) -> int:
     kind, *a = spec.split(":")
     if kind == "full":
@@ -404,7 +427,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=8,
                         help="untimed first steps (registers: the first redo of a killed row captures a batch-1 "
                              "CUDA graph, ~1 s, so time registers after enough steps to have seen one)")
-    parser.add_argument("--kv-gb", type=float, default=100.0)
+    parser.add_argument("--kv-gb", type=float, default=None,
+                        help="KV pool in GiB; default 100 (the H200 rows), or what a smaller card holds (kv_gb_for)")
     parser.add_argument("--max-seqs", type=int, default=256)
     parser.add_argument("--hf-batch", type=int, default=16)
     parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
@@ -432,6 +456,8 @@ def main() -> None:
     if args.step_tokens < 2:
         parser.error(f"--step-tokens {args.step_tokens}: a step needs its register and at least one more token")
     globals()["STEP_TOKENS"] = args.step_tokens
+    if args.kv_gb is None:
+        args.kv_gb = card_kv_gb(100.0)
     w = args.window
     policies = args.policies or ["full", f"prefix_sliding:{w}", f"sliding_window:{w}", "registers:16"]
     rows = []

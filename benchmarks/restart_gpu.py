@@ -143,7 +143,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 256])
     parser.add_argument("--tokens", type=int, default=32768, help="tokens each request generates")
     parser.add_argument("--bin", type=int, default=64, help="generated tokens per point of the latency profile")
-    parser.add_argument("--kv-gb", type=float, default=120.0)
+    parser.add_argument("--kv-gb", type=float, default=None,
+                        help="KV pool in GiB; default 120 (the H200 rows), or what a smaller card holds")
     parser.add_argument("--max-batched-tokens", type=int, default=16384,
                         help="the longest prefill chunk per step (a restart's re-encoded tails go through it)")
     parser.add_argument("--device", default="cuda")
@@ -156,6 +157,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.smoke:
         args.device, args.dtype, args.kv_gb, args.bin = "cpu", "float32", 0.05, 16
         args.policies, args.batches, args.tokens = ["prefix_sliding:48", "last_k:48:8", "summary:56:50"], [2], 120
+    if args.kv_gb is None:
+        from benchmarks.engine_gpu import card_kv_gb
+
+        args.kv_gb = card_kv_gb(120.0) if args.device.startswith("cuda") else 120.0
     with tempfile.TemporaryDirectory() as tmp:
         path = args.model or build_model(Path(tmp), args.smoke)
         rows = []

@@ -439,3 +439,15 @@ def test_activation_memory_of_an_eager_qwen3_1p7b_layer_by_hand():
     row = measure("1.7b", [32, 64], compiled=False)
     assert row["extra_bytes_per_token"] == [by_hand, by_hand]
     assert row["extra_gib_per_layer_at_window"] == pytest.approx(by_hand * 16_512 / 2**30)
+
+
+def test_the_engine_benchmarks_kv_pool_fits_the_card():
+    # Catches the engine benchmarks asking an H100 (79 GiB; the device lends H100s first) for the H200 rows' 100 GiB
+    # KV pool — every engine row out of memory before its first step — and the card's bytes read as GB, not GiB.
+    # By hand: an H200's 143,771 MiB = 140.4 GiB holds the ceiling, min(100, 123.4) = 100; an H100's 79.18 GiB
+    # (what torch reported on 2026-12-05) gets 79.18 - 17 = 62.2; no GPU: the ceiling.
+    from benchmarks.engine_gpu import kv_gb_for
+
+    assert kv_gb_for(143771 * 2**20, 100.0) == 100.0
+    assert kv_gb_for(int(79.18 * 2**30), 100.0) == 62.2
+    assert kv_gb_for(None, 120.0) == 120.0
