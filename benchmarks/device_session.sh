@@ -24,6 +24,8 @@
 # refused by its host's 128 GiB): M2, D, R (its learner item; batch 1 ran), F, P, C, A, and X2 (X8) whenever a
 # two-GPU (eight-GPU) machine is lent. One session holds 30 minutes of device time: three groups at most. B stays
 # for a host with more than ~125 GiB free (the 7B float32-master step without offload is group H).
+# Cards: H, M2 and M's 12-layer row hold more than an H100's 79 GiB (call run with needs_h200); every other group fits
+# an H100, whose rows compare only with rows of the same card (regress.py says "other card" against an H200 record).
 #
 # carry: a Ray-less copy of .whl (runs/whl-light) for C (with runs/pasta-h200 and runs/pd-long), D, F, G, M, P, Q
 # and R; for A, B, E, X2 and X8, which start Ray, a copy whose Ray wheel drops what sliderl never imports (the tree
