@@ -135,13 +135,14 @@ def verdict(headline: Headline, recorded: float | None, measured: float | None, 
 
 
 def this_machine() -> str | None:
-    """"1x H200" / "1x H100" (the GPU's name without its vendor and memory), None without CUDA."""
+    """"1x H200" / "1x H100": the card the headlines' scripts run on (GPU 0; each uses one), its name without the
+    vendor and memory; None without CUDA."""
     import torch
 
     if not torch.cuda.is_available():
         return None
     words = torch.cuda.get_device_name(0).replace("NVIDIA", "").split()
-    return f"{torch.cuda.device_count()}x {words[0] if words else 'GPU'}"
+    return f"1x {words[0] if words else 'GPU'}"
 
 
 def this_commit() -> str:
