@@ -363,9 +363,15 @@ def live_tokens(spec: str, position: int) -> int:
     return {"prefix_sliding": PROMPT, "streaming": int(a[0]), "sliding_window": 0}[kind] + w
 
 
+def byte_limit(weight_bytes: float, kv_bytes: float, batch: int, bandwidth: float) -> float:
+    """The tok/s a decode step's reads allow: every step reads the weights once and each row's live KV, at the
+    card's measured copy bandwidth (bytes/s): ``batch`` tokens per (weights + KV) / bandwidth seconds."""
+    return batch * bandwidth / (weight_bytes + kv_bytes)
+
+
 def bench_engine(path: Path, spec: str, position: int, steps: int, kv_gb: float, max_seqs: int,
                  profile_steps: int = 0, gemv: bool = False, warmup: int = 8, sync_steps: int = 0,
-                 phase_steps: int = 0, host_steps: int = 0, pdl: bool = False) -> dict:
+                 phase_steps: int = 0, host_steps: int = 0, pdl: bool = False, bandwidth: float | None = None) -> dict:
     per_token = 2 * 28 * 8 * 128 * 2
     n = max(1, min(max_seqs, int(kv_gb * 2**30 / (per_token * (live_tokens(spec, position) + 64 + steps)))))
     llm = LLM(str(path), kv=spec, device="cuda", dtype="bfloat16", block_size=16, max_num_seqs=n,
@@ -383,6 +389,11 @@ def bench_engine(path: Path, spec: str, position: int, steps: int, kv_gb: float,
            "live_kv_tokens_per_seq": sum(s.tracker.visible for s in seqs) / len(seqs),
            "redone_rows_per_step": llm.stats.redone_rows / llm.stats.steps,
            "queued_ahead_frac": llm.stats.queued_ahead / llm.stats.steps, "preemptions": llm.stats.preemptions, "timed_steps": split}
+    if bandwidth:  # the step's bytes: the weights once (a tied head is one tensor) and every row's live KV
+        weights = sum(p.numel() * p.element_size() for p in llm.runner.model.parameters())
+        kv = per_token * sum(s.tracker.visible for s in seqs)
+        row["byte_limit_tok_s"] = byte_limit(weights, kv, n, bandwidth)
+        row["of_byte_limit"] = rate / row["byte_limit_tok_s"]
     if phase_steps:  # overlapped steps first: step_breakdown below turns overlap off for a few steps
         row["overlap_phases"] = overlap_phases(llm, phase_steps)
     if host_steps:
@@ -460,6 +471,10 @@ def main() -> None:
         args.kv_gb = card_kv_gb(100.0)
     w = args.window
     policies = args.policies or ["full", f"prefix_sliding:{w}", f"sliding_window:{w}", "registers:16"]
+    from benchmarks.kernel_decode import copy_bandwidth
+
+    bandwidth = copy_bandwidth()  # bytes/s, read + write counted: the byte limit's denominator
+    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         path = build_model(Path(tmp) / "qwen3-1.7b-random")
@@ -468,7 +483,7 @@ def main() -> None:
                 for gemv, pdl in itertools.product(args.gemv, args.pdl):
                     rows.append(bench_engine(path, spec, position, args.steps, args.kv_gb, args.max_seqs,
                                              args.profile, gemv == "on", args.warmup, args.sync_debug,
-                                             args.phases, args.host_profile, pdl == "on"))
+                                             args.phases, args.host_profile, pdl == "on", bandwidth))
                     if spec.startswith("registers"):
                         rows[-1]["step_tokens"] = STEP_TOKENS
                     print(json.dumps(rows[-1]), flush=True)
@@ -477,13 +492,14 @@ def main() -> None:
             print(json.dumps(rows[-1]), flush=True)
     full = {(r["position"], r.get("gemv"), r.get("pdl")): r["tokens_per_s"] for r in rows if r["policy"] == "full"}
     print(f"\n{'policy':<30}{'position':>9}{'batch':>7}{'gemv':>6}{'pdl':>5}{'tok/s':>10}{'vs full':>9}"
-          f"{'live KV/seq':>12}")
+          f"{'live KV/seq':>12}{'of limit':>10}")
     onoff = {True: "on", False: "off", None: "-"}
     for r in rows:  # transformers: vs the first engine setting
         base = full.get((r["position"], r.get("gemv", args.gemv[0] == "on"), r.get("pdl", args.pdl[0] == "on")))
         ratio = r["tokens_per_s"] / base if base else math.nan
         print(f"{r['policy']:<30}{r['position']:>9}{r['batch']:>7}{onoff[r.get('gemv')]:>6}{onoff[r.get('pdl')]:>5}"
-              f"{r['tokens_per_s']:>10.0f}{ratio:>8.2f}x{r['live_kv_tokens_per_seq']:>12.0f}")
+              f"{r['tokens_per_s']:>10.0f}{ratio:>8.2f}x{r['live_kv_tokens_per_seq']:>12.0f}"
+              f"{r.get('of_byte_limit', math.nan):>9.0%} ")
     if args.out:
         args.out.write_text(json.dumps(rows, indent=1))
 

@@ -451,3 +451,16 @@ def test_the_engine_benchmarks_kv_pool_fits_the_card():
     assert kv_gb_for(143771 * 2**20, 100.0) == 100.0
     assert kv_gb_for(int(79.18 * 2**30), 100.0) == 62.2
     assert kv_gb_for(None, 120.0) == 120.0
+
+
+def test_the_byte_limit_reads_the_weights_once_a_step_and_each_rows_kv():
+    # Catches the decode benchmark's byte limit (issue 38's "batch 1 at >= 70% of its limit", ">= 80% at batch
+    # 2-8") charging the weights once per row instead of once per step, or leaving the KV out. By hand, the issue's
+    # own numbers: weights 3.44 GB, prefix_sliding:4096 at 8K keeps 4,196 tokens x 114,688 B (2 x 28 layers x 8 KV
+    # heads x 128 x 2 B) = 0.4812 GB a row, 4.25 TB/s: batch 1 -> 4.25e12 / 3.9212e9 = 1,083.8 tok/s; batch 8 ->
+    # 8 x 4.25e12 / (3.44e9 + 8 x 0.4812e9) = 4,664 tok/s (with the weights charged per row it would stay 1,083.8).
+    from benchmarks.engine_gpu import byte_limit
+
+    kv_row = 4196 * 2 * 28 * 8 * 128 * 2
+    assert byte_limit(3.44e9, kv_row, 1, 4.25e12) == pytest.approx(1083.8, abs=0.1)
+    assert byte_limit(3.44e9, 8 * kv_row, 8, 4.25e12) == pytest.approx(4664, abs=1)
