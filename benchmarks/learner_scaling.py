@@ -398,11 +398,11 @@ def main(argv: list[str] | None = None) -> None:
         args.seq = args.seq[0]
         return rank_main(args)
     args.out.mkdir(parents=True, exist_ok=True)
-    # initialised on the GPU (a 7B's random init on the CPU took 331 s on the H100 machine), then freed: this
-    # process keeps only its CUDA context while the rows run
+    # initialised on the GPU (a 7B's random init on the CPU takes minutes), then freed: this process keeps only its
+    # CUDA context while the rows run
     built = time.perf_counter()
     model = build_model(args.shape, args.models or args.out, "cpu" if args.cpu_smoke else "cuda")
-    print(f"model {model} ready in {time.perf_counter() - built:.0f} s", flush=True)  # a 7B build: minutes
+    print(f"model {model} ready in {time.perf_counter() - built:.0f} s", flush=True)
     rows = add_rates([run_row(args, model, ranks, seq, args.out) for seq in args.seq for ranks in args.ranks], model)
     with (args.out / "results.jsonl").open("a") as f:
         for row in rows:

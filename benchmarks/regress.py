@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--commit", default=None, help="recorded with --record; default SLIDERL_COMMIT or git HEAD")
     parser.add_argument("--machine", default=None,
                         help='the card the rows come from, e.g. "1x H200"; default this machine\'s GPU (with --from: '
-                             "the record's)")
+                             'none, so no "other card" verdict and "unknown" in a --record)')
     parser.add_argument("--from", dest="source", type=Path, metavar="DIR",
                         help="compare the rows an earlier run wrote to DIR (its --out) instead of running the "
                              "scripts: a device call cut short keeps what finished")

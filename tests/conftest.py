@@ -32,9 +32,10 @@ def pytest_sessionfinish(session, exitstatus):
 
 @pytest.hookimpl(trylast=True)
 def pytest_unconfigure(config):
-    """Leave without the interpreter's teardown, with the session's exit status: threads that Ray's core worker,
-    gloo and torch.compile's workers leave in this process have crashed that teardown (SIGSEGV after "807 passed",
-    one full run in four on 2026-12-05), which CI reads as a failed run. Ray is shut down first if a test left it up."""
+    """Leave without the interpreter's teardown, with the session's exit status: that teardown crashed once
+    (SIGSEGV after "807 passed", one full run in four on 2026-12-05; a rerun under faulthandler did not, so the
+    extension whose threads outlived the tests is not known), which CI reads as a failed run. Ray is shut down
+    first if a test left it up."""
     if _exit_status is None:
         return
     ray = sys.modules.get("ray")

@@ -52,7 +52,7 @@ class EngineArgs:
     overlap: bool | None = None
     """Queue each decode step before the previous one's tokens are read back; None: on for CUDA."""
     gemv: bool = False
-    """On CUDA, run linear layers and the lm_head over at most 8 tokens with the Triton split-K GEMV instead of cuBLAS. Off: slower than cuBLAS at batch 1 on the H200 (233 against 472 tok/s at 1bbeb04, its fused MLP tail 0.18x torch's; the tail is SiLU·mul + the plain GEMV since, not yet measured; per layer the GEMV is 0.82-1.05x cuBLAS: docs/results.md, "Engine speed")."""
+    """On CUDA, run linear layers and the lm_head over at most 8 tokens with the Triton split-K GEMV instead of cuBLAS. Off: no faster than cuBLAS at batch 1 on the H200 (463 against 472 tok/s at 9491d1c; per layer 0.81-1.06x cuBLAS: docs/results.md, "Engine speed")."""
     pdl: bool = False
     """On a CUDA GPU of compute capability 9.0+ (Hopper), launch the decode step's Triton kernels as a programmatic-dependent-launch chain: each kernel prefetches its weights (or live K/V) into L2 while the one before it finishes (kernels/pdl.py). Off until measured faster."""
     pasta_max_forks: int = 8

@@ -268,8 +268,9 @@ def check_compile_elementwise(cfg: TrainConfig) -> None:
     started. A ConfigError here instead."""
     from sliderl.core.model import COMPILE_BACKEND
 
-    on_cpu = not cfg.learner.device.startswith("cuda")
-    if cfg.learner.compile_elementwise is not True or not on_cpu or COMPILE_BACKEND != "inductor":  # auto: off there
+    # auto is off on a CPU learner: only an explicit true needs the compiler
+    explicit = cfg.learner.compile_elementwise is True
+    if not explicit or cfg.learner.device.startswith("cuda") or COMPILE_BACKEND != "inductor":
         return
     if not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
         raise ConfigError("learner.compile_elementwise=true with learner.device=cpu needs a C++ compiler (g++, c++ or "
