@@ -8,8 +8,9 @@
 #   bash benchmarks/device_session.sh B    # ~10 min: the 7B step with --offload cpu on one GPU (36; needs ~114 GiB of free host RAM)
 #   bash benchmarks/device_session.sh C    # ~6 min: trained Pasta's realised speedup (41), PD's trained rows (40)
 #   bash benchmarks/device_session.sh D    # ~9 min: h2o under CUDA graphs, its tests and speed (38.4); registers at the trained cadence (38.5)
+#   bash benchmarks/device_session.sh K    # ~4 min: registers' pending kill, its GPU tests and speed at the trained cadence (38.5)
 #   bash benchmarks/device_session.sh E 1  # ~9 min: TIP's GPU-scale arms with decode wall time, seed 1 (41); carry .whl (Ray)
-#   bash benchmarks/device_session.sh F    # ~10 min: the paper's Table 1 way at 8K, prefix_sliding vs full (38.6)
+#   bash benchmarks/device_session.sh F    # ~10 min: the paper's Table 1 way at 8K, prefix_sliding (38.6); F2: full
 #   bash benchmarks/device_session.sh G    # ~10 min: the learner with compiled element-wise chains vs eager, 32K (38.3)
 #   bash benchmarks/device_session.sh H    # ~9 min, one H200 (needs_h200): the 7B step with float32 masters, no offload (36); M's first row
 #   bash benchmarks/device_session.sh M    # ~10 min: the 7B learner's MFU on one GPU, checkpointing all / compiled / 12 of 28 layers (38.3)
@@ -20,9 +21,9 @@
 #   bash benchmarks/device_session.sh X2   # ~10 min on nvidia-h200-x2: the sharded learner's 2-GPU rows (36)
 #   bash benchmarks/device_session.sh X8   # ~10 min on an eight-GPU kind: 1.7B at 1-8 ranks, 7B at 4 and 8 (36)
 #
-# Order when a machine is lent (after the second 2026-12-05 session, when G, H, M and most of Q ran, and B was
-# refused by its host's 128 GiB): M2, D, R (its learner item; batch 1 ran), F, P, C, A, and X2 (X8) whenever a
-# two-GPU (eight-GPU) machine is lent. One session holds 30 minutes of device time: three groups at most. B stays
+# Order when a machine is lent (after the third 2026-12-05 session, when D, P and F ran on an H100; G, H, M and most
+# of Q ran before, and B was refused by its host's 128 GiB): K, M2, R (its learner item; batch 1 ran), F, F2, C, A,
+# and X2 (X8) whenever a two-GPU (eight-GPU) machine is lent. One session holds 30 minutes of device time: three groups at most. B stays
 # for a host with more than ~125 GiB free (the 7B float32-master step without offload is group H).
 # Cards: H, M2 and M's 12-layer row hold more than an H100's 79 GiB (call run with needs_h200); every other group fits
 # an H100, whose rows compare only with rows of the same card (regress.py says "other card" against an H200 record).
@@ -37,7 +38,7 @@
 # docs/results.md gives.
 set -u
 OUT=${OUT:?set OUT to the folder whose files come back}
-group=${1:?name a group: A, B, C, D, E, F, G, H, M, M2, P, Q, R, X2 or X8}
+group=${1:?name a group: A, B, C, D, E, F, F2, G, H, K, M, M2, P, Q, R, X2 or X8}
 summary=()
 
 item() {  # item NAME SECONDS COMMAND...: run with a limit, tee its log, note rc and seconds
@@ -104,12 +105,22 @@ case "$group" in
   D)
     # issue 38, item 4: h2o decodes from CUDA graphs (its page mass in the graphs' static buffer, one pass over the
     # keys): the GPU tests (graphs vs eager vs the CPU reference), then h2o against prefix_sliding at equal live KV
-    item h2o-gpu-tests 150 python -m pytest -q tests/test_h2o.py tests/test_engine_gpu.py tests/test_kernels.py -m gpu
+    # (33 tests pass in 145 s on an H100; at 150 s the item was cut in pytest's closing garbage collection)
+    item h2o-gpu-tests 200 python -m pytest -q tests/test_h2o.py tests/test_engine_gpu.py tests/test_kernels.py -m gpu
     item h2o-vs-ps 200 python benchmarks/engine_gpu.py --positions 32768 131072 --policies h2o:4096 \
       prefix_sliding:4096 --hf-batch 0 --steps 100 --warmup 40 --out "$OUT/h2o-vs-ps/engine_gpu.json"
     # issue 38, item 5: registers at the trained TIP model's kill cadence (a register every 14 tokens,
     # docs/results/engine/register-cadence.json), at equal live KV: 4,096 / 14 = 292 registers
     item registers-cadence 200 python benchmarks/engine_gpu.py --positions 131072 --policies prefix_sliding:4096 \
+      registers:292 --step-tokens 14 --hf-batch 0 --steps 100 --warmup 40 --out "$OUT/registers-cadence/engine_gpu.json"
+    ;;
+  K)
+    # issue 38, item 5 after the pending kill (a decode step queued before its register token was read back masks the
+    # killed step in the decode kernel, kernels.metadata.register_kills; before, that row ran a second forward, 3.7 ms
+    # of a 25.3 ms step at the trained cadence: 0.864x PS on an H100, docs/results.md): its GPU tests (graphs vs
+    # the CPU path, the kernel against the dense reference), then registers:292 at the trained cadence beside PS
+    item kill-gpu-tests 100 python -m pytest -q tests/test_engine_gpu.py tests/test_kernels.py -k "register or pending"
+    item registers-cadence 150 python benchmarks/engine_gpu.py --positions 131072 --policies prefix_sliding:4096 \
       registers:292 --step-tokens 14 --hf-batch 0 --steps 100 --warmup 40 --out "$OUT/registers-cadence/engine_gpu.json"
     ;;
   E)
@@ -130,8 +141,14 @@ case "$group" in
     # generated from an empty cache, tok/s averaged over the whole generation — at 8K (256 sequences: 1,024 x 8K
     # is ~18 minutes for prefix_sliding alone, past a call's 10; 32K and 128K are hours at any batch that the
     # comparison means). "finished": false in a row says the run hit its budget first
-    item table1-8k 580 python benchmarks/engine_e2e.py --tokens 8192 --seqs 256 \
-      --runs "prefix_sliding:4096@$(kv 118)@250" "full@$(kv 118)@300" --out "$OUT/table1-8k/engine_e2e.json"
+    # (both in one call did not finish on an H100, 2026-12-05: PS had 1.87M of the 2.10M tokens at 250 s, full
+    # 1.61M at 300 s after 231 preemptions; so one policy a call: F prefix_sliding, F2 full)
+    item table1-8k-ps 580 python benchmarks/engine_e2e.py --tokens 8192 --seqs 256 \
+      --runs "prefix_sliding:4096@$(kv 118)@520" --out "$OUT/table1-8k-ps/engine_e2e.json"
+    ;;
+  F2)
+    item table1-8k-full 590 python benchmarks/engine_e2e.py --tokens 8192 --seqs 256 \
+      --runs "full@$(kv 118)@560" --out "$OUT/table1-8k-full/engine_e2e.json"
     ;;
   G)
     # issue 38, item 3: the learner's element-wise chains compiled (learner.compile_elementwise; eager they were
@@ -228,7 +245,7 @@ case "$group" in
       --groups 2 --out "$OUT/scaling-7b-hsdp" --models /tmp/sliderl-models
     ;;
   *)
-    echo "unknown group $group: A, B, C, D, E, F, G, H, M, M2, P, Q, R, X2 or X8" >&2
+    echo "unknown group $group: A, B, C, D, E, F, F2, G, H, K, M, M2, P, Q, R, X2 or X8" >&2
     exit 2
     ;;
 esac

@@ -14,7 +14,7 @@ positions. Dead blocks are never allocated (they would never be read). Then the 
 ``--steps`` real steps (CUDA graphs, Triton kernels, sampling on the GPU) and we time the last
 ``steps - warmup`` of them. Under ``registers`` the traffic goes on while decoding: each sequence's
 sampled token is replaced by its next register every 256 tokens, the sequences staggered so that
-about batch/256 of them kill a step at every engine step (each kill redoes that row's queued step).
+about batch/256 of them kill a step at every engine step (the step queued ahead masks each kill itself).
 Under ``h2o:B`` the history keeps the budget's pages (the recent half and older pages spread evenly)
 and the engine evicts by the attention mass its decode kernel outputs (from CUDA graphs as for every policy).
 The batch is sized to the KV memory budget (at most 256 sequences).
@@ -140,8 +140,8 @@ def inject_registers(llm: LLM, position: int) -> None:
 
 
 def decode_rate(llm: LLM, steps: int, warmup: int) -> tuple[float, dict]:
-    """Tokens per second over the timed steps, and the wall ms per step split by whether the step redid
-    a row (a register kill's redo) and Python's garbage-collector ms in the window: a slow step class
+    """Tokens per second over the timed steps, and the wall ms per step split by whether the step's tokens
+    killed a register step (registers) and Python's garbage-collector ms in the window: a slow step class
     or collector pauses show in the split even when the mean hides them."""
     import gc
     for _ in range(warmup):
@@ -155,14 +155,14 @@ def decode_rate(llm: LLM, steps: int, warmup: int) -> tuple[float, dict]:
         else:
             gc_s[0] += time.perf_counter() - collecting[0]
     gc.callbacks.append(on_gc)
-    by_kind: dict[str, list[float]] = {"redo": [], "plain": []}
+    by_kind: dict[str, list[float]] = {"kill": [], "plain": []}
     t0 = time.perf_counter()
     tokens = 0
     for _ in range(steps - warmup):
         tokens += len(llm.scheduler.running)
-        redone, t = llm.run_ahead.num_redone, time.perf_counter()
+        kills, t = llm.stats.register_kills, time.perf_counter()
         llm.step()
-        by_kind["redo" if llm.run_ahead.num_redone > redone else "plain"].append(1e3 * (time.perf_counter() - t))
+        by_kind["kill" if llm.stats.register_kills > kills else "plain"].append(1e3 * (time.perf_counter() - t))
     torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
     gc.callbacks.remove(on_gc)
@@ -268,9 +268,9 @@ def kernel_profile(llm: LLM, steps: int, top: int = 12) -> dict:
 
 def overlap_phases(llm: LLM, steps: int) -> dict:
     """Where an *overlapped* step's wall time goes: host ms per step in each phase of ``LLM.step`` (take,
-    incl. a register redo; sampling; queueing the next step; waiting for this step's tokens; postprocess),
+    sampling; queueing the next step; waiting for this step's tokens; postprocess),
     the GPU's busy ms per step (union of kernel intervals, torch.profiler) and how many steps were queued
-    ahead, redone or preempted in the window. A wait that grows while GPU ms stays at the serial forward's
+    ahead, the register kills and the preemptions in the window. A wait that grows while GPU ms stays at the serial forward's
     means the device idles on the host; GPU ms above the serial forward means extra device work."""
     from torch.profiler import ProfilerActivity, profile
     ra, runner, spent = llm.run_ahead, llm.runner, {}
@@ -289,7 +289,7 @@ def overlap_phases(llm: LLM, steps: int) -> dict:
         setattr(obj, name, timed(name, fn))
     read_back = timed("read_back", ra.read_back)
     ra.read_back = lambda *t: timed("wait", read_back(*t))
-    before = (llm.stats.steps, llm.stats.queued_ahead, llm.stats.redone_rows, llm.stats.preemptions)
+    before = (llm.stats.steps, llm.stats.queued_ahead, llm.stats.register_kills, llm.stats.preemptions)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
@@ -305,11 +305,11 @@ def overlap_phases(llm: LLM, steps: int) -> dict:
     for a, b in spans:
         busy += max(0.0, b - max(a, end))
         end = max(end, b)
-    after = (llm.stats.steps, llm.stats.queued_ahead, llm.stats.redone_rows, llm.stats.preemptions)
+    after = (llm.stats.steps, llm.stats.queued_ahead, llm.stats.register_kills, llm.stats.preemptions)
     d = [x - y for x, y in zip(after, before)]
     return {"wall_ms": 1e3 * wall / steps, "gpu_busy_ms": busy / 1e3 / steps,
             **{f"{k}_ms": 1e3 * v / steps for k, v in spent.items()},
-            "queued_frac": d[1] / max(d[0], 1), "redone_per_step": d[2] / max(d[0], 1), "preemptions": d[3]}
+            "queued_frac": d[1] / max(d[0], 1), "kills_per_step": d[2] / max(d[0], 1), "preemptions": d[3]}
 
 
 def host_profile(llm: LLM, steps: int, top: int = 15) -> list[str]:
@@ -387,7 +387,7 @@ def bench_engine(path: Path, spec: str, position: int, steps: int, kv_gb: float,
     seqs = llm.scheduler.running
     row = {"policy": spec, "position": position, "batch": n, "gemv": gemv, "pdl": pdl, "tokens_per_s": rate,
            "live_kv_tokens_per_seq": sum(s.tracker.visible for s in seqs) / len(seqs),
-           "redone_rows_per_step": llm.stats.redone_rows / llm.stats.steps,
+           "kills_per_step": llm.stats.register_kills / llm.stats.steps,
            "queued_ahead_frac": llm.stats.queued_ahead / llm.stats.steps, "preemptions": llm.stats.preemptions, "timed_steps": split}
     if bandwidth:  # the step's bytes: the weights once (a tied head is one tensor) and every row's live KV
         weights = sum(p.numel() * p.element_size() for p in llm.runner.model.parameters())
@@ -436,8 +436,7 @@ def main() -> None:
     parser.add_argument("--policies", nargs="+", default=None)
     parser.add_argument("--steps", type=int, default=48, help="decode steps, the warm-up included")
     parser.add_argument("--warmup", type=int, default=8,
-                        help="untimed first steps (registers: the first redo of a killed row captures a batch-1 "
-                             "CUDA graph, ~1 s, so time registers after enough steps to have seen one)")
+                        help="untimed first steps")
     parser.add_argument("--kv-gb", type=float, default=None,
                         help="KV pool in GiB; default 100 (the H200 rows), or what a smaller card holds (kv_gb_for)")
     parser.add_argument("--max-seqs", type=int, default=256)
@@ -455,7 +454,7 @@ def main() -> None:
                              "host waited for the device (file:line, count)")
     parser.add_argument("--phases", type=int, default=0, metavar="STEPS",
                         help="also time this many overlapped steps by phase (host ms per phase, GPU busy ms, "
-                             "queued/redone/preempted counts)")
+                             "queued/killing/preempted counts)")
     parser.add_argument("--host-profile", type=int, default=0, metavar="STEPS",
                         help="also cProfile this many overlapped steps: host functions by own time")
     parser.add_argument("--step-tokens", type=int, default=STEP_TOKENS, metavar="N",

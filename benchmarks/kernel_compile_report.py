@@ -71,7 +71,7 @@ def signature(fn, ptr: str, consts: dict) -> tuple[dict, dict]:
 
 
 INT_PTRS = {"death_ptr", "block_tables_ptr", "block_index_ptr", "num_live_ptr", "query_start_ptr", "query_pos_ptr",
-            "slot_death_ptr"}
+            "slot_death_ptr", "kill_ptr"}
 
 
 def compile_and_report(tag: str, fn, consts: dict, warps: int, stages: int, ptr: str = "*bf16") -> dict:
@@ -123,12 +123,14 @@ def decode_rows(tiles, warps, stages) -> list[dict]:
     rows = []
     for name, cfg in shapes:
         t = cfg.tile_n
-        # every policy's decode; h2o's, which also writes per-segment mass; the PDL chain's
-        for mass, pdl in ((False, False), (True, False), (False, True), (True, True)):
+        # every policy's decode; h2o's, which also writes per-segment mass; the PDL chain's; registers' (the
+        # pending kill of a step queued before its register token was read back)
+        for mass, pdl, kill in ((False, False, False), (True, False, False), (False, True, False), (True, True, False),
+                                (False, False, True), (False, True, True)):
             consts = dict(GROUP=2, GROUP_PAD=16, HEAD_DIM=128, DIM_PAD=128, BLOCK_SIZE=16, TILE_N=t,
                           NUM_SPLITS=cfg.num_splits, PRECISION=None, UPCAST=False, OUTPUT_MASS=mass, SEG=min(t, 16),
-                          SEGS_PER_TILE=t // min(t, 16), PDL=pdl, LINE=64, LINES_PAD=2)
-            tag = name + (" h2o" if mass else "") + (" pdl" if pdl else "")
+                          SEGS_PER_TILE=t // min(t, 16), PDL=pdl, LINE=64, LINES_PAD=2, KILL=kill)
+            tag = name + (" h2o" if mass else "") + (" registers" if kill else "") + (" pdl" if pdl else "")
             rows.append(compile_and_report(tag, _decode_kernel, consts, cfg.num_warps, cfg.num_stages))
     mass = dict(GROUP=2, GROUP_PAD=16, BLOCK_SIZE=16, SEG=16, CHUNK=128)
     rows.append(compile_and_report("h2o page mass", _page_mass_kernel, mass, 4, 1))

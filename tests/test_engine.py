@@ -250,8 +250,11 @@ def test_overlapped_steps_equal_serial_steps(tiny_model_factory, spec):
     assert llm.scheduler.blocks.num_free == 256  # rows wasted on finished sequences leaked no block
 
 
-def test_overlapped_register_kills_redo_the_rows_they_affect(register_model):
-    """A register kill is known only after the next step was queued: that row is computed again."""
+def test_overlapped_register_kills_mask_the_killed_step_in_the_queued_step(register_model):
+    """A register kill is known on the host only after the next step was queued: that step masks the killed step
+    itself (kernels.metadata.register_kills, from its input tokens on the device). Catches a queued step that
+    attends to the step its own input register killed (planted: register_kills returning no kill, the greedy rows'
+    tokens leave the dense reference's argmax and the serial run's), and ranges followed wrong by the tracker."""
     prompts = [[5, 6, 7], [90, 91, 92, 93, 94], [40] * 9, [3, 1]]
     params = [SamplingParams(max_tokens=60, **GREEDY), SamplingParams(max_tokens=45, **GREEDY),
               SamplingParams(max_tokens=60, temperature=0.8, seed=3, ignore_eos=True),
@@ -261,7 +264,7 @@ def test_overlapped_register_kills_redo_the_rows_they_affect(register_model):
         llm = LLM(register_model, kv="registers:3", block_size=4, num_blocks=256, overlap=overlap)
         runs[overlap] = (llm.generate(prompts, params), llm)
     (serial, _), (overlapped, llm) = runs[False], runs[True]
-    assert llm.stats.queued_ahead > 0 and llm.stats.redone_rows > 0
+    assert llm.stats.queued_ahead > 0
     reg_ids, end_think = llm.policy.register_ids, llm.tokenizer.convert_tokens_to_ids("</think>")
     model = hf_model(register_model)
     for a, b, sp in zip(serial, overlapped, params):

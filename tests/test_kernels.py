@@ -13,6 +13,7 @@ import math
 import os
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 import torch
 
@@ -604,3 +605,84 @@ def test_h2o_page_mass_of_prefill_chunks_in_the_torch_reference():
     mass = torch.zeros(case.meta.block_tables.shape, dtype=torch.float64)
     reference.paged_attention(case.q.double(), cpu, 0, case.meta, 0.3, torch.float64, mass=mass)
     torch.testing.assert_close(mass, dense_page_mass(case, 0.3), rtol=1e-10, atol=1e-10)
+
+
+# ---------------------------------------------------------------------------------------------
+# Registers: the pending kill of a decode step queued before its input token was read back
+
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_a_pending_register_kill_hides_the_killed_step_from_its_query(impl):
+    """``meta.kill`` (lo, hi) per sequence: keys lo <= k < hi are dead for the query although the cache's deaths still
+    say they live (the host writes them one step later). The killed slots hold NaN and stay listed, so a kernel that
+    sees any of them returns NaN. Catches the decode kernel (or the CPU engine's torch reference) ignoring the kill
+    (planted: KILL dropped from the launch; NaN), an off-by-one at either end (planted: ``pos <= kill_hi``; the
+    first slot after the step is lost), and one sequence's kill read for another (planted: ``kill_ptr + 0``)."""
+    gen = torch.Generator().manual_seed(5)
+    block = 8
+    # (length, window, prefix, kill): the query is the last position; the last sequence has no kill, and the second's
+    # kill ends where its window's visible keys go on
+    specs = [(45, 1000, 0, (10, 17)), (70, 29, 9, (44, 60)), (30, 1000, 4, (4, 29)), (20, 1000, 0, (0, 0))]
+    seqs, before = [], []
+    for n, window, prefix, (lo, hi) in specs:
+        death = prefix_sliding_deaths(n, prefix, window)
+        before.append(list(death))
+        for k in range(lo, hi):
+            death[k] = min(death[k], n - 1)  # dead at the query: what the dense reference applies
+        seqs.append(Seq(death, 1))
+    case = build_case(seqs, block, num_kv_heads=2, group=2, head_dim=16, dtype=torch.float32, gen=gen, keep_dead=1.0)
+    for s, (_, _, _, (lo, hi)) in enumerate(specs):  # the cache does not know the kill yet
+        for col in range(int(case.meta.num_live_blocks[s])):
+            b, i = int(case.meta.block_tables[s, col]), int(case.meta.block_index[s, col])
+            for slot in range(block):
+                if lo <= i * block + slot < hi:
+                    case.cache.death[b, slot] = before[s][i * block + slot]
+    case.meta.kill = torch.tensor([kill for *_, kill in specs], dtype=torch.int32, device=DEVICE)
+    scale = 0.3
+    if impl == "triton":
+        out = decode_attention(case.q, case.cache, 0, case.meta, scale,
+                               config=DecodeConfig(tile_n=16, num_splits=2, num_warps=4, num_stages=2),
+                               out=poisoned_like(case.q))
+    else:
+        cpu = case.meta.to("cpu")
+        cache = PagedKVCache([case.cache.k[0].cpu()], [case.cache.v[0].cpu()], case.cache.death.cpu())
+        out = reference.paged_attention(case.q.cpu(), cache, 0, cpu, scale)
+    assert_close(out, dense_reference(case, scale), torch.float32)
+
+
+def test_register_kills_are_the_ranges_the_tracker_kills_at_that_token():
+    """``register_kills`` from the host's ranges of positions < r and the token at r (on the device) against
+    ``DeathTracker.append(r, token)``'s own killed range, over random register streams of 4 sequences at once:
+    a re-emitted register of a closed step, of the growing step (its end is the query), a first use (no kill), the
+    end-of-thinking token (closes, kills nothing) and plain tokens. Catches ranges followed wrong (planted: the
+    growing step's end not set at its close) and a row served another row's ranges (planted: ranges[0] for every
+    row), and the host's already-followed token counted as a kill (the range the engine sends for a step it did not
+    queue ahead must be empty)."""
+    from sliderl.core.kv_policy import KVPolicy
+    from sliderl.kernels.metadata import register_kills
+
+    regs, end_think, vocab = [50, 51, 52], 60, 64
+    policy = KVPolicy.parse("registers:3").bind(regs, end_think)
+    register_of = torch.full((vocab,), -1, dtype=torch.int32)
+    register_of[regs] = torch.arange(3, dtype=torch.int32)
+    gen = torch.Generator().manual_seed(11)
+    prompt = 5
+    trackers = [policy.tracker(prompt) for _ in range(4)]
+    for t in trackers:
+        for p in range(prompt):
+            t.append(p, 7)
+    killed_seen = 0
+    for r in range(prompt, prompt + 300):
+        draw = torch.randint(0, 10, (4,), generator=gen).tolist()
+        tokens = [regs[d % 3] if d < 4 else (end_think if d == 4 else 9) for d in draw]
+        ranges = torch.tensor(np.stack([t.register_ranges for t in trackers]))
+        kill = register_kills(torch.tensor(tokens), ranges, register_of, torch.full((4,), r, dtype=torch.int32))
+        for s, (t, tok) in enumerate(zip(trackers, tokens)):
+            killed = t.append(r, tok)
+            lo, hi = kill[s].tolist()
+            assert ((lo, hi) == killed[0]) if killed else lo >= hi, (r, s, tok, killed, (lo, hi))
+            killed_seen += bool(killed)
+        # a step the host did not queue ahead: its input token is already followed, so nothing more dies
+        after = register_kills(torch.tensor(tokens), torch.tensor(np.stack([t.register_ranges for t in trackers])),
+                               register_of, torch.full((4,), r, dtype=torch.int32))
+        assert bool((after[:, 0] >= after[:, 1]).all())
+    assert killed_seen > 100

@@ -42,6 +42,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
+import numpy as np
 import torch
 
 NEVER = 2**31 - 1  # death of a key that stays visible forever (fits int32 kernels)
@@ -254,6 +255,10 @@ class DeathTracker:
         self._register_index = {tok: i for i, tok in enumerate(policy.register_ids)}
         self._holder: dict[int, tuple[int, int]] = {}  # register -> (start, end) of its live step; end=-1 open
         self._open: int | None = None  # register whose step is still growing
+        # register i's live step as (start, end) positions, end NEVER while it grows, (0, 0) for none: what a query
+        # whose input token is <reg_i> must not see although the cache's deaths do not say so yet (a decode step
+        # queued before that token was read back: kernels.metadata.register_kills)
+        self.register_ranges = np.zeros((policy.num_registers if policy.kind == "registers" else 0, 2), np.int32)
         self._dying: dict[int, int] = {}  # death position -> number of keys that die there
         self.visible = 0
 
@@ -303,6 +308,7 @@ class DeathTracker:
             self._dying[pos] = self._dying.get(pos, 0) + end - start
             killed.append((start, end))
         self._holder[reg] = (pos, -1)
+        self.register_ranges[reg] = (pos, NEVER)
         self._open = reg
         return killed
 
@@ -310,6 +316,7 @@ class DeathTracker:
         if self._open is not None:
             start, _ = self._holder[self._open]
             self._holder[self._open] = (start, pos)
+            self.register_ranges[self._open, 1] = pos
             self._open = None
 
     @property

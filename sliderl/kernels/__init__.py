@@ -41,6 +41,9 @@ def paged_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: Atte
     if meta.is_decode:
         from sliderl.kernels.decode import decode_attention
         return decode_attention(q, cache, layer, meta, scale, out=out, mass=mass)
+    if meta.kill is not None:
+        raise ValueError("AttentionMetadata.kill is a decode step's (one query per sequence), got "
+                         f"max_query_len={meta.max_query_len}")
     from sliderl.kernels.prefill import prefill_attention
     return prefill_attention(q, cache, layer, meta, scale, out=out)
 

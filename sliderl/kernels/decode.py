@@ -36,14 +36,16 @@ from sliderl.kernels.pdl import check_pdl, launch_options, line_elems, prefetch_
 
 @triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, death_ptr, block_tables_ptr, block_index_ptr, num_live_ptr,
-                   query_start_ptr, query_pos_ptr, out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, counter_ptr,
+                   query_start_ptr, query_pos_ptr, kill_ptr, out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
+                   counter_ptr,
                    norm_max_ptr, norm_sum_ptr, seg_lse_ptr,
                    stride_qn, stride_qh, stride_kb, stride_ks, stride_kh,
                    stride_bt, stride_bi, stride_on, stride_oh, num_q_heads, num_kv_heads, scale_log2, max_segs,
                    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
                    PRECISION: tl.constexpr, UPCAST: tl.constexpr, OUTPUT_MASS: tl.constexpr, SEG: tl.constexpr,
-                   SEGS_PER_TILE: tl.constexpr, PDL: tl.constexpr, LINE: tl.constexpr, LINES_PAD: tl.constexpr):
+                   SEGS_PER_TILE: tl.constexpr, PDL: tl.constexpr, LINE: tl.constexpr, LINES_PAD: tl.constexpr,
+                   KILL: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -52,6 +54,9 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, death_ptr, block_tables_ptr, block_index
     num_q = tl.minimum(tl.load(query_start_ptr + seq + 1) - row, 1)  # 0 or 1
     q_pos = tl.load(query_pos_ptr + row, mask=num_q > 0, other=-1)
     num_live = tl.load(num_live_ptr + seq) * num_q
+    if KILL:  # a pending register kill (metadata.register_kills): positions [kill_lo, kill_hi) are dead already
+        kill_lo = tl.load(kill_ptr + 2 * seq)
+        kill_hi = tl.load(kill_ptr + 2 * seq + 1)
     num_tiles = tl.cdiv(num_live * BLOCK_SIZE, TILE_N)
     per_split = tl.cdiv(num_tiles, NUM_SPLITS)
     first = split * per_split
@@ -92,6 +97,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, death_ptr, block_tables_ptr, block_index
         next_tile = live_key_tile(bt_row, bi_row, death_ptr, num_live, tile + 1,
                                   stride_kb, stride_ks, BLOCK_SIZE, TILE_N)
         visible = in_range & (pos <= q_pos) & (q_pos < death)  # [TILE_N]
+        if KILL:
+            visible = visible & ((pos < kill_lo) | (pos >= kill_hi))
         k = tl.load(k_ptr + offset[:, None] + kv_head * stride_kh + d[None, :],
                     mask=in_range[:, None] & d_ok[None, :], other=0.0)
         # a dead slot may hold anything, even NaN: never let it into p @ v
@@ -314,13 +321,19 @@ def decode_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: Att
                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     pdl = check_pdl(pdl, q.device)
     line = line_elems(k.dtype)
+    kill = meta.kill
+    if kill is not None and (kill.dtype != torch.int32 or tuple(kill.shape) != (meta.num_seqs, 2)
+                             or not kill.is_contiguous() or kill.device != q.device):
+        raise ValueError(f"meta.kill must be a contiguous int32 [{meta.num_seqs}, 2] tensor on {q.device}, got "
+                         f"{kill.dtype} {tuple(kill.shape)} on {kill.device}")
     _decode_kernel[grid](
         q, k, v, cache.death, meta.block_tables, meta.block_index, meta.num_live_blocks,
-        meta.query_start, meta.query_pos, out, part_acc, part_max, part_sum, counters, norm_max, norm_sum, seg_lse,
+        meta.query_start, meta.query_pos, kill if kill is not None else meta.query_pos, out, part_acc, part_max, part_sum, counters, norm_max, norm_sum, seg_lse,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
         meta.block_tables.stride(0), meta.block_index.stride(0), out.stride(0), out.stride(1), h_q, h_kv,
         scale * LOG2E, max_segs, OUTPUT_MASS=mass is not None, SEG=seg, SEGS_PER_TILE=cfg.tile_n // seg,
-        PDL=pdl, LINE=line, LINES_PAD=next_pow2(triton.cdiv(dim, line)), **shape, **launch_options(pdl))
+        PDL=pdl, LINE=line, LINES_PAD=next_pow2(triton.cdiv(dim, line)), KILL=kill is not None, **shape,
+        **launch_options(pdl))
     if mass is not None:
         _page_mass_kernel[(meta.num_seqs, h_kv)](
             meta.query_start, meta.num_live_blocks, norm_max, norm_sum, seg_lse, mass, mass.stride(0), h_q, max_segs,

@@ -33,6 +33,9 @@ class AttentionMetadata:
     num_live_blocks: torch.Tensor  # [S] int32
     max_query_len: int
     max_live_blocks: int
+    # [S, 2] int32 or None: decode only, keys at positions lo <= k < hi are dead for sequence s's query although the
+    # cache's deaths do not say so yet (``register_kills``: a register its input token re-emits)
+    kill: torch.Tensor | None = None
     scratch: dict = field(default_factory=dict, repr=False, compare=False)  # per-forward values a kernel derives
     # once and every layer reuses (the CPU decode's visibility); never moved by ``to``
 
@@ -49,6 +52,25 @@ class AttentionMetadata:
         moved = {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v)
                  for k, v in vars(self).items() if k != "scratch"}
         return AttentionMetadata(**moved)
+
+
+def register_kills(input_ids: torch.Tensor, ranges: torch.Tensor, register_of: torch.Tensor,
+                   query_pos: torch.Tensor) -> torch.Tensor:
+    """``AttentionMetadata.kill`` of a registers decode step queued before its input tokens were read back: a query
+    whose input token is ``<reg_i>`` must not see the step ``<reg_i>`` held (``core.kv_policy``: that step dies at
+    the query's position), which the host learns, and writes into the cache's deaths, one step later.
+
+    ``input_ids [S]``; ``ranges [S, N, 2]`` int32, each sequence's ``DeathTracker.register_ranges`` as the host last
+    knew them (a growing step's end NEVER: it ends at the query); ``register_of [V]`` int32, a token's register index
+    or -1; ``query_pos [S]``. Returns ``[S, 2]`` int32 (lo, hi), (0, 0) for no kill. A step whose input token the
+    host has already followed gets an empty range: the register's new step starts at the query itself.
+    Device-side tensor ops only, so a captured decode graph computes it at every replay."""
+    reg = register_of[input_ids]  # [S]
+    held = ranges.gather(1, reg.clamp(min=0).long()[:, None, None].expand(-1, 1, 2))[:, 0]  # [S, 2]
+    hit = reg >= 0
+    lo = torch.where(hit, held[:, 0], 0)
+    hi = torch.where(hit, torch.minimum(held[:, 1], query_pos), 0)
+    return torch.stack([lo, hi], 1).to(torch.int32)
 
 
 @dataclass

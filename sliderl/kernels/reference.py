@@ -45,6 +45,9 @@ def paged_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: Atte
     """
     if meta.is_decode:
         return decode_attention(q, cache, layer, meta, scale, acc_dtype, mass)
+    if meta.kill is not None:
+        raise ValueError("AttentionMetadata.kill is a decode step's (one query per sequence), got "
+                         f"max_query_len={meta.max_query_len}")
     out = torch.empty_like(q)
     starts = meta.query_start.tolist()
     h_q, h_kv = q.shape[1], cache.k[layer].shape[2]
@@ -115,5 +118,8 @@ def decode_visibility(cache: PagedKVCache, meta: AttentionMetadata, layer: int) 
     k_death = cache.death[blocks].reshape(s, -1).long()
     q_pos = meta.query_pos.long()[:, None]  # [S, 1]
     visible = (tables >= 0)[:, :, None].expand(-1, -1, bs).reshape(s, -1) & (k_pos <= q_pos) & (q_pos < k_death)
+    if meta.kill is not None:  # a pending register kill (metadata.register_kills): [lo, hi) is dead already
+        lo, hi = meta.kill.long().unbind(1)
+        visible &= (k_pos < lo[:, None]) | (k_pos >= hi[:, None])
     meta.scratch["decode_visibility"] = (cache, (blocks, visible))
     return blocks, visible

@@ -3,19 +3,19 @@
 The split count of the attention kernel is a compile-time constant chosen from the batch and its
 longest sequence (rounded up to a power of two), so a new (bucket, split) pair met mid-run costs a
 Triton compile and a capture: ~5 s on the H200, measured inside a timed window of
-``benchmarks/engine_gpu.py`` when a register kill's batch-1 redo met a new width. Buckets of at most
-``SMALL`` rows (redo batches, the tail of a generation, batch-1 latency) run at many split counts,
+``benchmarks/engine_gpu.py`` when a register kill's batch-1 redo (since removed) met a new width. Buckets of at
+most ``SMALL`` rows (the tail of a generation, batch-1 latency) run at many split counts,
 so every pair they can meet is captured when the graphs are built; larger buckets use one split at
 most widths and are captured on first use. (One split count per small bucket, the longest
 sequence's, was tried: the splits cover the static width, so a short row's tiles fall in a few
-splits and its redo ran ~2 ms slower.)
+splits and a batch-1 forward ran ~2 ms slower.)
 """
 
 from __future__ import annotations
 
 import torch
 
-from sliderl.kernels.metadata import AttentionMetadata
+from sliderl.kernels.metadata import AttentionMetadata, register_kills
 from sliderl.rollout.paged_attention import PagedAttention
 
 SMALL = 4  # buckets up to this many rows are captured at every split count up front
@@ -61,6 +61,8 @@ class DecodeGraphs:
         }
         if runner.track_mass:  # h2o: each replay zeroes it, then every layer adds its page mass (decode kernel)
             self.static["mass"] = torch.zeros(n, max_blocks, dtype=torch.float32, device=dev)
+        if runner.register_of is not None:  # registers: each replay derives its pending kills from these and the ids
+            self.static["ranges"] = torch.zeros(n, runner.num_registers, 2, dtype=torch.int32, device=dev)
         for bucket in (b for b in self.buckets if b <= SMALL):
             for e in range(max(0, max_blocks - 1).bit_length() + 1):  # every rounded width up to max_blocks
                 key = (bucket, self._splits(bucket, 1 << e))
@@ -70,18 +72,18 @@ class DecodeGraphs:
     def fits(self, meta: AttentionMetadata) -> bool:
         return meta.num_seqs <= self.buckets[-1] and meta.max_live_blocks <= self.max_blocks
 
-    def run(self, ids: torch.Tensor, pos: torch.Tensor,
-            meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def run(self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata,
+            ranges: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Copy this step's tensors into the static buffers, replay; hidden states ``[S, hidden]``, and under h2o the
         step's page mass ``[S, max_live_blocks]`` (a copy: the next replay, queued before it is read, rewrites the
-        buffer), else None."""
+        buffer), else None. ``ranges``: registers' ``[S, N, 2]`` (``ModelRunner.prepare``)."""
         s, width = meta.num_seqs, meta.max_live_blocks
         bucket = next(b for b in self.buckets if b >= s)
         key = (bucket, self._splits(bucket, width))
         if key not in self.graphs:
             self.graphs[key] = self._capture(*key)
         graph, st, hidden = self.graphs[key]
-        self._fill(ids, pos, meta, bucket)
+        self._fill(ids, pos, meta, bucket, ranges)
         graph.replay()
         self.replays += 1
         mass = st.get("mass")
@@ -102,9 +104,13 @@ class DecodeGraphs:
         return decode_config(bucket, cfg.num_kv_heads, self.runner.block_size, rounded, cfg.head_dim,
                              self.runner.cache.k[0].dtype, self.runner.device).num_splits
 
-    def _fill(self, ids, pos, meta: AttentionMetadata, bucket: int) -> None:
+    def _fill(self, ids, pos, meta: AttentionMetadata, bucket: int, ranges: torch.Tensor | None) -> None:
         st, s, w = self.static, meta.num_seqs, meta.max_live_blocks
         nb = True
+        if "ranges" in st:
+            if ranges is None:
+                raise ValueError("a registers decode step needs its register ranges (ModelRunner.prepare)")
+            st["ranges"][:s].copy_(ranges, non_blocking=nb)
         st["ids"][:s].copy_(ids, non_blocking=nb)
         st["pos"][:s].copy_(pos, non_blocking=nb)
         st["query_start"][:s + 1].copy_(meta.query_start, non_blocking=nb)
@@ -145,6 +151,9 @@ class DecodeGraphs:
         def forward():
             if mass is not None:
                 mass.zero_()
+            if "ranges" in st:  # registers: this replay's pending kills, from its input tokens
+                meta.kill = register_kills(st["ids"][:bucket], st["ranges"][:bucket], r.register_of,
+                                           st["query_pos"][:bucket])
             return r.model(st["ids"][:bucket], st["pos"][:bucket], attn)
 
         graph, hidden = capture(forward, self.pool)

@@ -38,7 +38,7 @@ class EngineStats:
     decode_tokens: int = 0
     seconds: float = 0.0
     queued_ahead: int = 0  # decode steps launched before the previous step's tokens were read
-    redone_rows: int = 0  # rows of queued steps computed again because a register kill changed what they see
+    register_kills: int = 0  # tokens that killed a register step (registers)
     max_running: int = 0  # most sequences running at once in any step
     max_concurrency: int = 0  # requests like the one with the largest block bound so far that run at once (0: none yet)
 
@@ -79,12 +79,13 @@ class LLM:
         h2o = self.policy.kind == "h2o"  # page mass is a per-step output (captured graphs write it to a static buffer)
         self.runner = ModelRunner(self.model, num_blocks, args.block_size, self.device, dtype, args.max_num_seqs,
                                   self.max_model_len, args.cuda_graphs, track_mass=h2o, gemv=args.gemv,
-                                  pdl=args.pdl)
+                                  pdl=args.pdl,
+                                  register_ids=self.policy.register_ids if self.policy.kind == "registers" else None)
         self.scheduler = Scheduler(BlockManager(num_blocks), args.max_num_seqs, args.max_num_batched_tokens,
                                    self.max_model_len, admit_by_bound=self.policy.admits_by_bound,
                                    watermark_blocks=math.ceil(round(args.kv_watermark * num_blocks, 6)))
         overlap = args.overlap
-        if overlap is None:  # registers too: with its redos it beats serial (6,809 vs 6,692 tok/s, docs/notebook/benchmarks.md)
+        if overlap is None:  # registers too: a queued step masks the kills of its own input tokens (register_kills)
             overlap = self.device.type == "cuda"
         self.run_ahead = RunAhead(self.runner, self.scheduler, overlap)
         self.eos_ids = self._eos_ids(model)
@@ -297,8 +298,7 @@ class LLM:
         self.run_ahead.queue_next(flight, tokens)
         tokens, logprobs, *mass = read()
         flight.add_mass(*mass)  # h2o: pages' attention mass, for the evictions of later steps
-        finished, killers = self.postprocess(flight.batch, flight.rows, tokens, logprobs, flight.logits)
-        self.run_ahead.redo_killers(killers)
+        finished = self.postprocess(flight.batch, flight.rows, tokens, logprobs, flight.logits)
         for seq in finished:
             self.runner.forced.discard(seq.request_id)
         self._count(flight.batch, running, time.perf_counter() - t0)
@@ -310,7 +310,7 @@ class LLM:
         self.stats.seconds += seconds
         self.stats.preemptions = self.scheduler.num_preemptions
         self.stats.queued_ahead = self.run_ahead.num_queued
-        self.stats.redone_rows = self.run_ahead.num_redone
+        self.stats.register_kills = self.postprocess.num_kills
         decode = sum(1 for n in batch.num_tokens if n == 1)
         self.stats.decode_tokens += decode
         self.stats.prefill_tokens += sum(batch.num_tokens) - decode

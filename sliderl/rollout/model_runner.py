@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from sliderl.core.logprob import logprobs_at
-from sliderl.kernels.metadata import AttentionMetadata, PagedKVCache
+from sliderl.kernels.metadata import AttentionMetadata, PagedKVCache, register_kills
 from sliderl.rollout.decode_graphs import DecodeGraphs
 from sliderl.rollout.forcing import ForcedTokens
 from sliderl.rollout.paged_attention import PagedAttention, attention_impl
@@ -47,9 +47,17 @@ class ModelRunner:
 
     def __init__(self, model, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype,
                  max_num_seqs: int, max_model_len: int, cuda_graphs: bool = True, track_mass: bool = False,
-                 gemv: bool = False, pdl: bool = False):
+                 gemv: bool = False, pdl: bool = False, register_ids: list[int] | None = None):
         cfg = model.config
         self.track_mass = track_mass
+        # registers: each token's register index (-1: none), for the pending kills of a decode step queued before its
+        # input tokens were read back (kernels.metadata.register_kills)
+        self.register_of = None
+        if register_ids:
+            table = torch.full((max(cfg.vocab_size, max(register_ids) + 1),), -1, dtype=torch.int32)
+            table[torch.tensor(register_ids)] = torch.arange(len(register_ids), dtype=torch.int32)
+            self.register_of = table.to(device)
+        self.num_registers = len(register_ids or ())
         self.model = model
         model.fused_kernels = device.type == "cuda"  # Triton norms, q-k-norm + RoPE; fused q/k/v and gate/up
         model.gemv_kernels = device.type == "cuda" and gemv  # small-batch linears on kernels.gemv
@@ -86,8 +94,9 @@ class ModelRunner:
             graphs.close()
         self.graphs = self.cache = None
 
-    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, AttentionMetadata]:
-        """Flatten the batch on the host: RoPE positions ``[N]`` and the attention metadata.
+    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor | None]:
+        """Flatten the batch on the host: RoPE positions ``[N]``, the attention metadata and, under registers for a
+        decode step, each sequence's ``DeathTracker.register_ranges`` as one ``[S, N, 2]`` tensor (else None).
 
         A new key's death is the one known now (``Sequence.key_deaths``); a register kill that comes
         later reaches the cache through ``set_death``. The mask's query positions are the tokens' slots in
@@ -123,7 +132,10 @@ class ModelRunner:
             max_query_len=max(batch.num_tokens),
             max_live_blocks=width,
         )
-        return host(pos, torch.long), meta
+        ranges = None
+        if self.register_of is not None and meta.is_decode:
+            ranges = host(np.stack([seq.tracker.register_ranges for seq in batch.seqs]))
+        return host(pos, torch.long), meta, ranges
 
     def host_tensor(self, values, dtype: torch.dtype | None = None) -> torch.Tensor:
         """A CPU tensor of ``values`` (list or numpy array), in pinned memory when the model is on CUDA.
@@ -143,7 +155,7 @@ class ModelRunner:
         ``input_ids``: the batch's input tokens already on the device (a decode step queued before
         they were read back); by default they are read from the sequences.
         """
-        pos, meta = self.prepare(batch)
+        pos, meta, ranges = self.prepare(batch)
         ids = input_ids if input_ids is not None else self.host_tensor(batch.input_ids(), torch.long)
         dead = batch.dead_slots()
         if dead:  # slots a Pasta thread left empty: no query may read them (written before the step's K/V)
@@ -151,7 +163,7 @@ class ModelRunner:
         mass = None
         ends = [s.num_computed + n for s, n in zip(batch.seqs, batch.num_tokens)] if self.track_mass else None
         if self.graphs is not None and meta.is_decode and self.graphs.fits(meta):
-            hidden, values = self.graphs.run(ids, pos, meta)
+            hidden, values = self.graphs.run(ids, pos, meta, ranges)
             if values is not None:
                 mass = PageMass(values, meta.block_index.numpy(), ends)
         else:
@@ -160,8 +172,11 @@ class ModelRunner:
                 mass = PageMass(torch.zeros(meta.block_index.shape, dtype=torch.float32, device=dev),
                                 meta.block_index.numpy(), ends)
             meta = meta.to(dev)
+            ids = ids.to(dev, non_blocking=True)
+            if ranges is not None:  # a register that an input token re-emits: the step it held is dead already
+                meta.kill = register_kills(ids, ranges.to(dev, non_blocking=True), self.register_of, meta.query_pos)
             attn = PagedAttention(self.cache, meta, self.scale, self.impl, mass=mass.values if mass is not None else None)
-            hidden = self.model(ids.to(dev, non_blocking=True), pos.to(dev, non_blocking=True), attn)
+            hidden = self.model(ids, pos.to(dev, non_blocking=True), attn)
             hidden = hidden[meta.query_start[1:].long() - 1]
         if len(sample_rows) == hidden.shape[0] and all(r == i for i, r in enumerate(sample_rows)):
             return self.model.compute_logits(hidden), mass  # every row, in order (a decode step): no gather

@@ -31,14 +31,14 @@ class Postprocessor:
         self.set_death = set_death
         self.mode = mode
         self._encoded: dict[str, tuple[int, ...]] = {}
-        self._killers: set[int] = set()
+        self.num_kills = 0  # tokens that killed a register step
 
     def __call__(self, batch: ScheduledBatch, rows: list[int], tokens: list[int], logprobs: list[float],
-                 logits: torch.Tensor) -> tuple[list[Sequence], set[int]]:
+                 logits: torch.Tensor) -> list[Sequence]:
         """Append the tokens sampled for ``batch``'s ``rows`` (``logits`` their rows); the sequences that
-        finished, and the request ids whose token killed a register step."""
+        finished."""
         batch.mark_computed()
-        finished, self._killers = [], set()
+        finished = []
         for row, i in enumerate(rows):
             seq = batch.seqs[i]
             if self.mode.take(self, seq, tokens[row], logprobs[row], logits[row]):
@@ -47,11 +47,11 @@ class Postprocessor:
         for seq in batch.seqs:
             if seq.status is Status.RUNNING:
                 self.scheduler.free_dead_blocks(seq)
-        return finished, self._killers
+        return finished
 
     def append(self, seq: Sequence, token: int, logprob: float, logits: torch.Tensor) -> None:
         """Record the token (or the one budget forcing puts in its place); a register kill it causes is applied
-        and its request noted for the run-ahead stepper."""
+        (a decode step queued before this token was read masked the killed step itself: ``metadata.register_kills``)."""
         p = seq.params
         if p.max_thinking_tokens is not None and not seq.thinking_done and not seq.pending_forced \
                 and seq.num_output >= p.max_thinking_tokens:
@@ -67,7 +67,7 @@ class Postprocessor:
             seq.thinking_done = seq.output_token_ids[-len(end):] == end
         if killed:
             self._kill(seq, killed)
-            self._killers.add(seq.request_id)
+            self.num_kills += 1
 
     def _token_ids(self, text: str) -> tuple[int, ...]:
         """Token ids of ``text`` (cached: budget forcing asks for them every step)."""

@@ -6,8 +6,9 @@ step is asked of the scheduler (``Scheduler.schedule_ahead``), which allocates i
 certain to be needed as launched. Everything that follows from running ahead lives here:
 
 - a queued row whose sequence finished meanwhile is wasted work for that row only: it is dropped;
-- under ``registers``, a row whose sampled register killed a step saw that step's keys in the
-  queued forward: that row alone is computed again (same slot, so its K/V is overwritten);
+- under ``registers``, a row whose input token (sampled, not yet read) is a register that kills a step must
+  not see that step's keys, which the cache's deaths show only once the host has read the token: the queued
+  forward masks that step itself (``kernels.metadata.register_kills``, from the host's register ranges);
 - a queued step whose inputs would be wrong (new weights) is dropped before it is used, and its
   K/V writes are redone by the step that replaces it;
 - under pasta, what a tag does is known once its token is read: a fork created, a fork ended, a
@@ -25,7 +26,7 @@ certain to be needed as launched. Everything that follows from running ahead liv
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -42,7 +43,6 @@ class Flight:
     batch: ScheduledBatch
     rows: list[int]
     logits: torch.Tensor
-    redo: set[int] = field(default_factory=set)  # request ids whose rows must be computed again
     mass: PageMass | None = None  # h2o: the forward's attention mass per block-table column
 
     def sampling_seqs(self) -> list[Sequence]:
@@ -72,7 +72,7 @@ class Flight:
         batch = ScheduledBatch([self.batch.seqs[i] for i in keep], [self.batch.num_tokens[i] for i in keep])
         index = host_tensor(keep, torch.long).to(self.logits.device, non_blocking=True)
         mass = self.mass.take(keep, index) if self.mass is not None else None
-        return Flight(batch, list(range(len(keep))), self.logits[index], redo=self.redo, mass=mass)
+        return Flight(batch, list(range(len(keep))), self.logits[index], mass=mass)
 
 
 class RunAhead:
@@ -84,7 +84,6 @@ class RunAhead:
         self.enabled = enabled
         self.queued: Flight | None = None
         self.num_queued = 0  # decode steps launched before the previous step's tokens were read
-        self.num_redone = 0  # rows of queued steps computed again after a register kill
 
     def launch(self, batch: ScheduledBatch) -> Flight:
         """Run a freshly scheduled batch; its sampling rows' logits."""
@@ -93,13 +92,11 @@ class RunAhead:
         return Flight(batch, rows, logits, mass=mass)
 
     def take(self) -> Flight | None:
-        """The step queued by the previous one, ready to sample: rows that finished meanwhile dropped,
-        rows whose register kill changed what they see computed again. None when nothing is queued."""
+        """The step queued by the previous one, ready to sample, rows that finished meanwhile dropped; None when
+        nothing is queued."""
         flight, self.queued = self.queued, None
         if flight is not None:
             flight = flight.without_finished(self.runner.host_tensor)
-        if flight is not None and flight.redo:
-            self._redo(flight)
         return flight
 
     def queue_next(self, flight: Flight, tokens: torch.Tensor) -> None:
@@ -118,11 +115,6 @@ class RunAhead:
             tokens = tokens[self.runner.host_tensor(keep, torch.long).to(tokens.device, non_blocking=True)]
         logits, mass = self.runner.run(nxt, rows, input_ids=tokens)
         self.queued = Flight(nxt, rows, logits, mass=mass)
-
-    def redo_killers(self, request_ids: set[int]) -> None:
-        """Those requests' tokens killed a register step: their rows of the queued step are computed again."""
-        if request_ids and self.queued is not None:
-            self.queued.redo = request_ids
 
     def drop(self) -> None:
         """Forget the queued step (its inputs are stale); its sequences are scheduled afresh."""
@@ -147,19 +139,3 @@ class RunAhead:
             done.synchronize()
             return [host[0].tolist(), host[1].tolist(), *(h.numpy() for h in host[2:])]
         return wait
-
-    def _redo(self, flight: Flight) -> None:
-        """Compute again the rows of a queued step whose sequence killed a register step meanwhile.
-
-        The queued forward ran before the kill reached the cache's deaths, so these rows attended to
-        the dead step; the new forward writes the same slots and replaces their logits.
-        """
-        rows = [k for k, i in enumerate(flight.rows) if flight.batch.seqs[i].request_id in flight.redo]
-        if not rows:
-            return
-        batch = ScheduledBatch([flight.batch.seqs[flight.rows[k]] for k in rows], [1] * len(rows))
-        logits, _ = self.runner.run(batch, list(range(len(rows))))  # registers only: no mass
-        index = self.runner.host_tensor(rows, torch.long).to(logits.device, non_blocking=True)
-        with torch.inference_mode():  # the logits are inference tensors
-            flight.logits.index_copy_(0, index, logits)
-        self.num_redone += len(rows)

@@ -125,7 +125,7 @@ class Scheduler:
         within ``max_model_len``, and the pool has the blocks without preempting anyone. ``batch`` is then marked
         computed. A sequence whose row in ``batch`` is its last (``Sequence.samples_on``: a Pasta fork writing
         its ``</async>``) gets none; the rows follow ``batch``'s order. (A register kill is known only once the
-        tokens are read: the run-ahead stepper redoes the rows it affects.)
+        tokens are read: the queued forward masks the killed step itself, ``kernels.metadata.register_kills``.)
         """
         if ((self.waiting and self.can_admit(self.waiting[0])) or batch.budget_ran_out
                 or len(batch.sampling_rows()) != len(batch)):
