@@ -8,7 +8,9 @@
 #   bash benchmarks/device_session.sh B    # ~10 min: the 7B step with --offload cpu on one GPU (36; needs ~114 GiB of free host RAM)
 #   bash benchmarks/device_session.sh C    # ~6 min: trained Pasta's realised speedup (41), PD's trained rows (40)
 #   bash benchmarks/device_session.sh D    # ~9 min: h2o under CUDA graphs, its tests and speed (38.4); registers at the trained cadence (38.5)
-#   bash benchmarks/device_session.sh K    # ~4 min: registers' pending kill, its GPU tests and speed at the trained cadence (38.5)
+#   bash benchmarks/device_session.sh K    # ~5 min: registers' pending kill, its GPU tests and speed at the trained cadence (38.5),
+#                                          # h2o's ratio to PS (38.4), both through regress.py
+#   bash benchmarks/device_session.sh R2   # ~8 min, one H200 (needs_h200): regress.py's 1.7B MFU headlines (38.1, 38.3)
 #   bash benchmarks/device_session.sh E 1  # ~9 min: TIP's GPU-scale arms with decode wall time, seed 1 (41); carry .whl (Ray)
 #   bash benchmarks/device_session.sh F    # ~10 min: the paper's Table 1 way at 8K, prefix_sliding (38.6); F2: full
 #   bash benchmarks/device_session.sh G    # ~10 min: the learner with compiled element-wise chains vs eager, 32K (38.3)
@@ -22,10 +24,10 @@
 #   bash benchmarks/device_session.sh X8   # ~10 min on an eight-GPU kind: 1.7B at 1-8 ranks, 7B at 4 and 8 (36)
 #
 # Order when a machine is lent (after the third 2026-12-05 session, when D, P and F ran on an H100; G, H, M and most
-# of Q ran before, and B was refused by its host's 128 GiB): K, M2, R (its learner item; batch 1 ran), F, F2, C, A,
+# of Q ran before, and B was refused by its host's 128 GiB): K, M2, R (its learner item; batch 1 ran), R2, F, F2, C, A,
 # and X2 (X8) whenever a two-GPU (eight-GPU) machine is lent. One session holds 30 minutes of device time: three groups at most. B stays
 # for a host with more than ~125 GiB free (the 7B float32-master step without offload is group H).
-# Cards: H, M2 and M's 12-layer row hold more than an H100's 79 GiB (call run with needs_h200); every other group fits
+# Cards: H, M2, R2 and M's 12-layer row hold more than an H100's 79 GiB (call run with needs_h200); every other group fits
 # an H100, whose rows compare only with rows of the same card (regress.py says "other card" against an H200 record).
 #
 # carry: a Ray-less copy of .whl (runs/whl-light) for C (with runs/pasta-h200 and runs/pd-long), D, F, G, M, P, Q
@@ -38,7 +40,7 @@
 # docs/results.md gives.
 set -u
 OUT=${OUT:?set OUT to the folder whose files come back}
-group=${1:?name a group: A, B, C, D, E, F, F2, G, H, K, M, M2, P, Q, R, X2 or X8}
+group=${1:?name a group: A, B, C, D, E, F, F2, G, H, K, M, M2, P, Q, R, R2, X2 or X8}
 summary=()
 
 item() {  # item NAME SECONDS COMMAND...: run with a limit, tee its log, note rc and seconds
@@ -120,8 +122,13 @@ case "$group" in
     # of a 25.3 ms step at the trained cadence: 0.864x PS on an H100, docs/results.md): its GPU tests (graphs vs
     # the CPU path, the kernel against the dense reference), then registers:292 at the trained cadence beside PS
     item kill-gpu-tests 100 python -m pytest -q tests/test_engine_gpu.py tests/test_kernels.py -k "register or pending"
-    item registers-cadence 150 python benchmarks/engine_gpu.py --positions 131072 --policies prefix_sliding:4096 \
-      registers:292 --step-tokens 14 --hf-batch 0 --steps 100 --warmup 40 --out "$OUT/registers-cadence/engine_gpu.json"
+    # (through regress.py: the row beside PS, and the ratio against its record, 0.864 on an H100 at d93e37f)
+    item registers-cadence 170 python benchmarks/regress.py --only registers292 h2o --record --out "$OUT/regress-kill"
+    ;;
+  R2)
+    # issue 38, item 1: regress.py's MFU headlines (1.7B whole and truncated, compiled, no recomputation; recorded
+    # on an H200 at 9491d1c: the 1.7B whole-trace row needs ~89 GiB, so needs_h200)
+    item regress-mfu 560 python benchmarks/regress.py --only mfu.1p7b --record --out "$OUT/regress-mfu"
     ;;
   E)
     # issue 41, TIP: the GPU-scale recipe's arms with their decode wall time on the H200 (summary.md's "decode s"),
@@ -245,7 +252,7 @@ case "$group" in
       --groups 2 --out "$OUT/scaling-7b-hsdp" --models /tmp/sliderl-models
     ;;
   *)
-    echo "unknown group $group: A, B, C, D, E, F, F2, G, H, K, M, M2, P, Q, R, X2 or X8" >&2
+    echo "unknown group $group: A, B, C, D, E, F, F2, G, H, K, M, M2, P, Q, R, R2, X2 or X8" >&2
     exit 2
     ;;
 esac

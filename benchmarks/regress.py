@@ -13,7 +13,8 @@ committed under docs/results/). A measurement worse than its record by more than
 is a drop: the table says DROP and the script exits 1, so the next regression is caught the day it lands.
 
 Benchmarks run once per script (one process each), so a headline costs what its script's run costs:
-about 7 minutes for all of them on one H200.
+about 7 minutes for the decode, batch-1 and learner ones on one H200, ~10 more for the MFU rows (the 7B one needs an
+H200's memory) and ~3 for h2o's and registers' ratios to prefix_sliding in the same run.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ class Headline:
     key: str  # the number, in that row
     unit: str
     higher_is_better: bool = True
+    over: dict | None = None  # a ratio: the matched row's number over this row's (another policy in the same run)
 
 
 RUNS = {
@@ -58,7 +60,25 @@ RUNS = {
                              "32"), ""),
     "learner": Run("learner", ("benchmarks/learner_gpu.py", "--lengths", "32768", "--no-peer", "--rows",
                                "sliderl:truncated:ckpt:32768", "sliderl:full:ckpt:32768"), "rows.jsonl"),
+    # issue 38's item 3 rows (docs/results.md, "The MFU target"): compiled, no layer recomputed at 1.7B; the 7B
+    # truncated step recomputing 12 of 28 layers (104 GiB: an H200)
+    **{f"mfu-1p7b-{mode}": Run(f"mfu-1p7b-{mode}", (
+        "benchmarks/learner_scaling.py", "--shape", "1.7b", "--ranks", "1", "--seq", "32768", "--mode", mode,
+        "--window", "4096", "--prompt", "128", "--micro-batch-tokens", "32896", "--steps", "2", "--compiled",
+        "--checkpoint-layers", "0", "--models", "/tmp/sliderl-models"), "results.jsonl") for mode in ("full", "truncated")},
+    "mfu-7b": Run("mfu-7b", ("benchmarks/learner_scaling.py", "--shape", "7b", "--ranks", "1", "--seq", "32768",
+                             "--mode", "truncated", "--window", "4096", "--prompt", "128", "--no-masters",
+                             "--micro-batch-tokens", "16512", "--steps", "2", "--compiled", "--checkpoint-layers",
+                             "12", "--models", "/tmp/sliderl-models"), "results.jsonl"),
+    # items 4 and 5: h2o and registers at a trained model's kill cadence against prefix_sliding at equal live KV,
+    # each a ratio within one run (the card's bandwidth cancels)
+    "h2o": Run("h2o", ("benchmarks/engine_gpu.py", "--positions", "32768", "131072", "--policies", "h2o:4096",
+                       "prefix_sliding:4096", "--hf-batch", "0", "--steps", "100", "--warmup", "40"), ""),
+    "registers-cadence": Run("registers-cadence", (
+        "benchmarks/engine_gpu.py", "--positions", "131072", "--policies", "prefix_sliding:4096", "registers:292",
+        "--step-tokens", "14", "--hf-batch", "0", "--steps", "100", "--warmup", "40"), ""),
 }
+PS = "prefix_sliding:4096"
 
 HEADLINES = (
     Headline("decode.prefix_sliding.8k", "decode", {"policy": "prefix_sliding:4096", "position": 8192},
@@ -79,6 +99,14 @@ HEADLINES = (
     Headline("learner.full.32k.step", "learner", {"name": "sliderl:full:ckpt:32768"}, "step_s", "s",
              higher_is_better=False),
     Headline("learner.full.32k.mfu", "learner", {"name": "sliderl:full:ckpt:32768"}, "mfu", ""),
+    Headline("mfu.1p7b.full.32k", "mfu-1p7b-full", {"shape": "1.7b", "mode": "full", "status": "ok"}, "mfu", ""),
+    Headline("mfu.1p7b.truncated.32k", "mfu-1p7b-truncated", {"shape": "1.7b", "mode": "truncated", "status": "ok"},
+             "mfu", ""),
+    Headline("mfu.7b.truncated.32k", "mfu-7b", {"shape": "7b", "mode": "truncated", "status": "ok"}, "mfu", ""),
+    *(Headline(f"h2o.vs_ps.{k}k", "h2o", {"policy": "h2o:4096", "position": k * 1024}, "tokens_per_s", "x PS",
+               over={"policy": PS, "position": k * 1024}) for k in (32, 128)),
+    Headline("registers292.cadence14.vs_ps.128k", "registers-cadence", {"policy": "registers:292", "position": 131072},
+             "tokens_per_s", "x PS", over={"policy": PS, "position": 131072}),
 )
 
 
@@ -115,11 +143,19 @@ def read_rows(run: Run, out: Path) -> list[dict]:
 
 
 def value_of(headline: Headline, rows: list[dict]) -> float | None:
-    for row in rows:
-        if all(row.get(k) == v for k, v in headline.match.items()):
-            value = row.get(headline.key)
-            return float(value) if isinstance(value, (int, float)) else None
-    return None
+    """The headline's number from the first row whose fields match, over the ``over`` row's for a ratio; None when a
+    row or its number is missing."""
+    def number(match: dict) -> float | None:
+        for row in rows:
+            if all(row.get(k) == v for k, v in match.items()):
+                value = row.get(headline.key)
+                return float(value) if isinstance(value, (int, float)) else None
+        return None
+    value = number(headline.match)
+    if headline.over is None or value is None:
+        return value
+    base = number(headline.over)
+    return value / base if base else None
 
 
 def verdict(headline: Headline, recorded: float | None, measured: float | None, tolerance: float) -> str:
@@ -165,12 +201,12 @@ def on_machine(word: str, recorded_on: str | None, machine: str | None) -> str:
 
 
 def table(rows: list[tuple[Headline, float | None, float | None, str]]) -> str:
-    lines = [f"{'headline':<30}{'recorded':>12}{'measured':>12}{'ratio':>8}  verdict",
-             "-" * 72]
+    lines = [f"{'headline':<36}{'recorded':>12}{'measured':>12}{'ratio':>8}  verdict",
+             "-" * 78]
     for h, recorded, measured, word in rows:
         ratio = f"{measured / recorded:.2f}" if recorded and measured else "-"
         fmt = lambda v: "-" if v is None else f"{v:.4g}"  # noqa: E731
-        lines.append(f"{h.id:<30}{fmt(recorded):>12}{fmt(measured):>12}{ratio:>8}  {word}")
+        lines.append(f"{h.id:<36}{fmt(recorded):>12}{fmt(measured):>12}{ratio:>8}  {word}")
     return "\n".join(lines)
 
 

@@ -336,6 +336,23 @@ def test_regress_flags_a_drop_beyond_the_tolerance_either_way_round():
         main(["--only", "no-such-headline"])
 
 
+def test_regress_ratio_headlines_divide_by_their_own_runs_prefix_sliding_row():
+    # catches a ratio headline (h2o or registers against prefix_sliding at equal live KV, issue 38 items 4-5) read as
+    # the policy's own tok/s, inverted, or taken against another position's PS row, and a ratio whose PS row is
+    # missing counted as a value. By hand from the H100 rows of d93e37f: h2o 5,241 / PS 5,725 = 0.9155 at 32K;
+    # at 128K 5,220 / 5,722 = 0.9123.
+    from benchmarks.regress import HEADLINES, value_of
+
+    rows = [{"policy": "h2o:4096", "position": 32768, "tokens_per_s": 5241.0},
+            {"policy": "prefix_sliding:4096", "position": 32768, "tokens_per_s": 5725.0},
+            {"policy": "h2o:4096", "position": 131072, "tokens_per_s": 5220.0},
+            {"policy": "prefix_sliding:4096", "position": 131072, "tokens_per_s": 5722.0}]
+    by_id = {h.id: h for h in HEADLINES}
+    assert value_of(by_id["h2o.vs_ps.32k"], rows) == pytest.approx(0.9155, abs=1e-4)
+    assert value_of(by_id["h2o.vs_ps.128k"], rows) == pytest.approx(0.9123, abs=1e-4)
+    assert value_of(by_id["h2o.vs_ps.128k"], rows[:3]) is None  # no PS row at 128K: missing, not a number
+
+
 def test_regress_from_compares_the_rows_a_cut_short_run_left(tmp_path, capsys):
     # catches: --from re-running the scripts (on a CPU machine that would fail), reading a run's rows from the
     # wrong file, or a headline whose rows never came (batch1's script killed by the device call's limit)
