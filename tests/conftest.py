@@ -30,12 +30,14 @@ def pytest_sessionfinish(session, exitstatus):
     _exit_status = int(exitstatus)
 
 
-@pytest.hookimpl(trylast=True)
+@pytest.hookimpl(tryfirst=True)
 def pytest_unconfigure(config):
     """Leave without the interpreter's teardown, with the session's exit status: that teardown crashed once
     (SIGSEGV after "807 passed", one full run in four on 2026-12-05; a rerun under faulthandler did not, so the
     extension whose threads outlived the tests is not known), which CI reads as a failed run. Ray is shut down
-    first if a test left it up."""
+    first if a test left it up. First of the unconfigure hooks (the summary is printed by then): pytest's own
+    collects garbage until none is left, which after the GPU tests outlasted a device item's limit (33 passed in
+    145 s, then killed at 150 s inside that collection, 2026-12-05)."""
     if _exit_status is None:
         return
     ray = sys.modules.get("ray")
