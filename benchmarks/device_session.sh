@@ -12,7 +12,8 @@
 #                                          # h2o's ratio to PS (38.4), both through regress.py
 #   bash benchmarks/device_session.sh R2   # ~8 min, one H200 (needs_h200): regress.py's 1.7B MFU headlines (38.1, 38.3)
 #   bash benchmarks/device_session.sh E 1  # ~9 min: TIP's GPU-scale arms with decode wall time, seed 1 (41); carry .whl (Ray)
-#   bash benchmarks/device_session.sh F    # ~10 min: the paper's Table 1 way at 8K, prefix_sliding (38.6); F2: full
+#   bash benchmarks/device_session.sh F    # ~10 min: the paper's Table 1 way at 8K, prefix_sliding (38.6); F2: full;
+#                                          # F32: 32K, 16 sequences, both (~10 min); F128: 128K, 4, prefix_sliding (~7 min)
 #   bash benchmarks/device_session.sh G    # ~10 min: the learner with compiled element-wise chains vs eager, 32K (38.3)
 #   bash benchmarks/device_session.sh H    # ~9 min, one H200 (needs_h200): the 7B step with float32 masters, no offload (36); M's first row
 #   bash benchmarks/device_session.sh M    # ~10 min: the 7B learner's MFU on one GPU, checkpointing all / compiled / 12 of 28 layers (38.3)
@@ -24,7 +25,7 @@
 #   bash benchmarks/device_session.sh X8   # ~10 min on an eight-GPU kind: 1.7B at 1-8 ranks, 7B at 4 and 8 (36)
 #
 # Order when a machine is lent (after the third 2026-12-05 session, when D, P and F ran on an H100; G, H, M and most
-# of Q ran before, and B was refused by its host's 128 GiB): K, M2, R (its learner item; batch 1 ran), R2, F, F2, C, A,
+# of Q ran before, and B was refused by its host's 128 GiB): K, M2, R (its learner item; batch 1 ran), R2, F, F2, F32, F128, C, A,
 # and X2 (X8) whenever a two-GPU (eight-GPU) machine is lent. One session holds 30 minutes of device time: three groups at most. B stays
 # for a host with more than ~125 GiB free (the 7B float32-master step without offload is group H).
 # Cards: H, M2, R2 and M's 12-layer row hold more than an H100's 79 GiB (call run with needs_h200); every other group fits
@@ -40,7 +41,7 @@
 # docs/results.md gives.
 set -u
 OUT=${OUT:?set OUT to the folder whose files come back}
-group=${1:?name a group: A, B, C, D, E, F, F2, G, H, K, M, M2, P, Q, R, R2, X2 or X8}
+group=${1:?name a group: A, B, C, D, E, F, F2, F32, F128, G, H, K, M, M2, P, Q, R, R2, X2 or X8}
 summary=()
 
 item() {  # item NAME SECONDS COMMAND...: run with a limit, tee its log, note rc and seconds
@@ -157,6 +158,18 @@ case "$group" in
     item table1-8k-full 590 python benchmarks/engine_e2e.py --tokens 8192 --seqs 256 \
       --runs "full@$(kv 118)@560" --out "$OUT/table1-8k-full/engine_e2e.json"
     ;;
+  F32)
+    # the same at 32K with 16 sequences (0.52M tokens): full's 16 x 32K of KV (60 GB) is what an H100's pool holds;
+    # by the bytes a step reads, PS ~2 min, full ~6 min on an H100
+    item table1-32k 590 python benchmarks/engine_e2e.py --tokens 32768 --seqs 16 \
+      --runs "prefix_sliding:4096@$(kv 118)@200" "full@$(kv 118)@340" --out "$OUT/table1-32k/engine_e2e.json"
+    ;;
+  F128)
+    # 128K with 4 sequences, prefix_sliding alone (~4 min on an H100 by its bytes); full at 128K reads 15 GB of KV
+    # a sequence by the end: ~24 minutes for 4 sequences, past any call
+    item table1-128k-ps 420 python benchmarks/engine_e2e.py --tokens 131072 --seqs 4 \
+      --runs "prefix_sliding:4096@$(kv 118)@390" --out "$OUT/table1-128k-ps/engine_e2e.json"
+    ;;
   G)
     # issue 38, item 3: the learner's element-wise chains compiled (learner.compile_elementwise; eager they were
     # 28% of the truncated 32K step's device time), each row beside its eager twin; the GPU test of the same path
@@ -252,7 +265,7 @@ case "$group" in
       --groups 2 --out "$OUT/scaling-7b-hsdp" --models /tmp/sliderl-models
     ;;
   *)
-    echo "unknown group $group: A, B, C, D, E, F, F2, G, H, K, M, M2, P, Q, R, R2, X2 or X8" >&2
+    echo "unknown group $group: A, B, C, D, E, F, F2, F32, F128, G, H, K, M, M2, P, Q, R, R2, X2 or X8" >&2
     exit 2
     ;;
 esac
