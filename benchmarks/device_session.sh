@@ -8,12 +8,13 @@
 #   bash benchmarks/device_session.sh B    # ~10 min: the 7B step with --offload cpu on one GPU (36; needs ~114 GiB of free host RAM)
 #   bash benchmarks/device_session.sh C    # ~6 min: trained Pasta's realised speedup (41), PD's trained rows (40)
 #   bash benchmarks/device_session.sh D    # ~9 min: h2o under CUDA graphs, its tests and speed (38.4); registers at the trained cadence (38.5)
-#   bash benchmarks/device_session.sh K    # ~5 min: registers' pending kill, its GPU tests and speed at the trained cadence (38.5),
-#                                          # h2o's ratio to PS (38.4), both through regress.py
+#   bash benchmarks/device_session.sh K    # ~5 min: registers' pending kill, its GPU tests and speed at the trained
+#                                          # cadence (38.5), h2o's ratio to PS (38.4), both through regress.py
 #   bash benchmarks/device_session.sh R2   # ~8 min, one H200 (needs_h200): regress.py's 1.7B MFU headlines (38.1, 38.3)
 #   bash benchmarks/device_session.sh E 1  # ~9 min: TIP's GPU-scale arms with decode wall time, seed 1 (41); carry .whl (Ray)
 #   bash benchmarks/device_session.sh F    # ~10 min: the paper's Table 1 way at 8K, prefix_sliding (38.6); F2: full;
-#                                          # F32: 32K, 16 sequences, both (~10 min); F128: 128K, 4, prefix_sliding (~7 min)
+#                                          # F32: 32K, 16 sequences, both (~10 min);
+#                                          # F128: 128K, 4 sequences, prefix_sliding (~7 min)
 #   bash benchmarks/device_session.sh G    # ~10 min: the learner with compiled element-wise chains vs eager, 32K (38.3)
 #   bash benchmarks/device_session.sh H    # ~9 min, one H200 (needs_h200): the 7B step with float32 masters, no offload (36); M's first row
 #   bash benchmarks/device_session.sh M    # ~10 min: the 7B learner's MFU on one GPU, checkpointing all / compiled / 12 of 28 layers (38.3)
@@ -25,11 +26,12 @@
 #   bash benchmarks/device_session.sh X8   # ~10 min on an eight-GPU kind: 1.7B at 1-8 ranks, 7B at 4 and 8 (36)
 #
 # Order when a machine is lent (after the third 2026-12-05 session, when D, P and F ran on an H100; G, H, M and most
-# of Q ran before, and B was refused by its host's 128 GiB): K, M2, R (its learner item; batch 1 ran), R2, F, F2, F32, F128, C, A,
-# and X2 (X8) whenever a two-GPU (eight-GPU) machine is lent. One session holds 30 minutes of device time: three groups at most. B stays
-# for a host with more than ~125 GiB free (the 7B float32-master step without offload is group H).
-# Cards: H, M2, R2 and M's 12-layer row hold more than an H100's 79 GiB (call run with needs_h200); every other group fits
-# an H100, whose rows compare only with rows of the same card (regress.py says "other card" against an H200 record).
+# of Q ran before, and B was refused by its host's 128 GiB): K, M2, R (its learner item; batch 1 ran), R2, F, F2,
+# F32, F128, C, A, and X2 (X8) whenever a two-GPU (eight-GPU) machine is lent. One session holds 30 minutes of device
+# time: three groups at most. B stays for a host with more than ~125 GiB free (the 7B float32-master step without
+# offload is group H).
+# Cards: H, M2, R2 and M's 12-layer row hold more than an H100's 79 GiB (call run with needs_h200); every other group
+# fits an H100, whose rows compare only with rows of the same card (regress.py says "other card" against an H200 record).
 #
 # carry: a Ray-less copy of .whl (runs/whl-light) for C (with runs/pasta-h200 and runs/pd-long), D, F, G, M, P, Q
 # and R; for A, B, E, X2 and X8, which start Ray, a copy whose Ray wheel drops what sliderl never imports (the tree

@@ -270,8 +270,8 @@ def overlap_phases(llm: LLM, steps: int) -> dict:
     """Where an *overlapped* step's wall time goes: host ms per step in each phase of ``LLM.step`` (take,
     sampling; queueing the next step; waiting for this step's tokens; postprocess),
     the GPU's busy ms per step (union of kernel intervals, torch.profiler) and how many steps were queued
-    ahead, the register kills and the preemptions in the window. A wait that grows while GPU ms stays at the serial forward's
-    means the device idles on the host; GPU ms above the serial forward means extra device work."""
+    ahead, the register kills and the preemptions in the window. A wait that grows while GPU ms stays at the serial
+    forward's means the device idles on the host; GPU ms above the serial forward means extra device work."""
     from torch.profiler import ProfilerActivity, profile
     ra, runner, spent = llm.run_ahead, llm.runner, {}
 

@@ -65,7 +65,8 @@ RUNS = {
     **{f"mfu-1p7b-{mode}": Run(f"mfu-1p7b-{mode}", (
         "benchmarks/learner_scaling.py", "--shape", "1.7b", "--ranks", "1", "--seq", "32768", "--mode", mode,
         "--window", "4096", "--prompt", "128", "--micro-batch-tokens", "32896", "--steps", "2", "--compiled",
-        "--checkpoint-layers", "0", "--models", "/tmp/sliderl-models"), "results.jsonl") for mode in ("full", "truncated")},
+        "--checkpoint-layers", "0", "--models", "/tmp/sliderl-models"), "results.jsonl")
+       for mode in ("full", "truncated")},
     "mfu-7b": Run("mfu-7b", ("benchmarks/learner_scaling.py", "--shape", "7b", "--ranks", "1", "--seq", "32768",
                              "--mode", "truncated", "--window", "4096", "--prompt", "128", "--no-masters",
                              "--micro-batch-tokens", "16512", "--steps", "2", "--compiled", "--checkpoint-layers",

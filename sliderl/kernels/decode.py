@@ -328,7 +328,8 @@ def decode_attention(q: torch.Tensor, cache: PagedKVCache, layer: int, meta: Att
                          f"{kill.dtype} {tuple(kill.shape)} on {kill.device}")
     _decode_kernel[grid](
         q, k, v, cache.death, meta.block_tables, meta.block_index, meta.num_live_blocks,
-        meta.query_start, meta.query_pos, kill if kill is not None else meta.query_pos, out, part_acc, part_max, part_sum, counters, norm_max, norm_sum, seg_lse,
+        meta.query_start, meta.query_pos, kill if kill is not None else meta.query_pos,  # (KILL off: never read)
+        out, part_acc, part_max, part_sum, counters, norm_max, norm_sum, seg_lse,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
         meta.block_tables.stride(0), meta.block_index.stride(0), out.stride(0), out.stride(1), h_q, h_kv,
         scale * LOG2E, max_segs, OUTPUT_MASS=mass is not None, SEG=seg, SEGS_PER_TILE=cfg.tile_n // seg,

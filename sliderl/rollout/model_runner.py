@@ -173,7 +173,7 @@ class ModelRunner:
                                 meta.block_index.numpy(), ends)
             meta = meta.to(dev)
             ids = ids.to(dev, non_blocking=True)
-            if ranges is not None:  # a register that an input token re-emits: the step it held is dead already
+            if ranges is not None and input_ids is not None:  # a queued step: an input register's kill is pending
                 meta.kill = register_kills(ids, ranges.to(dev, non_blocking=True), self.register_of, meta.query_pos)
             attn = PagedAttention(self.cache, meta, self.scale, self.impl, mass=mass.values if mass is not None else None)
             hidden = self.model(ids, pos.to(dev, non_blocking=True), attn)
