@@ -10,6 +10,7 @@
 #   bash benchmarks/device_session.sh D    # ~9 min: h2o under CUDA graphs, its tests and speed (38.4); registers at the trained cadence (38.5)
 #   bash benchmarks/device_session.sh K    # ~5 min: registers' pending kill, its GPU tests and speed at the trained
 #                                          # cadence (38.5), h2o's ratio to PS (38.4), both through regress.py
+#   bash benchmarks/device_session.sh KM   # ~9 min, one H200 (needs_h200): K, then M2's first row
 #   bash benchmarks/device_session.sh R2   # ~8 min, one H200 (needs_h200): regress.py's 1.7B MFU headlines (38.1, 38.3)
 #   bash benchmarks/device_session.sh E 1  # ~9 min: TIP's GPU-scale arms with decode wall time, seed 1 (41); carry .whl (Ray)
 #   bash benchmarks/device_session.sh F    # ~10 min: the paper's Table 1 way at 8K, prefix_sliding (38.6); F2: full;
@@ -43,7 +44,7 @@
 # docs/results.md gives.
 set -u
 OUT=${OUT:?set OUT to the folder whose files come back}
-group=${1:?name a group: A, B, C, D, E, F, F2, F32, F128, G, H, K, M, M2, P, Q, R, R2, X2 or X8}
+group=${1:?name a group: A, B, C, D, E, F, F2, F32, F128, G, H, K, KM, M, M2, P, Q, R, R2, X2 or X8}
 summary=()
 
 item() {  # item NAME SECONDS COMMAND...: run with a limit, tee its log, note rc and seconds
@@ -127,6 +128,15 @@ case "$group" in
     item kill-gpu-tests 100 python -m pytest -q tests/test_engine_gpu.py tests/test_kernels.py -k "register or pending"
     # (through regress.py: the row beside PS, and the ratio against its record, 0.864 on an H100 at d93e37f)
     item registers-cadence 170 python benchmarks/regress.py --only registers292 h2o --record --out "$OUT/regress-kill"
+    ;;
+  KM)
+    # K's two items, then M2's first row (7B whole trace, every layer recomputed, compiled): one H200 call of ~9 min
+    # (needs_h200) for a session that cannot spend a call on each
+    item kill-gpu-tests 100 python -m pytest -q tests/test_engine_gpu.py tests/test_kernels.py -k "register or pending"
+    item registers-cadence 170 python benchmarks/regress.py --only registers292 h2o --record --out "$OUT/regress-kill"
+    item mfu-7b-full-comp 280 python benchmarks/learner_scaling.py --shape 7b --ranks 1 --seq 32768 --mode full \
+      --prompt 128 --window 4096 --no-masters --compiled --steps 2 --out "$OUT/mfu-7b-full-comp" \
+      --models /tmp/sliderl-models
     ;;
   R2)
     # issue 38, item 1: regress.py's MFU headlines (1.7B whole and truncated, compiled, no recomputation; recorded
