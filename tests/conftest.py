@@ -38,7 +38,7 @@ def pytest_unconfigure(config):
     first if a test left it up. First of the unconfigure hooks (the summary is printed by then): pytest's own
     collects garbage until none is left, which after the GPU tests outlasted a device item's limit (33 passed in
     145 s, then killed at 150 s inside that collection, 2026-12-05)."""
-    if _exit_status is None:
+    if _exit_status is None or hasattr(config, "workerinput"):  # an xdist worker leaves as xdist has it leave
         return
     ray = sys.modules.get("ray")
     if ray is not None and ray.is_initialized():
