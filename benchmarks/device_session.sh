@@ -127,14 +127,15 @@ case "$group" in
     # the CPU path, the kernel against the dense reference), then registers:292 at the trained cadence beside PS
     item kill-gpu-tests 100 python -m pytest -q tests/test_engine_gpu.py tests/test_kernels.py -k "register or pending"
     # (through regress.py: the row beside PS, and the ratio against its record, 0.864 on an H100 at d93e37f)
-    item registers-cadence 170 python benchmarks/regress.py --only registers292 h2o --record --out "$OUT/regress-kill"
+    # (240 s: at 170 both runs finished and the script was cut naming the card, 2026-12-05, H100)
+    item registers-cadence 240 python benchmarks/regress.py --only registers292 h2o --record --out "$OUT/regress-kill"
     ;;
   KM)
     # K's two items, then M2's first row (7B whole trace, every layer recomputed, compiled): one H200 call of ~9 min
     # (needs_h200) for a session that cannot spend a call on each
     item kill-gpu-tests 100 python -m pytest -q tests/test_engine_gpu.py tests/test_kernels.py -k "register or pending"
-    item registers-cadence 170 python benchmarks/regress.py --only registers292 h2o --record --out "$OUT/regress-kill"
-    item mfu-7b-full-comp 280 python benchmarks/learner_scaling.py --shape 7b --ranks 1 --seq 32768 --mode full \
+    item registers-cadence 230 python benchmarks/regress.py --only registers292 h2o --record --out "$OUT/regress-kill"
+    item mfu-7b-full-comp 250 python benchmarks/learner_scaling.py --shape 7b --ranks 1 --seq 32768 --mode full \
       --prompt 128 --window 4096 --no-masters --compiled --steps 2 --out "$OUT/mfu-7b-full-comp" \
       --models /tmp/sliderl-models
     ;;
