@@ -44,7 +44,7 @@
 # docs/results.md gives.
 set -u
 OUT=${OUT:?set OUT to the folder whose files come back}
-group=${1:?name a group: A, B, C, D, E, F, F2, F32, F128, G, H, K, KM, M, M2, P, Q, R, R2, X2 or X8}
+group=${1:?name a group: A, B, C, D, E, F, F2, F32, F128, G, H, K, KM, M, M2, M2a, P, Q, R, R2, X2 or X8}
 summary=()
 
 item() {  # item NAME SECONDS COMMAND...: run with a limit, tee its log, note rc and seconds
@@ -222,6 +222,12 @@ case "$group" in
     item mfu-7b-full-comp-ckpt18 250 python benchmarks/learner_scaling.py --shape 7b --ranks 1 --seq 32768 \
       --mode full --prompt 128 --window 4096 --no-masters --compiled --checkpoint-layers 18 --steps 2 \
       --out "$OUT/mfu-7b-full-comp-ckpt18" --models /tmp/sliderl-models
+    ;;
+  M2a)
+    # M2's first row alone (~5 min, needs_h200): for a call with less than M2's 9 minutes of device time left
+    item mfu-7b-full-comp 300 python benchmarks/learner_scaling.py --shape 7b --ranks 1 --seq 32768 --mode full \
+      --prompt 128 --window 4096 --no-masters --compiled --steps 2 --out "$OUT/mfu-7b-full-comp" \
+      --models /tmp/sliderl-models
     ;;
   P)
     # issue 38, item 2: small-batch decode at 8K (target: batch 1 >= 760 tok/s, >= 80% of the byte limit at 2-8),
