@@ -26,11 +26,13 @@
 #   bash benchmarks/device_session.sh X2   # ~10 min on nvidia-h200-x2: the sharded learner's 2-GPU rows (36)
 #   bash benchmarks/device_session.sh X8   # ~10 min on an eight-GPU kind: 1.7B at 1-8 ranks, 7B at 4 and 8 (36)
 #
-# Order when a machine is lent (after the third 2026-12-05 session, when D, P and F ran on an H100; G, H, M and most
-# of Q ran before, and B was refused by its host's 128 GiB): K, M2, R (its learner item; batch 1 ran), R2, F, F2,
-# F32, F128, C, A, and X2 (X8) whenever a two-GPU (eight-GPU) machine is lent. One session holds 30 minutes of device
-# time: three groups at most. B stays for a host with more than ~125 GiB free (the 7B float32-master step without
-# offload is group H).
+# Order when a machine is lent (after the fourth 2026-12-05 session, when K and F ran on an H100; D, P and the first
+# F before; G, H, M and most of Q earlier still, and B was refused by its host's 128 GiB): F2 (full at 8K beside F's
+# prefix_sliding: the same card, an H100, for the ratio), M2 (M2a when less than 9 minutes are left), F32, F128, R
+# (its learner item; batch 1 ran), R2, C (its trained Pasta models under runs/pasta-h200 are not in this checkout:
+# docs/results.md "Pasta" trains them, ~30 CPU minutes a seed), A, and X2 (X8) whenever a two-GPU (eight-GPU) machine
+# is lent. One session holds 30 minutes of device time: three groups at most. B stays for a host with more than
+# ~125 GiB free (the 7B float32-master step without offload is group H).
 # Cards: H, M2, R2 and M's 12-layer row hold more than an H100's 79 GiB (call run with needs_h200); every other group
 # fits an H100, whose rows compare only with rows of the same card (regress.py says "other card" against an H200 record).
 #
