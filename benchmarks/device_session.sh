@@ -46,7 +46,7 @@
 # docs/results.md gives.
 set -u
 OUT=${OUT:?set OUT to the folder whose files come back}
-group=${1:?name a group: A, B, C, D, E, F, F2, F32, F128, G, H, K, KM, M, M2, M2a, P, Q, R, R2, X2 or X8}
+group=${1:?name a group: A, B, C, D, E, F, F2, F32, F128, C2, G, H, K, KM, M, M2, M2a, P, Q, R, R2, X2 or X8}
 summary=()
 
 item() {  # item NAME SECONDS COMMAND...: run with a limit, tee its log, note rc and seconds
@@ -109,6 +109,19 @@ case "$group" in
     item pd-trained 300 python benchmarks/planned_diffusion_speedup.py trained --runs runs/pd-long --device cuda \
       --problems 64 --latency-problems 8 --repeats 3 --knobs 0.5 1.0 0.25 0.125 0.5:0.9 0.25:0.9 0.5:uniform \
       --out "$OUT/pd-trained/pd_speedup_trained.json"
+    ;;
+  C2)
+    # issue 38, item 7 in ~4 min: Pasta's realised batch-1 speedup after items 1 and 2's changes, scripted at the 1.7B
+    # shape (random weights, the task's problems scripted into Pasta's layout), then one trained pair: the tuned seed 0
+    # (Pasta-BoNBoN step 30 vs Baseline-SFT, docs/notebook "Pasta in miniature"; carry runs/pasta-tuned, 7 MB:
+    #   mkdir -p runs/pasta-tuned/s0 && cp -r runs/pasta-seeds/s0/bonbon/checkpoints/step_000030 runs/pasta-tuned/s0/bonbon
+    #   && cp -r runs/pasta-seeds/s0/base/model runs/pasta-tuned/s0/base && cp runs/pasta-seeds/s0/sft/config.yaml
+    #   runs/pasta-tuned/s0/sft-config.yaml), the fresh seeds' models of group C not being in this checkout
+    item pasta-scripted 170 python benchmarks/pasta_speedup.py scripted --device cuda --problems 6 --repeats 3 \
+      --num-chains 2 4 --num-steps 5 6 --out "$OUT/pasta-scripted/speedup.json"
+    item pasta-tuned-s0 100 python benchmarks/pasta_speedup.py trained --device cuda --problems 6 --repeats 3 \
+      --pasta-model runs/pasta-tuned/s0/bonbon --baseline-model runs/pasta-tuned/s0/base \
+      --config runs/pasta-tuned/s0/sft-config.yaml --out "$OUT/pasta-tuned-s0/bonbon.json"
     ;;
   D)
     # issue 38, item 4: h2o decodes from CUDA graphs (its page mass in the graphs' static buffer, one pass over the
