@@ -234,11 +234,13 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or args.source or Path(tempfile.mkdtemp(prefix="regress-"))
     out.mkdir(parents=True, exist_ok=True)
     names = dict.fromkeys(h.run for h in chosen)
+    # the card first: naming it imports torch (~10 s), which after the last run could outlast a device item's limit
+    # and lose the table (2026-12-05: both runs done, the script cut in that import)
+    machine = args.machine or (this_machine() if args.source is None else None)
     if args.source is not None:
         rows = {name: read_rows(RUNS[name], args.source) for name in names}
     else:
         rows = {name: run_script(RUNS[name], out) for name in names}
-    machine = args.machine or (this_machine() if args.source is None else None)
     results = []
     for h in chosen:
         recorded = record.get(h.id, {}).get("value")
