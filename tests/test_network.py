@@ -156,3 +156,41 @@ def test_rays_token_file_is_private_to_its_user(tmp_path, monkeypatch):
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     token.unlink()
     assert keep_auth_token_private() is None and not token.exists()
+
+
+def test_processes_starting_ray_at_once_never_read_a_half_written_token(tmp_path, monkeypatch):
+    # Catches: the token file created empty and filled afterwards, so a second run (or test worker) starting Ray at
+    # the same moment finds it, skips creating one and hands Ray an empty token. Ray's generator is slowed to 0.2 s
+    # here so the window is wide: planted by creating the file first (O_EXCL) and writing the token into it after,
+    # as the code did before, the threads that find the file read "" and this fails.
+    import threading
+    import time
+
+    from ray._private.authentication import authentication_token_generator as generator
+
+    from sliderl.cluster.actors.placement import keep_auth_token_private
+
+    for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    real = generator.generate_new_authentication_token
+
+    def slow() -> str:
+        time.sleep(0.2)
+        return real()
+
+    monkeypatch.setattr(generator, "generate_new_authentication_token", slow)
+    barrier, seen = threading.Barrier(6), []
+
+    def start() -> None:
+        barrier.wait()
+        seen.append(keep_auth_token_private().read_text())
+
+    threads = [threading.Thread(target=start) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    token = (tmp_path / ".ray" / "auth_token").read_text()
+    assert len(token) == 64 and seen == [token] * 6  # every caller read the one complete token
+    assert [p.name for p in (tmp_path / ".ray").iterdir()] == ["auth_token"]  # no private copy left behind

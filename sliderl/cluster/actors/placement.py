@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import socket
+import tempfile
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -127,13 +128,17 @@ def keep_auth_token_private(create: bool = True) -> Path | None:
         from ray._private.authentication.authentication_token_generator import generate_new_authentication_token
 
         path.parent.mkdir(parents=True, exist_ok=True)
+        # written whole under a private name, then linked in: a process that starts Ray at the same moment (two test
+        # workers, two runs) sees no file or a complete one, never an empty one
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".auth_token.")  # mode 0600
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        except FileExistsError:  # another process wrote it meanwhile: tightened below
-            pass
-        else:
             with os.fdopen(fd, "w") as file:
                 file.write(generate_new_authentication_token())
+            os.link(tmp, path)
+        except FileExistsError:  # another process linked its token meanwhile: that one is used
+            pass
+        finally:
+            os.unlink(tmp)
     mode = path.stat().st_mode & 0o777
     if mode & 0o077:
         os.chmod(path, 0o600)
