@@ -323,7 +323,8 @@ def main() -> None:
                         "the same weights, the same number of problems)")
     parser.add_argument("--arms", nargs="+", choices=[a.name for a in ARMS], default=[a.name for a in ARMS],
                         help="run only these arms (together on the GPU, each charged its share of it); a later "
-                        "--report-only --merge puts the runs of several calls into one report")
+                        "--report-only --merge puts the runs of several calls into one report. With --sft-only: "
+                        "evaluate the start under these arms' policies only")
     parser.add_argument("--merge", nargs="+", type=Path, default=[], metavar="DIR",
                         help="with --report-only: first merge these runs' arms and evaluations into --out")
     parser.add_argument("--procs", type=int, default=os.cpu_count() or 1, help="processes generating problems")
@@ -399,7 +400,7 @@ def run(args: argparse.Namespace, scale: Scale, out: Path) -> None:
                          scale.parallel_evals, left)
 
     if args.sft_only:
-        rows = evaluate(start_entries(scale, model, ARMS))
+        rows = evaluate(start_entries(scale, model, arms))  # the start under each policy of --arms (default: all)
         record = {"seconds": seconds, "evals": rows, "argv": sys.argv[1:], "start_weights": weight_digests(model)}
         (out / "run.json").write_text(json.dumps(record, indent=1) + "\n")
         print(window_table(list(rows.values())) + f"\ndata {seconds['data']:.0f} s, sft {seconds['sft']:.0f} s, "

@@ -231,7 +231,9 @@ def test_long_rl_smoke_run_has_every_arm_curve_and_window(tmp_path):
     # second call training an SFT of its own), or a weights-only copy whose manifest still lists the optimizer state
     # (every load of it would refuse it as damaged).
     bench = [sys.executable, "benchmarks/long_rl.py", "--smoke"]
-    first = subprocess.run([*bench, "--sft-only", "--out", str(tmp_path / "a"), "--copy-to", str(tmp_path / "back")],
+    # (--arms on the first call too: it evaluates the start under those arms' policies only, one process fewer)
+    first = subprocess.run([*bench, "--sft-only", "--arms", "ps-trunc", "full", "--out", str(tmp_path / "a"),
+                            "--copy-to", str(tmp_path / "back")],
                            capture_output=True, text=True, timeout=900)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     # the arms start from the weights without the optimizer state (a third of the checkpoint: what fits a GPU call)
