@@ -64,6 +64,16 @@ export HF_HUB_OFFLINE=1
 # it holds beside the 1.7B model (benchmarks/engine_gpu.py kv_gb_for); engine_gpu.py and restart_gpu.py do this
 # themselves when --kv-gb is left out
 kv() { python -c "import sys; from benchmarks.engine_gpu import card_kv_gb; print(card_kv_gb(float(sys.argv[1])))" "$1"; }
+# items more than one group runs (each with its own time limit)
+kill_items() {  # KILL_LIMIT: the pending kill's GPU tests, then registers:292 at the trained cadence and h2o beside PS
+  item kill-gpu-tests 100 python -m pytest -q tests/test_engine_gpu.py tests/test_kernels.py -k "register or pending"
+  item registers-cadence "$1" python benchmarks/regress.py --only registers292 h2o --record --out "$OUT/regress-kill"
+}
+mfu_7b_whole() {  # LIMIT: the 7B whole-trace step, every layer recomputed, compiled (needs_h200)
+  item mfu-7b-full-comp "$1" python benchmarks/learner_scaling.py --shape 7b --ranks 1 --seq 32768 --mode full \
+    --prompt 128 --window 4096 --no-masters --compiled --steps 2 --out "$OUT/mfu-7b-full-comp" \
+    --models /tmp/sliderl-models
+}
 case "$group" in
   A)
     # issue 39: last_k at batch 256 on the engine with the run-ahead fix (8bd064b), beside PS in the same call
@@ -140,19 +150,15 @@ case "$group" in
     # killed step in the decode kernel, kernels.metadata.register_kills; before, that row ran a second forward, 3.7 ms
     # of a 25.3 ms step at the trained cadence: 0.864x PS on an H100, docs/results.md): its GPU tests (graphs vs
     # the CPU path, the kernel against the dense reference), then registers:292 at the trained cadence beside PS
-    item kill-gpu-tests 100 python -m pytest -q tests/test_engine_gpu.py tests/test_kernels.py -k "register or pending"
-    # (through regress.py: the row beside PS, and the ratio against its record, 0.864 on an H100 at d93e37f)
-    # (240 s: at 170 both runs finished and the script was cut naming the card, 2026-12-05, H100)
-    item registers-cadence 240 python benchmarks/regress.py --only registers292 h2o --record --out "$OUT/regress-kill"
+    # (through regress.py: the row beside PS, and the ratio against its record; 240 s: at 170 both runs finished and
+    # the script was cut naming the card, 2026-12-05, H100)
+    kill_items 240
     ;;
   KM)
     # K's two items, then M2's first row (7B whole trace, every layer recomputed, compiled): one H200 call of ~9 min
     # (needs_h200) for a session that cannot spend a call on each
-    item kill-gpu-tests 100 python -m pytest -q tests/test_engine_gpu.py tests/test_kernels.py -k "register or pending"
-    item registers-cadence 230 python benchmarks/regress.py --only registers292 h2o --record --out "$OUT/regress-kill"
-    item mfu-7b-full-comp 250 python benchmarks/learner_scaling.py --shape 7b --ranks 1 --seq 32768 --mode full \
-      --prompt 128 --window 4096 --no-masters --compiled --steps 2 --out "$OUT/mfu-7b-full-comp" \
-      --models /tmp/sliderl-models
+    kill_items 230
+    mfu_7b_whole 250
     ;;
   R2)
     # issue 38, item 1: regress.py's MFU headlines (1.7B whole and truncated, compiled, no recomputation; recorded
@@ -231,18 +237,14 @@ case "$group" in
     # issue 38, item 3: the 7B whole-trace step (8 traces of 32K, one a micro-batch; target >= 45% MFU), one H200
     # (needs_h200), AdamW on the bf16 weights, compiled: every layer recomputed, then 18 of 28 (the 10 kept hold
     # ~47 GiB at 148 KiB a token beside 57 GiB of state). The truncated rows ran on 2026-12-05 (docs/results.md)
-    item mfu-7b-full-comp 250 python benchmarks/learner_scaling.py --shape 7b --ranks 1 --seq 32768 --mode full \
-      --prompt 128 --window 4096 --no-masters --compiled --steps 2 --out "$OUT/mfu-7b-full-comp" \
-      --models /tmp/sliderl-models
+    mfu_7b_whole 250
     item mfu-7b-full-comp-ckpt18 250 python benchmarks/learner_scaling.py --shape 7b --ranks 1 --seq 32768 \
       --mode full --prompt 128 --window 4096 --no-masters --compiled --checkpoint-layers 18 --steps 2 \
       --out "$OUT/mfu-7b-full-comp-ckpt18" --models /tmp/sliderl-models
     ;;
   M2a)
     # M2's first row alone (~5 min, needs_h200): for a call with less than M2's 9 minutes of device time left
-    item mfu-7b-full-comp 300 python benchmarks/learner_scaling.py --shape 7b --ranks 1 --seq 32768 --mode full \
-      --prompt 128 --window 4096 --no-masters --compiled --steps 2 --out "$OUT/mfu-7b-full-comp" \
-      --models /tmp/sliderl-models
+    mfu_7b_whole 300
     ;;
   P)
     # issue 38, item 2: small-batch decode at 8K (target: batch 1 >= 760 tok/s, >= 80% of the byte limit at 2-8),
