@@ -16,6 +16,7 @@
 #   bash benchmarks/device_session.sh F    # ~10 min: the paper's Table 1 way at 8K, prefix_sliding (38.6); F2: full;
 #                                          # F32: 32K, 16 sequences, both (~10 min);
 #                                          # F128: 128K, 4 sequences, prefix_sliding (~7 min)
+#                                          # T: F32 and F128 in one H200 call (~9 min)
 #   bash benchmarks/device_session.sh G    # ~10 min: the learner with compiled element-wise chains vs eager, 32K (38.3)
 #   bash benchmarks/device_session.sh H    # ~9 min, one H200 (needs_h200): the 7B step with float32 masters, no offload (36); M's first row
 #   bash benchmarks/device_session.sh M    # ~10 min: the 7B learner's MFU on one GPU, checkpointing all / compiled / 12 of 28 layers (38.3)
@@ -28,7 +29,8 @@
 #
 # Order when a machine is lent (after the fourth 2026-12-05 session, when K and F ran on an H100; D, P and the first
 # F before; G, H, M and most of Q earlier still, and B was refused by its host's 128 GiB): F2 (full at 8K beside F's
-# prefix_sliding: the same card, an H100, for the ratio), M2 (M2a when less than 9 minutes are left), F32, F128, R
+# prefix_sliding: the same card, an H100, for the ratio), M2 (M2a when less than 9 minutes are left), T (or F32
+# and F128 on an H100), R
 # (its learner item; batch 1 ran), R2, C (its trained Pasta models under runs/pasta-h200 are not in this checkout:
 # docs/results.md "Pasta" trains them, ~30 CPU minutes a seed), A, and X2 (X8) whenever a two-GPU (eight-GPU) machine
 # is lent. One session holds 30 minutes of device time: three groups at most. B stays for a host with more than
@@ -46,7 +48,7 @@
 # docs/results.md gives.
 set -u
 OUT=${OUT:?set OUT to the folder whose files come back}
-group=${1:?name a group: A, B, C, D, E, F, F2, F32, F128, C2, G, H, K, KM, M, M2, M2a, P, Q, R, R2, X2 or X8}
+group=${1:?name a group: A, B, C, D, E, F, F2, F32, F128, T, C2, G, H, K, KM, M, M2, M2a, P, Q, R, R2, X2 or X8}
 summary=()
 
 item() {  # item NAME SECONDS COMMAND...: run with a limit, tee its log, note rc and seconds
@@ -122,16 +124,18 @@ case "$group" in
     ;;
   C2)
     # issue 38, item 7 in ~4 min: Pasta's realised batch-1 speedup after items 1 and 2's changes, scripted at the 1.7B
-    # shape (random weights, the task's problems scripted into Pasta's layout), then one trained pair: the tuned seed 0
-    # (Pasta-BoNBoN step 30 vs Baseline-SFT, docs/notebook "Pasta in miniature"; carry runs/pasta-tuned, 7 MB:
-    #   mkdir -p runs/pasta-tuned/s0 && cp -r runs/pasta-seeds/s0/bonbon/checkpoints/step_000030 runs/pasta-tuned/s0/bonbon
-    #   && cp -r runs/pasta-seeds/s0/base/model runs/pasta-tuned/s0/base && cp runs/pasta-seeds/s0/sft/config.yaml
-    #   runs/pasta-tuned/s0/sft-config.yaml), the fresh seeds' models of group C not being in this checkout
+    # shape (random weights, the task's problems scripted into Pasta's layout), then one trained pair: fresh seed 3
+    # (Pasta-BoNBoN step 30 vs Baseline-SFT; realised 1.138x at ab386c7, docs/results.md "Pasta"), retrained on the
+    # CPU (OMP_NUM_THREADS=1 python benchmarks/pasta_seeds.py --seeds 3 --out runs/pasta-fresh --eval task.seed=1,
+    # deterministic) and carried as runs/pasta-c2 (7 MB):
+    #   mkdir -p runs/pasta-c2/s3 && cp -r runs/pasta-fresh/s3/bonbon/checkpoints/step_000030 runs/pasta-c2/s3/bonbon
+    #   && cp -r runs/pasta-fresh/s3/base/model runs/pasta-c2/s3/base && cp runs/pasta-fresh/s3/sft/config.yaml
+    #   runs/pasta-c2/s3/sft-config.yaml
     item pasta-scripted 170 python benchmarks/pasta_speedup.py scripted --device cuda --problems 6 --repeats 3 \
       --num-chains 2 4 --num-steps 5 6 --out "$OUT/pasta-scripted/speedup.json"
-    item pasta-tuned-s0 100 python benchmarks/pasta_speedup.py trained --device cuda --problems 6 --repeats 3 \
-      --pasta-model runs/pasta-tuned/s0/bonbon --baseline-model runs/pasta-tuned/s0/base \
-      --config runs/pasta-tuned/s0/sft-config.yaml --out "$OUT/pasta-tuned-s0/bonbon.json"
+    item pasta-fresh-s3 100 python benchmarks/pasta_speedup.py trained --device cuda --problems 6 --repeats 3 \
+      --pasta-model runs/pasta-c2/s3/bonbon --baseline-model runs/pasta-c2/s3/base \
+      --config runs/pasta-c2/s3/sft-config.yaml --out "$OUT/pasta-fresh-s3/bonbon.json"
     ;;
   D)
     # issue 38, item 4: h2o decodes from CUDA graphs (its page mass in the graphs' static buffer, one pass over the
@@ -203,6 +207,14 @@ case "$group" in
     # a sequence by the end: ~24 minutes for 4 sequences, past any call
     item table1-128k-ps 420 python benchmarks/engine_e2e.py --tokens 131072 --seqs 4 \
       --runs "prefix_sliding:4096@$(kv 118)@390" --out "$OUT/table1-128k-ps/engine_e2e.json"
+    ;;
+  T)
+    # F32 and F128 in one call of ~9 min on an H200 (by the bytes a step reads: PS 32K ~1.5 min, full 32K ~4, PS 128K
+    # ~2.5 at the H200's 4.8 TB/s; an H100 takes ~1.4x as long and a run cut by its budget says "finished": false)
+    item table1-32k 390 python benchmarks/engine_e2e.py --tokens 32768 --seqs 16 \
+      --runs "prefix_sliding:4096@$(kv 118)@120" "full@$(kv 118)@240" --out "$OUT/table1-32k/engine_e2e.json"
+    item table1-128k-ps 200 python benchmarks/engine_e2e.py --tokens 131072 --seqs 4 \
+      --runs "prefix_sliding:4096@$(kv 118)@180" --out "$OUT/table1-128k-ps/engine_e2e.json"
     ;;
   G)
     # issue 38, item 3: the learner's element-wise chains compiled (learner.compile_elementwise; eager they were
