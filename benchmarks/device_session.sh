@@ -27,10 +27,9 @@
 #   bash benchmarks/device_session.sh X2   # ~10 min on nvidia-h200-x2: the sharded learner's 2-GPU rows (36)
 #   bash benchmarks/device_session.sh X8   # ~10 min on an eight-GPU kind: 1.7B at 1-8 ranks, 7B at 4 and 8 (36)
 #
-# Order when a machine is lent (after the fourth 2026-12-05 session, when K and F ran on an H100; D, P and the first
-# F before; G, H, M and most of Q earlier still, and B was refused by its host's 128 GiB): F2 (full at 8K beside F's
-# prefix_sliding: the same card, an H100, for the ratio), M2 (M2a when less than 9 minutes are left), T (or F32
-# and F128 on an H100), R
+# Order when a machine is lent (after the 2026-12-06 session, when F2 ran on an H100; K and F on an H100 the day
+# before; D, P and the first F before; G, H, M and most of Q earlier still, and B was refused by its host's 128 GiB):
+# M2 (M2a when less than 9 minutes are left), T (or F32 and F128 on an H100), C2 (carry runs/pasta-c2), R
 # (its learner item; batch 1 ran), R2, C (its trained Pasta models under runs/pasta-h200 are not in this checkout:
 # docs/results.md "Pasta" trains them, ~30 CPU minutes a seed), A, and X2 (X8) whenever a two-GPU (eight-GPU) machine
 # is lent. One session holds 30 minutes of device time: three groups at most. B stays for a host with more than
