@@ -21,6 +21,7 @@
 #   bash benchmarks/device_session.sh H    # ~9 min, one H200 (needs_h200): the 7B step with float32 masters, no offload (36); M's first row
 #   bash benchmarks/device_session.sh M    # ~10 min: the 7B learner's MFU on one GPU, checkpointing all / compiled / 12 of 28 layers (38.3)
 #   bash benchmarks/device_session.sh M2   # ~9 min, one H200 (needs_h200): the 7B whole-trace step's MFU, compiled (38.3)
+#                                          # M2C: M2's first row, then C2 (~9.5 min, needs_h200)
 #   bash benchmarks/device_session.sh P    # ~9 min: batch 1 and 8 at 8K, cuBLAS/GEMV x plain/PDL, per-kernel split (38.2)
 #   bash benchmarks/device_session.sh Q    # ~4 min: batch 1 cuBLAS vs GEMV after the MLP tail's change; batch-1 decode attention at 64 splits (38.2)
 #   bash benchmarks/device_session.sh R    # ~10 min: regress.py on batch 1 and the learner (38.1)
@@ -47,7 +48,7 @@
 # docs/results.md gives.
 set -u
 OUT=${OUT:?set OUT to the folder whose files come back}
-group=${1:?name a group: A, B, C, D, E, F, F2, F32, F128, T, C2, G, H, K, KM, M, M2, M2a, P, Q, R, R2, X2 or X8}
+group=${1:?name a group: A, B, C, D, E, F, F2, F32, F128, T, C2, G, H, K, KM, M, M2, M2a, M2C, P, Q, R, R2, X2 or X8}
 summary=()
 
 item() {  # item NAME SECONDS COMMAND...: run with a limit, tee its log, note rc and seconds
@@ -77,6 +78,13 @@ table1_32k() {  # LIMIT PS_BUDGET FULL_BUDGET: 16 sequences of 32K from an empty
 table1_128k_ps() {  # LIMIT BUDGET: 4 sequences of 128K from an empty cache, prefix_sliding
   item table1-128k-ps "$1" python benchmarks/engine_e2e.py --tokens 131072 --seqs 4 \
     --runs "prefix_sliding:4096@$(kv 118)@$2" --out "$OUT/table1-128k-ps/engine_e2e.json"
+}
+pasta_realised() {  # C2's two items (~4.5 min): Pasta's realised batch-1 speedup, scripted and fresh seed 3 (carry runs/pasta-c2)
+  item pasta-scripted 170 python benchmarks/pasta_speedup.py scripted --device cuda --problems 6 --repeats 3 \
+    --num-chains 2 4 --num-steps 5 6 --out "$OUT/pasta-scripted/speedup.json"
+  item pasta-fresh-s3 100 python benchmarks/pasta_speedup.py trained --device cuda --problems 6 --repeats 3 \
+    --pasta-model runs/pasta-c2/s3/bonbon --baseline-model runs/pasta-c2/s3/base \
+    --config runs/pasta-c2/s3/sft-config.yaml --out "$OUT/pasta-fresh-s3/bonbon.json"
 }
 mfu_7b_whole() {  # LIMIT: the 7B whole-trace step, every layer recomputed, compiled (needs_h200)
   item mfu-7b-full-comp "$1" python benchmarks/learner_scaling.py --shape 7b --ranks 1 --seq 32768 --mode full \
@@ -140,11 +148,7 @@ case "$group" in
     #   mkdir -p runs/pasta-c2/s3 && cp -r runs/pasta-fresh/s3/bonbon/checkpoints/step_000030 runs/pasta-c2/s3/bonbon
     #   && cp -r runs/pasta-fresh/s3/base/model runs/pasta-c2/s3/base && cp runs/pasta-fresh/s3/sft/config.yaml
     #   runs/pasta-c2/s3/sft-config.yaml
-    item pasta-scripted 170 python benchmarks/pasta_speedup.py scripted --device cuda --problems 6 --repeats 3 \
-      --num-chains 2 4 --num-steps 5 6 --out "$OUT/pasta-scripted/speedup.json"
-    item pasta-fresh-s3 100 python benchmarks/pasta_speedup.py trained --device cuda --problems 6 --repeats 3 \
-      --pasta-model runs/pasta-c2/s3/bonbon --baseline-model runs/pasta-c2/s3/base \
-      --config runs/pasta-c2/s3/sft-config.yaml --out "$OUT/pasta-fresh-s3/bonbon.json"
+    pasta_realised
     ;;
   D)
     # issue 38, item 4: h2o decodes from CUDA graphs (its page mass in the graphs' static buffer, one pass over the
@@ -263,6 +267,12 @@ case "$group" in
   M2a)
     # M2's first row alone (~5 min, needs_h200): for a call with less than M2's 9 minutes of device time left
     mfu_7b_whole 300
+    ;;
+  M2C)
+    # M2's first row and C2 in one call (~9.5 min, needs_h200, carry runs/pasta-c2 too): with T after it on the
+    # same warm H200, the three items of issue 38 still open in ~20 minutes of device time
+    mfu_7b_whole 300
+    pasta_realised
     ;;
   P)
     # issue 38, item 2: small-batch decode at 8K (target: batch 1 >= 760 tok/s, >= 80% of the byte limit at 2-8),
