@@ -14,28 +14,28 @@
 #   bash benchmarks/device_session.sh R2   # ~8 min, one H200 (needs_h200): regress.py's 1.7B MFU headlines (38.1, 38.3)
 #   bash benchmarks/device_session.sh E 1  # ~9 min: TIP's GPU-scale arms with decode wall time, seed 1 (41); carry .whl (Ray)
 #   bash benchmarks/device_session.sh F    # ~10 min: the paper's Table 1 way at 8K, prefix_sliding (38.6); F2: full;
-#                                          # F32: 32K, 16 sequences, both (~10 min);
-#                                          # F128: 128K, 4 sequences, prefix_sliding (~7 min)
-#                                          # T: F32 and F128 in one H200 call (~9 min)
+#                                          # F32: 32K, 16 sequences, prefix_sliding (~4 min); F32F: full (~10 min);
+#                                          # F128: 128K, 4 sequences, prefix_sliding (~6-10 min)
+#                                          # T: F32 and F32F in one H200 call (~9.5 min)
 #   bash benchmarks/device_session.sh G    # ~10 min: the learner with compiled element-wise chains vs eager, 32K (38.3)
 #   bash benchmarks/device_session.sh H    # ~9 min, one H200 (needs_h200): the 7B step with float32 masters, no offload (36); M's first row
 #   bash benchmarks/device_session.sh M    # ~10 min: the 7B learner's MFU on one GPU, checkpointing all / compiled / 12 of 28 layers (38.3)
 #   bash benchmarks/device_session.sh M2   # ~9 min, one H200 (needs_h200): the 7B whole-trace step's MFU, compiled (38.3)
-#                                          # M2C: M2's first row, then C2 (~9.5 min, needs_h200)
+#                                          # M2b: its second row alone; M2C: its first row, then C2 (~9.5 min)
 #   bash benchmarks/device_session.sh P    # ~9 min: batch 1 and 8 at 8K, cuBLAS/GEMV x plain/PDL, per-kernel split (38.2)
 #   bash benchmarks/device_session.sh Q    # ~4 min: batch 1 cuBLAS vs GEMV after the MLP tail's change; batch-1 decode attention at 64 splits (38.2)
 #   bash benchmarks/device_session.sh R    # ~10 min: regress.py on batch 1 and the learner (38.1)
 #   bash benchmarks/device_session.sh X2   # ~10 min on nvidia-h200-x2: the sharded learner's 2-GPU rows (36)
 #   bash benchmarks/device_session.sh X8   # ~10 min on an eight-GPU kind: 1.7B at 1-8 ranks, 7B at 4 and 8 (36)
 #
-# Order when a machine is lent (after the 2026-12-06 session, when F2 ran on an H100; K and F on an H100 the day
-# before; D, P and the first F before; G, H, M and most of Q earlier still, and B was refused by its host's 128 GiB):
-# M2 (M2a when less than 9 minutes are left), T (or F32 and F128 on an H100), C2 (carry runs/pasta-c2), R
-# (its learner item; batch 1 ran), R2, C (its trained Pasta models under runs/pasta-h200 are not in this checkout:
+# Order when a machine is lent (after the 2026-12-06 sessions: M2C and most of T ran on an H200 in the second, F2 on
+# an H100 in the first; K and F on an H100 the day before; D, P and the first F before; G, H, M and most of Q earlier
+# still, and B was refused by its host's 128 GiB): M2b (needs_h200), F128, T (or F32 and F32F on an H100), R (its
+# learner item; batch 1 ran), R2, C (its trained Pasta models under runs/pasta-h200 are not in this checkout:
 # docs/results.md "Pasta" trains them, ~30 CPU minutes a seed), A, and X2 (X8) whenever a two-GPU (eight-GPU) machine
 # is lent. One session holds 30 minutes of device time: three groups at most. B stays for a host with more than
 # ~125 GiB free (the 7B float32-master step without offload is group H).
-# Cards: H, M2, R2 and M's 12-layer row hold more than an H100's 79 GiB (call run with needs_h200); every other group
+# Cards: H, M2 (M2a, M2b, M2C), R2 and M's 12-layer row hold more than an H100's 79 GiB (call run with needs_h200); every other group
 # fits an H100, whose rows compare only with rows of the same card (regress.py says "other card" against an H200 record).
 #
 # carry: a Ray-less copy of .whl (runs/whl-light) for C (with runs/pasta-h200 and runs/pd-long), D, F, G, M, P, Q
@@ -48,7 +48,7 @@
 # docs/results.md gives.
 set -u
 OUT=${OUT:?set OUT to the folder whose files come back}
-group=${1:?name a group: A, B, C, D, E, F, F2, F32, F128, T, C2, G, H, K, KM, M, M2, M2a, M2C, P, Q, R, R2, X2 or X8}
+group=${1:?name a group: A, B, C, D, E, F, F2, F32, F32F, F128, T, C2, G, H, K, KM, M, M2, M2a, M2b, M2C, P, Q, R, R2, X2 or X8}
 summary=()
 
 item() {  # item NAME SECONDS COMMAND...: run with a limit, tee its log, note rc and seconds
@@ -71,9 +71,9 @@ kill_items() {  # KILL_LIMIT: the pending kill's GPU tests, then registers:292 a
   item kill-gpu-tests 100 python -m pytest -q tests/test_engine_gpu.py tests/test_kernels.py -k "register or pending"
   item registers-cadence "$1" python benchmarks/regress.py --only registers292 h2o --record --out "$OUT/regress-kill"
 }
-table1_32k() {  # LIMIT PS_BUDGET FULL_BUDGET: 16 sequences of 32K from an empty cache, prefix_sliding then full
-  item table1-32k "$1" python benchmarks/engine_e2e.py --tokens 32768 --seqs 16 \
-    --runs "prefix_sliding:4096@$(kv 118)@$2" "full@$(kv 118)@$3" --out "$OUT/table1-32k/engine_e2e.json"
+table1_32k() {  # POLICY LIMIT BUDGET: 16 sequences of 32K from an empty cache (one item a policy)
+  item "table1-32k-${1%%:*}" "$2" python benchmarks/engine_e2e.py --tokens 32768 --seqs 16 \
+    --runs "$1@$(kv 118)@$3" --out "$OUT/table1-32k-${1%%:*}/engine_e2e.json"
 }
 table1_128k_ps() {  # LIMIT BUDGET: 4 sequences of 128K from an empty cache, prefix_sliding
   item table1-128k-ps "$1" python benchmarks/engine_e2e.py --tokens 131072 --seqs 4 \
@@ -210,21 +210,27 @@ case "$group" in
       --runs "full@$(kv 118)@560" --out "$OUT/table1-8k-full/engine_e2e.json"
     ;;
   F32)
-    # the same at 32K with 16 sequences (0.52M tokens): full's 16 x 32K of KV (60 GB) is what an H100's pool holds;
-    # by the bytes a step reads, PS ~2 min, full ~6 min on an H100
-    table1_32k 590 200 340
+    # the same at 32K with 16 sequences (0.52M tokens), prefix_sliding: on the H200 (2314325) it generated at a flat
+    # 4,205 tok/s once its windows filled, 96% of the tokens in 120 s; an H100 reads ~1.4x slower (~3 min)
+    table1_32k prefix_sliding:4096 300 260
+    ;;
+  F32F)
+    # full at 32K, 16 sequences (its 16 x 32K of KV, 60 GB, is what an H100's pool holds): on the H200 98% of the
+    # tokens in 275 s, its rate falling to 1,132 tok/s in the last eighth (~285 s to the end); an H100 needs past a call
+    # (~400 s by the bandwidth ratio), so it runs there with a budget that says "finished": false if cut
+    table1_32k full 590 545
     ;;
   F128)
-    # 128K with 4 sequences, prefix_sliding alone (~4 min on an H100 by its bytes); full at 128K reads 15 GB of KV
-    # a sequence by the end: ~24 minutes for 4 sequences, past any call
-    table1_128k_ps 420 390
+    # 128K with 4 sequences, prefix_sliding alone: ~5 min on an H200 by the batch-16 rows' bandwidth (a batch-4 step
+    # reads 5.3 GB), more on an H100 (its budget then cuts it: "finished": false); full at 128K reads 15 GB of KV a
+    # sequence by the end: ~24 minutes for 4 sequences, past any call
+    table1_128k_ps 590 545
     ;;
   T)
-    # F32 and F128 in one call of ~9 min on an H200, with budgets scaled from the H100 estimates above by the H200's
-    # ~1.4x copy bandwidth (PS 32K ~1.5 min, full 32K ~4, PS 128K ~2.5); on an H100 a run cut by its budget says
-    # "finished": false, so there run F32 and F128 instead
-    table1_32k 390 120 240
-    table1_128k_ps 200 180
+    # both 32K rows in one H200 call with budgets that finish (PS ~2.1 min, full ~4.8 with the tail; model loads ~20 s
+    # each). Its first version (2314325) gave PS 120 s and full 240 inside a 390 s item and was cut before full printed
+    table1_32k prefix_sliding:4096 185 145
+    table1_32k full 385 330
     ;;
   G)
     # issue 38, item 3: the learner's element-wise chains compiled (learner.compile_elementwise; eager they were
@@ -267,6 +273,12 @@ case "$group" in
   M2a)
     # M2's first row alone (~5 min, needs_h200): for a call with less than M2's 9 minutes of device time left
     mfu_7b_whole 300
+    ;;
+  M2b)
+    # M2's second row alone (~5.5 min with the 7B built, needs_h200): every layer recomputed ran at 2314325 (44.5%)
+    item mfu-7b-full-comp-ckpt18 330 python benchmarks/learner_scaling.py --shape 7b --ranks 1 --seq 32768 \
+      --mode full --prompt 128 --window 4096 --no-masters --compiled --checkpoint-layers 18 --steps 2 \
+      --out "$OUT/mfu-7b-full-comp-ckpt18" --models /tmp/sliderl-models
     ;;
   M2C)
     # M2's first row and C2 in one call (~9.5 min, needs_h200, carry runs/pasta-c2 too): with T after it on the
