@@ -91,6 +91,11 @@ mfu_7b_whole() {  # LIMIT: the 7B whole-trace step, every layer recomputed, comp
     --prompt 128 --window 4096 --no-masters --compiled --steps 2 --out "$OUT/mfu-7b-full-comp" \
     --models /tmp/sliderl-models
 }
+mfu_7b_whole_ckpt18() {  # LIMIT: the same with 18 of 28 layers recomputed (the 10 kept: ~47 GiB at 148 KiB a token)
+  item mfu-7b-full-comp-ckpt18 "$1" python benchmarks/learner_scaling.py --shape 7b --ranks 1 --seq 32768 \
+    --mode full --prompt 128 --window 4096 --no-masters --compiled --checkpoint-layers 18 --steps 2 \
+    --out "$OUT/mfu-7b-full-comp-ckpt18" --models /tmp/sliderl-models
+}
 case "$group" in
   A)
     # issue 39: last_k at batch 256 on the engine with the run-ahead fix (8bd064b), beside PS in the same call
@@ -266,9 +271,7 @@ case "$group" in
     # (needs_h200), AdamW on the bf16 weights, compiled: every layer recomputed, then 18 of 28 (the 10 kept hold
     # ~47 GiB at 148 KiB a token beside 57 GiB of state). The truncated rows ran on 2026-12-05 (docs/results.md)
     mfu_7b_whole 250
-    item mfu-7b-full-comp-ckpt18 250 python benchmarks/learner_scaling.py --shape 7b --ranks 1 --seq 32768 \
-      --mode full --prompt 128 --window 4096 --no-masters --compiled --checkpoint-layers 18 --steps 2 \
-      --out "$OUT/mfu-7b-full-comp-ckpt18" --models /tmp/sliderl-models
+    mfu_7b_whole_ckpt18 250
     ;;
   M2a)
     # M2's first row alone (~5 min, needs_h200): for a call with less than M2's 9 minutes of device time left
@@ -276,13 +279,10 @@ case "$group" in
     ;;
   M2b)
     # M2's second row alone (~5.5 min with the 7B built, needs_h200): every layer recomputed ran at 2314325 (44.5%)
-    item mfu-7b-full-comp-ckpt18 330 python benchmarks/learner_scaling.py --shape 7b --ranks 1 --seq 32768 \
-      --mode full --prompt 128 --window 4096 --no-masters --compiled --checkpoint-layers 18 --steps 2 \
-      --out "$OUT/mfu-7b-full-comp-ckpt18" --models /tmp/sliderl-models
+    mfu_7b_whole_ckpt18 330
     ;;
   M2C)
-    # M2's first row and C2 in one call (~9.5 min, needs_h200, carry runs/pasta-c2 too): with T after it on the
-    # same warm H200, the three items of issue 38 still open in ~20 minutes of device time
+    # M2's first row and C2 in one call (~9.5 min, needs_h200, carry runs/pasta-c2 too; ran at 2314325)
     mfu_7b_whole 300
     pasta_realised
     ;;
