@@ -21,7 +21,9 @@
 #   bash benchmarks/device_session.sh H    # ~9 min, one H200 (needs_h200): the 7B step with float32 masters, no offload (36); M's first row
 #   bash benchmarks/device_session.sh M    # ~10 min: the 7B learner's MFU on one GPU, checkpointing all / compiled / 12 of 28 layers (38.3)
 #   bash benchmarks/device_session.sh M2   # ~9 min, one H200 (needs_h200): the 7B whole-trace step's MFU, compiled (38.3)
-#                                          # M2b: its second row alone; M2C: its first row, then C2 (~9.5 min)
+#                                          # M2b: its second row alone; M2C: its first row, then C2 (~9.5 min);
+#                                          # M2bP: M2b, then P2 (~8 min)
+#   bash benchmarks/device_session.sh P2   # ~2.5 min: Pasta's realised speedup, fresh seeds 3-5 on the held-out slice (41)
 #   bash benchmarks/device_session.sh P    # ~9 min: batch 1 and 8 at 8K, cuBLAS/GEMV x plain/PDL, per-kernel split (38.2)
 #   bash benchmarks/device_session.sh Q    # ~4 min: batch 1 cuBLAS vs GEMV after the MLP tail's change; batch-1 decode attention at 64 splits (38.2)
 #   bash benchmarks/device_session.sh R    # ~10 min: regress.py on batch 1 and the learner (38.1)
@@ -33,8 +35,8 @@
 # still, and B was refused by its host's 128 GiB): M2b (needs_h200), F128, T (or F32 and F32F on an H100), R (its
 # learner item; batch 1 ran), R2, C (its trained Pasta models under runs/pasta-h200 are not in this checkout:
 # docs/results.md "Pasta" trains them, ~30 CPU minutes a seed), A, and X2 (X8) whenever a two-GPU (eight-GPU) machine
-# is lent. One session holds 30 minutes of device time: three groups at most. B stays for a host with more than
-# ~125 GiB free (the 7B float32-master step without offload is group H).
+# is lent; P2 (issue 41) rides with M2b as M2bP, or alone on any card. One session holds 30 minutes of device time:
+# three groups at most. B stays for a host with more than ~125 GiB free (the 7B float32-master step without offload is group H).
 # Cards: H, M2 (M2a, M2b, M2C), R2 and M's 12-layer row hold more than an H100's 79 GiB (call run with needs_h200); every other group
 # fits an H100, whose rows compare only with rows of the same card (regress.py says "other card" against an H200 record).
 #
@@ -48,7 +50,7 @@
 # docs/results.md gives.
 set -u
 OUT=${OUT:?set OUT to the folder whose files come back}
-group=${1:?name a group: A, B, C, D, E, F, F2, F32, F32F, F128, T, C2, G, H, K, KM, M, M2, M2a, M2b, M2C, P, Q, R, R2, X2 or X8}
+group=${1:?name a group: A, B, C, D, E, F, F2, F32, F32F, F128, T, C2, G, H, K, KM, M, M2, M2a, M2b, M2bP, M2C, P, P2, Q, R, R2, X2 or X8}
 summary=()
 
 item() {  # item NAME SECONDS COMMAND...: run with a limit, tee its log, note rc and seconds
@@ -85,6 +87,14 @@ pasta_realised() {  # C2's two items (~4.5 min): Pasta's realised batch-1 speedu
   item pasta-fresh-s3 100 python benchmarks/pasta_speedup.py trained --device cuda --problems 6 --repeats 3 \
     --pasta-model runs/pasta-c2/s3/bonbon --baseline-model runs/pasta-c2/s3/base \
     --config runs/pasta-c2/s3/sft-config.yaml --out "$OUT/pasta-fresh-s3/bonbon.json"
+}
+pasta_heldout() {  # Pasta's realised batch-1 speedup, fresh seeds 3-5 on the held-out slice (task seed 1), ~2.5 min
+  # (issue 41: the ab386c7 row timed seed 0's eval problems, the slice the recipe was chosen on); carry runs/pasta-c2
+  for s in 3 4 5; do
+    item "pasta-heldout-s$s" 110 python benchmarks/pasta_speedup.py trained --device cuda --problems 12 --repeats 3 \
+      --task-seed 1 --pasta-model "runs/pasta-c2/s$s/bonbon" --baseline-model "runs/pasta-c2/s$s/base" \
+      --config "runs/pasta-c2/s$s/sft-config.yaml" --out "$OUT/pasta-heldout-s$s/bonbon.json"
+  done
 }
 mfu_7b_whole() {  # LIMIT: the 7B whole-trace step, every layer recomputed, compiled (needs_h200)
   item mfu-7b-full-comp "$1" python benchmarks/learner_scaling.py --shape 7b --ranks 1 --seq 32768 --mode full \
@@ -280,6 +290,16 @@ case "$group" in
   M2b)
     # M2's second row alone (~5.5 min with the 7B built, needs_h200): every layer recomputed ran at 2314325 (44.5%)
     mfu_7b_whole_ckpt18 330
+    ;;
+  M2bP)
+    # M2b, then Pasta's held-out realised speedup (~8 min, needs_h200, carry runs/pasta-c2: seeds 3-5, each made as
+    # C2 says for seed 3; 4 and 5 trained by its command with --seeds 4 and --seeds 5 on 2026-12-06)
+    mfu_7b_whole_ckpt18 330
+    pasta_heldout
+    ;;
+  P2)
+    # Pasta's held-out realised speedup alone (~2.5 min, any card; carry runs/pasta-c2)
+    pasta_heldout
     ;;
   M2C)
     # M2's first row and C2 in one call (~9.5 min, needs_h200, carry runs/pasta-c2 too; ran at 2314325)

@@ -33,6 +33,7 @@ engine over N requests (own time per function).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import math
@@ -204,15 +205,16 @@ def task_traces(tokenizer, n: int, num_chains: tuple[int, int], num_steps: tuple
             for p in task.problems(n, "eval")]
 
 
-def run_scripted(args) -> list[Row]:
+def run_scripted(args) -> tuple[list[Row], list[dict]]:
+    """The scripted rows, and the problems they timed."""
     device = args.device
     with tempfile.TemporaryDirectory() as tmp:
         tiny = {**TINY, "hidden_size": args.hidden_size or TINY["hidden_size"],
                 "num_layers": args.layers or TINY["num_layers"]}
         path = build_model(Path(tmp), device, tiny)
         from sliderl.core.loader import load_tokenizer
-        traces = task_traces(load_tokenizer(path), args.problems, tuple(args.num_chains), tuple(args.num_steps),
-                             args.task_seed)
+        seed = 0 if args.task_seed is None else args.task_seed
+        traces = task_traces(load_tokenizer(path), args.problems, tuple(args.num_chains), tuple(args.num_steps), seed)
         longest = max(len(t.prompt) + max(len(t.annotated), len(t.plain)) for t in traces)
         engines = scripted_engines(path, device, max_model_len=2 * longest + 64, max_forks=args.num_chains[1])
         rows = [scripted_row(engines, trace, args.repeats, clock_of(args)) for trace in traces]
@@ -220,7 +222,7 @@ def run_scripted(args) -> list[Row]:
             print(host_profile(engines["pasta"], traces, args.host_profile))
         for llm in engines.values():
             llm.close()
-    return rows
+    return rows, [{"prompt_id": t.name, "task_seed": seed} for t in traces]
 
 
 def scripted_row(engines: dict[str, LLM], trace: Trace, repeats: int, clock=time.perf_counter) -> Row:
@@ -247,8 +249,9 @@ def serial_times(times: dict[str, float], last: dict) -> tuple:
             last["pasta_serial"][0].pasta.steps if serial else None)
 
 
-def run_trained(args) -> list[Row]:
-    """Held-out problems, Pasta-SFT under kv=pasta against Baseline-SFT under kv=full, greedy."""
+def run_trained(args) -> tuple[list[Row], list[dict]]:
+    """Held-out problems (the eval split of the config's task, or of ``--task-seed``'s), Pasta-SFT under kv=pasta
+    against Baseline-SFT under kv=full, greedy; the rows and the problems they timed."""
     from sliderl.cluster.config.base import load_config
     from sliderl.cluster.config.prompts import prompt_format
     from sliderl.cluster.config.sft import SFTJobConfig
@@ -263,8 +266,10 @@ def run_trained(args) -> list[Row]:
     prompts = prompt_format(cfg.data, cfg.model, engines["pasta"].tokenizer)
     verify = ArithVerifier()
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
-    rows = []
-    for p in cfg.task.generator().problems(args.problems, "eval"):
+    task = cfg.task if args.task_seed is None else dataclasses.replace(cfg.task, seed=args.task_seed)
+    rows, problems = [], []
+    for p in task.generator().problems(args.problems, "eval"):
+        problems.append({"prompt_id": p["prompt_id"], "task_seed": task.seed, "prompt": p["prompt"]})
         _, ids = prompts.problem(p["prompt"])
         jobs = {name: (ids, params, None) for name in engines}
         times, last = measure(engines, jobs, args.repeats, clock_of(args))
@@ -278,7 +283,7 @@ def run_trained(args) -> list[Row]:
         print(json.dumps({**asdict(rows[-1]), "realised": rows[-1].realised}), flush=True)  # kept if cut short
     for llm in engines.values():
         llm.close()
-    return rows
+    return rows, problems
 
 
 def host_profile(llm: LLM, traces: list[Trace], n: int, top: int = 15) -> str:
@@ -347,7 +352,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-chains", type=int, nargs=2, default=[2, 4], help="scripted: the task's chains")
     parser.add_argument("--num-steps", type=int, nargs=2, default=[5, 6],
                         help="scripted: the task's steps per chain (most chains x most steps <= 26 step letters)")
-    parser.add_argument("--task-seed", type=int, default=0, help="scripted: the task's seed")
+    parser.add_argument("--task-seed", type=int, default=None,
+                        help="the task's seed, whose eval split gives the problems (scripted: 0; trained: the "
+                             "config's, so a slice the recipe never scored is --task-seed 1)")
     parser.add_argument("--hidden-size", type=int, default=None, help=f"scripted, CPU: width ({TINY['hidden_size']})")
     parser.add_argument("--layers", type=int, default=None, help=f"scripted, CPU: tiny depth ({TINY['num_layers']})")
     parser.add_argument("--host-profile", type=int, default=0, metavar="N", help="scripted: cProfile N pasta requests")
@@ -364,14 +371,15 @@ def main(argv: list[str] | None = None) -> None:
     if args.mode == "trained" and not (args.pasta_model and args.baseline_model):
         parser.error("trained needs --pasta-model and --baseline-model")
     t0 = time.perf_counter()
-    rows = run_scripted(args) if args.mode == "scripted" else run_trained(args)
+    rows, problems = run_scripted(args) if args.mode == "scripted" else run_trained(args)
     print(f"# pasta_speedup {args.mode}  {time.strftime('%Y-%m-%d %H:%M')}  torch {torch.__version__}  device "
           f"{torch.cuda.get_device_name(args.device) if args.device.startswith('cuda') else 'cpu'}  "
           f"{time.perf_counter() - t0:.0f} s")
     print(table(rows))
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "summary": summary(rows),
+        args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
+                                        "problems": problems, "summary": summary(rows),
                                         "rows": [{**asdict(r), "realised": r.realised} for r in rows]}, indent=1))
 
 

@@ -72,7 +72,7 @@ def test_tiny_run_writes_every_row_and_the_plot(tmp_path):
     w, t = 4, 64  # --tiny: W=4, T=64, 2 traces
     assert [r["loss_tokens"] for r in rows] == [2 * w] * 4 + [2 * t, 2 * t, 2 * w]
     assert all(r["kl"] >= 0 and len(r["kl_per_trace"]) == 2 for r in rows)
-    assert matplotlib.image.imread(tmp_path / "mismatch_kl.png").shape[:2] == (420, 860)
+    assert matplotlib.image.imread(tmp_path / "mismatch_kl.png").shape[:2] == (420, 1150)  # ours beside the paper's panel
     main(["--plot", str(tmp_path / "rows.jsonl"), str(tmp_path / "rows.jsonl"), "--out", str(tmp_path / "both")])
     assert (tmp_path / "both" / "mismatch_kl.png").stat().st_size > 10_000
 
