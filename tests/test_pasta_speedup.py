@@ -68,9 +68,9 @@ def test_scripted_mode_runs_and_writes_its_rows(tmp_path):
     assert report["summary"]["theoretical"] == pytest.approx((theory[0] * theory[1]) ** 0.5)
 
 
-# catches: the trained mode reading the wrong config (task, prompt format) or scoring an eos as a token
-@pytest.mark.slow
-def test_trained_mode_runs_on_two_checkpoints(tmp_path, pasta_model):
+def trained_report(tmp_path, pasta_model, *extra: str):
+    """Run ``pasta_speedup.py trained`` on one problem of a small summed-chains config (task seed 0) with both
+    checkpoints ``pasta_model``; the config and the JSON report it wrote."""
     from sliderl.cluster.config.base import save_config
     from sliderl.cluster.config.sft import SFTJobConfig
     from sliderl.cluster.config.task import PastaTaskConfig
@@ -81,10 +81,16 @@ def test_trained_mode_runs_on_two_checkpoints(tmp_path, pasta_model):
     out = tmp_path / "rows.json"
     run = subprocess.run([sys.executable, "benchmarks/pasta_speedup.py", "trained", "--pasta-model", str(pasta_model),
                           "--baseline-model", str(pasta_model), "--config", str(tmp_path / "config.yaml"),
-                          "--problems", "1", "--repeats", "1", "--max-tokens", "24", "--out", str(out)],
+                          "--problems", "1", "--repeats", "1", "--max-tokens", "24", *extra, "--out", str(out)],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
-    report = json.loads(out.read_text())
+    return cfg, json.loads(out.read_text())
+
+
+# catches: the trained mode reading the wrong config (task, prompt format) or scoring an eos as a token
+@pytest.mark.slow
+def test_trained_mode_runs_on_two_checkpoints(tmp_path, pasta_model):
+    cfg, report = trained_report(tmp_path, pasta_model)
     (row,) = report["rows"]
     assert row["plain_tokens"] <= 24 and row["theoretical"] == pytest.approx(row["plain_tokens"] / row["critical_path"])
     # the config's task seed (0) gives the problems when --task-seed is left out
@@ -95,20 +101,10 @@ def test_trained_mode_runs_on_two_checkpoints(tmp_path, pasta_model):
 # (planted: problems drawn from cfg.task instead of the seeded copy -> the prompt is seed 0's and this fails)
 @pytest.mark.slow
 def test_trained_mode_times_the_task_seed_it_is_given(tmp_path, pasta_model):
-    from sliderl.cluster.config.base import save_config
-    from sliderl.cluster.config.sft import SFTJobConfig
     from sliderl.cluster.config.task import PastaTaskConfig
 
-    cfg = SFTJobConfig(task=PastaTaskConfig(num_chains=(2, 2), num_steps=(2, 3)), kv="pasta",
-                       data={"source": "task", "task_solution": "solution"})
-    save_config(cfg, tmp_path / "config.yaml")
-    out = tmp_path / "rows.json"
-    run = subprocess.run([sys.executable, "benchmarks/pasta_speedup.py", "trained", "--pasta-model", str(pasta_model),
-                          "--baseline-model", str(pasta_model), "--config", str(tmp_path / "config.yaml"),
-                          "--task-seed", "1", "--problems", "1", "--repeats", "1", "--max-tokens", "24",
-                          "--out", str(out)], capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stderr[-2000:]
-    (problem,) = json.loads(out.read_text())["problems"]
+    cfg, report = trained_report(tmp_path, pasta_model, "--task-seed", "1")
+    (problem,) = report["problems"]
     seed1 = PastaTaskConfig(num_chains=(2, 2), num_steps=(2, 3), seed=1).generator().problems(1, "eval")[0]
     seed0 = cfg.task.generator().problems(1, "eval")[0]
     assert seed1["prompt"] != seed0["prompt"]  # the two slices differ, so the check below can tell them apart
