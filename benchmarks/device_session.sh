@@ -21,9 +21,9 @@
 #   bash benchmarks/device_session.sh H    # ~9 min, one H200 (needs_h200): the 7B step with float32 masters, no offload (36); M's first row
 #   bash benchmarks/device_session.sh M    # ~10 min: the 7B learner's MFU on one GPU, checkpointing all / compiled / 12 of 28 layers (38.3)
 #   bash benchmarks/device_session.sh M2   # ~9 min, one H200 (needs_h200): the 7B whole-trace step's MFU, compiled (38.3)
-#                                          # M2b: its second row alone; M2C: its first row, then C2 (~9.5 min);
-#                                          # M2bP: M2b, then P2 (~8 min)
-#   bash benchmarks/device_session.sh P2   # ~2.5 min: Pasta's realised speedup, fresh seeds 3-5 on the held-out slice (41)
+#                                          # M2b: its second row alone; M2C: its first row, then C2 (~9.5 min)
+#   bash benchmarks/device_session.sh P2   # ~3 min: Pasta's realised speedup, fresh seeds 3-5 on the held-out slice (41;
+#                                          # ran on an H100 at 77c96ce)
 #   bash benchmarks/device_session.sh P    # ~9 min: batch 1 and 8 at 8K, cuBLAS/GEMV x plain/PDL, per-kernel split (38.2)
 #   bash benchmarks/device_session.sh Q    # ~4 min: batch 1 cuBLAS vs GEMV after the MLP tail's change; batch-1 decode attention at 64 splits (38.2)
 #   bash benchmarks/device_session.sh R    # ~10 min: regress.py on batch 1 and the learner (38.1)
@@ -36,7 +36,7 @@
 # most of Q earlier still, and B was refused by its host's 128 GiB): M2b (needs_h200), R (its learner item; batch 1
 # ran), R2, C (its trained Pasta models under runs/pasta-h200 are not in this checkout:
 # docs/results.md "Pasta" trains them, ~30 CPU minutes a seed), A, and X2 (X8) whenever a two-GPU (eight-GPU) machine
-# is lent; P2 (issue 41) rides with M2b as M2bP, or alone on any card. One session holds 30 minutes of device time:
+# is lent. One session holds 30 minutes of device time:
 # three groups at most. B stays for a host with more than ~125 GiB free (the 7B float32-master step without offload is group H).
 # Cards: H, M2 (M2a, M2b, M2C), R2 and M's 12-layer row hold more than an H100's 79 GiB (call run with needs_h200); every other group
 # fits an H100, whose rows compare only with rows of the same card (regress.py says "other card" against an H200 record).
@@ -51,7 +51,7 @@
 # docs/results.md gives.
 set -u
 OUT=${OUT:?set OUT to the folder whose files come back}
-group=${1:?name a group: A, B, C, D, E, F, F2, F32, F32F, F128, T, C2, G, H, K, KM, M, M2, M2a, M2b, M2bP, M2C, P, P2, Q, R, R2, X2 or X8}
+group=${1:?name a group: A, B, C, D, E, F, F2, F32, F32F, F128, T, C2, G, H, K, KM, M, M2, M2a, M2b, M2C, P, P2, Q, R, R2, X2 or X8}
 summary=()
 
 item() {  # item NAME SECONDS COMMAND...: run with a limit, tee its log, note rc and seconds
@@ -226,20 +226,17 @@ case "$group" in
       --runs "full@$(kv 118)@560" --out "$OUT/table1-8k-full/engine_e2e.json"
     ;;
   F32)
-    # the same at 32K with 16 sequences (0.52M tokens), prefix_sliding: on the H200 (2314325) it generated at a flat
-    # 4,205 tok/s once its windows filled, 96% of the tokens in 120 s; an H100 reads ~1.4x slower (~3 min)
+    # the same at 32K with 16 sequences (0.52M tokens), prefix_sliding: finished in 155 s on an H100 (77c96ce)
     table1_32k prefix_sliding:4096 300 260
     ;;
   F32F)
-    # full at 32K, 16 sequences (its 16 x 32K of KV, 60 GB, is what an H100's pool holds): on the H200 98% of the
-    # tokens in 275 s, its rate falling to 1,132 tok/s in the last eighth (~285 s to the end); an H100 needs past a call
-    # (~400 s by the bandwidth ratio), so it runs there with a budget that says "finished": false if cut
+    # full at 32K, 16 sequences (its 16 x 32K of KV, 60 GB, is what an H100's pool holds): finished in 402 s on an
+    # H100 (77c96ce)
     table1_32k full 590 545
     ;;
   F128)
-    # 128K with 4 sequences, prefix_sliding alone: ~5 min on an H200 by the batch-16 rows' bandwidth (a batch-4 step
-    # reads 5.3 GB), more on an H100 (its budget then cuts it: "finished": false); full at 128K reads 15 GB of KV a
-    # sequence by the end: ~24 minutes for 4 sequences, past any call
+    # 128K with 4 sequences, prefix_sliding alone: finished in 386 s on an H100 (77c96ce); full at 128K reads 15 GB
+    # of KV a sequence by the end: ~24 minutes for 4 sequences, past any call
     table1_128k_ps 590 545
     ;;
   T)
@@ -292,14 +289,9 @@ case "$group" in
     # M2's second row alone (~5.5 min with the 7B built, needs_h200): every layer recomputed ran at 2314325 (44.5%)
     mfu_7b_whole_ckpt18 330
     ;;
-  M2bP)
-    # M2b, then Pasta's held-out realised speedup (~8 min, needs_h200, carry runs/pasta-c2: seeds 3-5, each made as
-    # C2 says for seed 3; 4 and 5 trained by its command with --seeds 4 and --seeds 5 on 2026-12-06)
-    mfu_7b_whole_ckpt18 330
-    pasta_heldout
-    ;;
   P2)
-    # Pasta's held-out realised speedup alone (~2.5 min, any card; carry runs/pasta-c2)
+    # Pasta's held-out realised speedup (~3 min, any card; carry runs/pasta-c2: seeds 3-5, each made as C2 says for
+    # seed 3; 4 and 5 trained by its command with --seeds 4 and --seeds 5 on 2026-12-06)
     pasta_heldout
     ;;
   M2C)
