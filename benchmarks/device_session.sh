@@ -21,7 +21,8 @@
 #   bash benchmarks/device_session.sh H    # ~9 min, one H200 (needs_h200): the 7B step with float32 masters, no offload (36); M's first row
 #   bash benchmarks/device_session.sh M    # ~10 min: the 7B learner's MFU on one GPU, checkpointing all / compiled / 12 of 28 layers (38.3)
 #   bash benchmarks/device_session.sh M2   # ~9 min, one H200 (needs_h200): the 7B whole-trace step's MFU, compiled (38.3)
-#                                          # M2b: its second row alone; M2C: its first row, then C2 (~9.5 min)
+#                                          # M2b: its second row alone (+ a profiled step); M2C: its first row, then C2
+#   bash benchmarks/device_session.sh M2P  # ~7 min, any card: the 7B whole-trace step profiled, then 27 of 28 recomputed (38.3)
 #   bash benchmarks/device_session.sh P2   # ~3 min: Pasta's realised speedup, fresh seeds 3-5 on the held-out slice (41;
 #                                          # ran on an H100 at 77c96ce)
 #   bash benchmarks/device_session.sh P    # ~9 min: batch 1 and 8 at 8K, cuBLAS/GEMV x plain/PDL, per-kernel split (38.2)
@@ -51,7 +52,7 @@
 # docs/results.md gives.
 set -u
 OUT=${OUT:?set OUT to the folder whose files come back}
-group=${1:?name a group: A, B, C, D, E, F, F2, F32, F32F, F128, T, C2, G, H, K, KM, M, M2, M2a, M2b, M2C, P, P2, Q, R, R2, X2 or X8}
+group=${1:?name a group: A, B, C, D, E, F, F2, F32, F32F, F128, T, C2, G, H, K, KM, M, M2, M2a, M2b, M2C, M2P, P, P2, Q, R, R2, X2 or X8}
 summary=()
 
 item() {  # item NAME SECONDS COMMAND...: run with a limit, tee its log, note rc and seconds
@@ -97,15 +98,19 @@ pasta_heldout() {  # Pasta's realised batch-1 speedup, fresh seeds 3-5 on the he
       --config "runs/pasta-c2/s$s/sft-config.yaml" --out "$OUT/pasta-heldout-s$s/bonbon.json"
   done
 }
-mfu_7b_whole() {  # LIMIT: the 7B whole-trace step, every layer recomputed, compiled (needs_h200)
-  item mfu-7b-full-comp "$1" python benchmarks/learner_scaling.py --shape 7b --ranks 1 --seq 32768 --mode full \
+mfu_7b_whole() {  # LIMIT [FLAG...]: the 7B whole-trace step, every layer recomputed, compiled (71 GiB: any card)
+  local limit=$1
+  shift
+  item mfu-7b-full-comp "$limit" python benchmarks/learner_scaling.py --shape 7b --ranks 1 --seq 32768 --mode full \
     --prompt 128 --window 4096 --no-masters --compiled --steps 2 --out "$OUT/mfu-7b-full-comp" \
-    --models /tmp/sliderl-models
+    --models /tmp/sliderl-models "$@"
 }
-mfu_7b_whole_ckpt18() {  # LIMIT: the same with 18 of 28 layers recomputed (the 10 kept: ~47 GiB at 148 KiB a token)
-  item mfu-7b-full-comp-ckpt18 "$1" python benchmarks/learner_scaling.py --shape 7b --ranks 1 --seq 32768 \
-    --mode full --prompt 128 --window 4096 --no-masters --compiled --checkpoint-layers 18 --steps 2 \
-    --out "$OUT/mfu-7b-full-comp-ckpt18" --models /tmp/sliderl-models
+mfu_7b_whole_ckpt() {  # K LIMIT [FLAG...]: the same with the first K of 28 layers recomputed (a kept layer holds
+  local k=$1 limit=$2   # ~4.6 GiB at 148 KiB a token: K = 18 needs_h200, ~104 GiB)
+  shift 2
+  item "mfu-7b-full-comp-ckpt$k" "$limit" python benchmarks/learner_scaling.py --shape 7b --ranks 1 --seq 32768 \
+    --mode full --prompt 128 --window 4096 --no-masters --compiled --checkpoint-layers "$k" --steps 2 \
+    --out "$OUT/mfu-7b-full-comp-ckpt$k" --models /tmp/sliderl-models "$@"
 }
 case "$group" in
   A)
@@ -279,15 +284,24 @@ case "$group" in
     # (needs_h200), AdamW on the bf16 weights, compiled: every layer recomputed, then 18 of 28 (the 10 kept hold
     # ~47 GiB at 148 KiB a token beside 57 GiB of state). The truncated rows ran on 2026-12-05 (docs/results.md)
     mfu_7b_whole 250
-    mfu_7b_whole_ckpt18 250
+    mfu_7b_whole_ckpt 18 250
     ;;
   M2a)
-    # M2's first row alone (~5 min, needs_h200): for a call with less than M2's 9 minutes of device time left
+    # M2's first row alone (~3 min; its 71 GiB fit an H100 too)
     mfu_7b_whole 300
     ;;
   M2b)
-    # M2's second row alone (~5.5 min with the 7B built, needs_h200): every layer recomputed ran at 2314325 (44.5%)
-    mfu_7b_whole_ckpt18 330
+    # M2's second row alone (~5.5 min with the 7B built, needs_h200), then one more step under torch.profiler: every
+    # layer recomputed ran at 2314325 (44.5%)
+    mfu_7b_whole_ckpt 18 400 --profile
+    ;;
+  M2P)
+    # issue 38, item 3 on any card (~7 min on an H100): where the 7B whole-trace step's time goes (every layer
+    # recomputed, one more step under torch.profiler: GEMMs, attention, compiled element-wise, optimizer), then the
+    # one kept layer an H100's 79 GiB holds beside its 71 (27 of 28 recomputed; expandable segments against
+    # fragmentation)
+    mfu_7b_whole 330 --profile
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True mfu_7b_whole_ckpt 27 220
     ;;
   P2)
     # Pasta's held-out realised speedup (~3 min, any card; carry runs/pasta-c2: seeds 3-5, each made as C2 says for

@@ -25,6 +25,10 @@ timed steps); ``MFU`` = ``benchmarks.learner_gpu.model_flops`` (6·N·processed 
 H200 SXM's dense bf16 peak (learner_gpu.py divides by 790e12; the FLOPs are the same). ``scaling`` = this
 row's tok/s over the 1-rank row's at the same T.
 
+``--profile``: after the timed steps, one more step with rank 0 under torch.profiler
+(``benchmarks.learner_gpu.profile_step``): its device time by kind goes into the row (``profile``) and is printed
+after the table; the timed steps are not profiled.
+
 ``--sync``: after the steps, the weights go to a receiver process (``WeightReceiver`` over NCCL; gloo on
 CPU) the way a run's weight sync does (``weight_sync.backend=broadcast``): learner rank 0 and the receiver
 form the weights group, every learner rank gathers the weights one FSDP2 unit at a time (one segment at one
@@ -136,6 +140,15 @@ def rank_main(args: argparse.Namespace) -> None:
         row["sync_s"] = sync_seconds(args, learner)
     if args.rank == 0:
         Path(args.row_file).write_text(json.dumps(row))
+    if args.profile:  # one more step, every rank stepping, rank 0 under torch.profiler; the row is already written
+        from benchmarks.learner_gpu import profile_step
+
+        if args.rank == 0:
+            row["profile"] = profile_step(lambda: learner.step(groups), vocab, device == "cuda")
+            Path(args.row_file).write_text(json.dumps(row))
+        else:
+            learner.step(groups)
+        progress("profiled step done")
     parallel.barrier()  # every rank done before any leaves; then no interpreter teardown, where a gloo thread of
     sys.stdout.flush()  # a 2D mesh's subgroups has aborted a finished rank (tests/learner_ranks.py)
     os._exit(0)
@@ -285,6 +298,7 @@ def _passed(args: argparse.Namespace) -> list[str]:
     out += ["--compiled"] if args.compiled else []
     out += ["--gradient-sync", args.gradient_sync]
     out += ["--shard-ranks", str(args.shard_ranks)] if args.shard_ranks else []
+    out += ["--profile"] if args.profile else []
     return out + (["--sync"] if args.sync else []) + (["--cpu-smoke"] if args.cpu_smoke else [])
 
 
@@ -371,6 +385,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--gradient-sync", choices=("micro_batch", "step"), default="micro_batch",
                    help="learner.gradient_sync: sum (and, offloaded, copy to host) the gradients after every "
                         "micro-batch or once a step")
+    p.add_argument("--profile", action="store_true",
+                   help="after the timed steps, one more step with rank 0 under torch.profiler: device time by kind "
+                        "(GEMMs, the LM head's, attention, compiled element-wise, optimizer) in the row and printed")
     p.add_argument("--sync", action="store_true", help="also time the weight sync to a receiver process")
     p.add_argument("--sync-repeats", type=int, default=5)
     p.add_argument("--row-timeout-s", type=float, default=1800)
@@ -408,6 +425,12 @@ def main(argv: list[str] | None = None) -> None:
         for row in rows:
             f.write(json.dumps(row) + "\n")
     print(table(rows), flush=True)
+    for row in rows:
+        if "profile" in row:
+            from benchmarks.learner_gpu import print_profile
+
+            print_profile({**row, "name": f"{row['shape']} {row['ranks']} rank(s) T {row['seq']} {setup_label(row)}",
+                           "device": "cpu" if args.cpu_smoke else "cuda"})
 
 
 if __name__ == "__main__":

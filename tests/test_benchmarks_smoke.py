@@ -424,10 +424,12 @@ def test_learner_scaling_smoke_has_a_row_per_rank_count_at_the_same_global_batch
     # feed the model 8 traces x 63 inputs = 504
     # per step (16 prompt + 48 generated tokens, each but the last an input: the Learner's num_tokens), a sync
     # never timed (sync_s missing or 0), and scaling not taken over the 1-rank row; group M's flags (partial
-    # checkpointing, the model built outside the folder whose files come back) not reaching the rows
+    # checkpointing, the model built outside the folder whose files come back) not reaching the rows; --profile (the
+    # 7B whole-trace step's split by kind) not reaching the rank processes, its profile not written into the row or
+    # written over the timed numbers, or not printed
     out = subprocess.run([sys.executable, "benchmarks/learner_scaling.py", "--cpu-smoke", "--sync", "--out",
-                          str(tmp_path / "out"), "--checkpoint-layers", "1", "--models", str(tmp_path / "models")],
-                         capture_output=True, text=True, timeout=500)
+                          str(tmp_path / "out"), "--checkpoint-layers", "1", "--models", str(tmp_path / "models"),
+                          "--profile"], capture_output=True, text=True, timeout=500)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert (tmp_path / "models/model-tiny/config.json").is_file() and not list((tmp_path / "out").glob("model-*"))
     rows = [json.loads(line) for line in (tmp_path / "out/results.jsonl").read_text().splitlines()]
@@ -436,6 +438,9 @@ def test_learner_scaling_smoke_has_a_row_per_rank_count_at_the_same_global_batch
     for r in rows:
         assert r["num_tokens"] == 8 * 63 and r["tok_s"] == pytest.approx(504 / r["step_s"]) and r["sync_s"] > 0
         assert 0 < r["mfu"] < 1
+        kinds = r["profile"]["kinds_ms"]
+        assert "gemm" in kinds and sum(kinds.values()) == pytest.approx(r["profile"]["total_ms"])
+        assert f"profile of tiny {r['ranks']} rank(s) T 64" in out.stdout
     assert rows[0]["scaling"] == 1.0 and rows[1]["scaling"] == pytest.approx(rows[1]["tok_s"] / rows[0]["tok_s"])
 
 
