@@ -93,6 +93,32 @@ def test_tiny_run_has_every_row_and_the_documented_numbers(tmp_path):
     assert json.loads((tmp_path / "profile.json").read_text())["profile"]["total_ms"] > 0
 
 
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+def test_profile_counts_a_compiled_graph_s_kernels_once():
+    # catches: inductor's "## Call CompiledFxGraph ... ##" ranges (user annotations on the GPU's timeline) summed
+    # beside the kernels they span: the 7B whole-trace step's first profile (H100, a8d8fe3) gave 40.3 s of device
+    # time for a 29.0 s step. Here a compiled chain runs 20 times; the kinds' total must not exceed the wall time
+    # the step took on the GPU, and no annotation may appear among the top kernels
+    from benchmarks.learner_gpu import profile_step
+
+    chain = torch.compile(lambda x: (x.sin() * 2).cos() + x)
+    x = torch.randn(1 << 24, device="cuda")
+    chain(x)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def step():
+        start.record()
+        for _ in range(20):
+            chain(x)
+        end.record()
+
+    prof = profile_step(step, vocab=7, cuda=True)
+    assert not any(name.startswith("## ") for name, _ in prof["top_ms"]), prof["top_ms"]
+    assert 0 < prof["total_ms"] <= start.elapsed_time(end) * 1.02, (prof["total_ms"], start.elapsed_time(end))
+
+
 # ---------------------------------------------------------------------------- benchmarks/long_rl.py
 
 
