@@ -23,6 +23,7 @@
 #   bash benchmarks/device_session.sh M2   # ~9 min, one H200 (needs_h200): the 7B whole-trace step's MFU, compiled (38.3)
 #                                          # M2b: its second row alone (+ a profiled step); M2C: its first row, then C2
 #   bash benchmarks/device_session.sh M2P  # ~7 min, any card: the 7B whole-trace step profiled, then 27 of 28 recomputed (38.3)
+#   bash benchmarks/device_session.sh FX   # ~6 min, any card: FlexAttention's tiles at the 7B step's shape (38.3)
 #   bash benchmarks/device_session.sh P2   # ~3 min: Pasta's realised speedup, fresh seeds 3-5 on the held-out slice (41;
 #                                          # ran on an H100 at 77c96ce)
 #   bash benchmarks/device_session.sh P    # ~9 min: batch 1 and 8 at 8K, cuBLAS/GEMV x plain/PDL, per-kernel split (38.2)
@@ -39,7 +40,8 @@
 # docs/results.md "Pasta" trains them, ~30 CPU minutes a seed), A, and X2 (X8) whenever a two-GPU (eight-GPU) machine
 # is lent. One session holds 30 minutes of device time:
 # three groups at most. B stays for a host with more than ~125 GiB free (the 7B float32-master step without offload is group H).
-# Cards: H, M2 (M2a, M2b, M2C), R2 and M's 12-layer row hold more than an H100's 79 GiB (call run with needs_h200); every other group
+# Cards: H, M2 and M2b (18 of 28 layers recomputed), R2 and M's 12-layer row hold more than an H100's 79 GiB (call run
+# with needs_h200; M2a's and M2P's 7B rows peak at 71 GiB and ran on an H100); every other group
 # fits an H100, whose rows compare only with rows of the same card (regress.py says "other card" against an H200 record).
 #
 # carry: a Ray-less copy of .whl (runs/whl-light) for C (with runs/pasta-h200 and runs/pd-long), D, F, G, M, P, Q
@@ -52,7 +54,7 @@
 # docs/results.md gives.
 set -u
 OUT=${OUT:?set OUT to the folder whose files come back}
-group=${1:?name a group: A, B, C, D, E, F, F2, F32, F32F, F128, T, C2, G, H, K, KM, M, M2, M2a, M2b, M2C, M2P, P, P2, Q, R, R2, X2 or X8}
+group=${1:?name a group: A, B, C, D, E, F, F2, F32, F32F, F128, T, C2, G, H, K, KM, M, M2, M2a, M2b, M2C, M2P, FX, P, P2, Q, R, R2, X2 or X8}
 summary=()
 
 item() {  # item NAME SECONDS COMMAND...: run with a limit, tee its log, note rc and seconds
@@ -302,6 +304,19 @@ case "$group" in
     # fragmentation)
     mfu_7b_whole 330 --profile
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True mfu_7b_whole_ckpt 27 220
+    ;;
+  FX)
+    # issue 38, item 3 (~6 min, any card): FlexAttention's forward and backward at the 7B step's shape (one whole
+    # trace of 32K, prefix_sliding:4096, 28/4 heads of 128), under its defaults, inductor's autotuning and other tiles
+    # (the 7B step's backward ran at 183 TFLOP/s on an H100, half its forward's rate); then the profile's GPU test
+    item flex-7b 480 python benchmarks/flex_attention.py --tokens 32768 --prompt 128 --window 4096 --heads 28 \
+      --kv-heads 4 --out "$OUT/flex-7b" --configs default autotune bwd_num_stages=2 bwd_num_stages=4 \
+      bwd_BLOCK_M1=64,bwd_BLOCK_N1=64,bwd_BLOCK_M2=64,bwd_BLOCK_N2=64,bwd_num_warps=4 \
+      bwd_BLOCK_M1=32,bwd_BLOCK_N1=128,bwd_BLOCK_M2=128,bwd_BLOCK_N2=32,bwd_num_warps=4 \
+      bwd_BLOCK_M1=64,bwd_BLOCK_N1=128,bwd_BLOCK_M2=128,bwd_BLOCK_N2=64,bwd_num_stages=2,bwd_num_warps=4 \
+      fwd_BLOCK_N=128,fwd_num_stages=2
+    item profile-gpu-test 60 python -m pytest -q -p no:cacheprovider tests/test_benchmarks_smoke.py -m gpu \
+      -k compiled_graph
     ;;
   P2)
     # Pasta's held-out realised speedup (~3 min, any card; carry runs/pasta-c2: seeds 3-5, each made as C2 says for

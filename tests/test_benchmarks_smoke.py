@@ -119,6 +119,33 @@ def test_profile_counts_a_compiled_graph_s_kernels_once():
     assert 0 < prof["total_ms"] <= start.elapsed_time(end) * 1.02, (prof["total_ms"], start.elapsed_time(end))
 
 
+# ---------------------------------------------------------------------------- benchmarks/flex_attention.py
+
+
+@pytest.mark.timeout(120)
+def test_flex_attention_bench_counts_the_window_s_pairs_by_hand_and_names_a_bad_config(tmp_path):
+    # catches: the TFLOP/s counted over the wrong pairs (the trace's T tokens instead of the learner's T - 1 inputs,
+    # or every causal pair instead of the window's), heads and kv heads swapped in the rate, a config's options not
+    # recorded in its row, and a malformed config reaching the GPU instead of exit 2 with its name.
+    # By hand, --cpu-smoke (T 512, prompt 16, prefix_sliding:128, 4 query heads of D 16): the learner feeds the
+    # 511 inputs; input i sees min(i + 1, 16 + 128) keys, so 144·145/2 + (511 - 144)·144 = 10,440 + 52,848 = 63,288
+    run = lambda *configs: subprocess.run(  # noqa: E731
+        [sys.executable, "benchmarks/flex_attention.py", "--cpu-smoke", "--out", str(tmp_path), "--configs",
+         *configs], capture_output=True, text=True, timeout=100)
+    out = run("default", "bwd_num_stages=2,BLOCK_M=64")
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    rows = [json.loads(line) for line in (tmp_path / "rows.jsonl").read_text().splitlines()]
+    assert [(r["config"], r["status"], r["visible_pairs"]) for r in rows] == [
+        ("default", "ok", 63_288), ("bwd_num_stages=2,BLOCK_M=64", "ok", 63_288)]
+    assert rows[0]["kernel_options"] is None and rows[1]["kernel_options"] == {"bwd_num_stages": 2, "BLOCK_M": 64}
+    for r in rows:
+        assert r["forward_tflops"] == pytest.approx(4 * 4 * 16 * 63_288 / r["forward_ms"] / 1e9)
+        assert r["backward_tflops"] is None  # CPU: forward only
+    assert rows[1]["max_abs_diff"] == 0.0  # eager on CPU: the options do not change the math
+    bad = run("default", "bwd_num_stages=two")
+    assert bad.returncode == 2 and "bwd_num_stages='two'" in bad.stderr, bad.stderr[-1000:]
+
+
 # ---------------------------------------------------------------------------- benchmarks/long_rl.py
 
 

@@ -243,10 +243,12 @@ class FlexPolicyAttention:
     """FlexAttention over a ``PackedVisibility``; the block mask is built once and shared by every layer.
 
     compiled: run ``torch.compile(flex_attention)`` (required for speed and for backward on CUDA);
-    False runs FlexAttention's eager reference, forward only on CPU (used by tests).
+    False runs FlexAttention's eager reference, forward only on CPU (used by tests). kernel_options: passed to
+    ``flex_attention`` as they are (tile sizes, stages, warps; ``fwd_``/``bwd_`` prefixes for one pass), None for
+    FlexAttention's defaults (``benchmarks/flex_attention.py`` times them).
     """
 
-    def __init__(self, visibility: PackedVisibility, *, compiled: bool = True):
+    def __init__(self, visibility: PackedVisibility, *, compiled: bool = True, kernel_options: dict | None = None):
         from torch.nn.attention.flex_attention import create_block_mask
 
         self.num_tokens = len(visibility)
@@ -257,6 +259,7 @@ class FlexPolicyAttention:
                                             _compile=compiled and device.type == "cuda")
         self.flex = _flex_attention(compiled)
         self.size = size
+        self.kernel_options = kernel_options
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         """q: [N, H_q, D], k/v: [N, H_kv, D] -> [N, H_q, D]."""
@@ -268,7 +271,7 @@ class FlexPolicyAttention:
             raise ValueError(f"FlexPolicyAttention was built for {self.num_tokens} tokens, got {n}")
         pad = lambda x: F.pad(x, (0, 0, 0, 0, 0, self.size - n))  # noqa: E731  [N, H, D] -> [size, H, D]
         out = self.flex(_heads_first(pad(q)), _heads_first(pad(k)), _heads_first(pad(v)),
-                        block_mask=self.block_mask, enable_gqa=True)
+                        block_mask=self.block_mask, enable_gqa=True, kernel_options=self.kernel_options)
         return _tokens_first(out)[:n]
 
 
