@@ -310,11 +310,11 @@ case "$group" in
     # trace of 32K, prefix_sliding:4096, 28/4 heads of 128), under its defaults, inductor's autotuning and other tiles
     # (the 7B step's backward ran at 183 TFLOP/s on an H100, half its forward's rate); then the profile's GPU test
     item flex-7b 480 python benchmarks/flex_attention.py --tokens 32768 --prompt 128 --window 4096 --heads 28 \
-      --kv-heads 4 --out "$OUT/flex-7b" --configs default autotune bwd_num_stages=2 bwd_num_stages=4 \
+      --kv-heads 4 --out "$OUT/flex-7b" --configs default bwd_num_stages=2 bwd_num_stages=4 \
       bwd_BLOCK_M1=64,bwd_BLOCK_N1=64,bwd_BLOCK_M2=64,bwd_BLOCK_N2=64,bwd_num_warps=4 \
       bwd_BLOCK_M1=32,bwd_BLOCK_N1=128,bwd_BLOCK_M2=128,bwd_BLOCK_N2=32,bwd_num_warps=4 \
       bwd_BLOCK_M1=64,bwd_BLOCK_N1=128,bwd_BLOCK_M2=128,bwd_BLOCK_N2=64,bwd_num_stages=2,bwd_num_warps=4 \
-      fwd_BLOCK_N=128,fwd_num_stages=2
+      fwd_BLOCK_N=128,fwd_num_stages=2 autotune
     item profile-gpu-test 60 python -m pytest -q -p no:cacheprovider tests/test_benchmarks_smoke.py -m gpu \
       -k compiled_graph
     ;;

@@ -198,10 +198,9 @@ def main(argv: list[str] | None = None) -> None:
                 reference = {"tensors": row.pop("tensors")}
             row.update(rates(row, pairs, args.heads, args.head_dim))
         rows.append(row)
-        print(f"{spec}: {row['status']}", flush=True)
-    with (args.out / "rows.jsonl").open("a") as f:
-        for row in rows:
+        with (args.out / "rows.jsonl").open("a") as f:  # row by row: a sweep cut by its time limit keeps its rows
             f.write(json.dumps(row) + "\n")
+        print(f"{spec}: {row['status']}", flush=True)
     print(table(rows), flush=True)
 
 
