@@ -23,7 +23,7 @@
 #   bash benchmarks/device_session.sh M2   # ~9 min, one H200 (needs_h200): the 7B whole-trace step's MFU, compiled (38.3)
 #                                          # M2b: its second row alone (+ a profiled step); M2C: its first row, then C2
 #   bash benchmarks/device_session.sh M2P  # ~7 min, any card: the 7B whole-trace step profiled, then 27 of 28 recomputed (38.3)
-#   bash benchmarks/device_session.sh FX   # ~6 min, any card: FlexAttention's tiles at the 7B step's shape (38.3)
+#   bash benchmarks/device_session.sh FX   # ~5 min, any card: FlexAttention's tiles at the 7B step's shape (38.3)
 #   bash benchmarks/device_session.sh P2   # ~3 min: Pasta's realised speedup, fresh seeds 3-5 on the held-out slice (41;
 #                                          # ran on an H100 at 77c96ce)
 #   bash benchmarks/device_session.sh P    # ~9 min: batch 1 and 8 at 8K, cuBLAS/GEMV x plain/PDL, per-kernel split (38.2)
@@ -306,15 +306,15 @@ case "$group" in
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True mfu_7b_whole_ckpt 27 220
     ;;
   FX)
-    # issue 38, item 3 (~6 min, any card): FlexAttention's forward and backward at the 7B step's shape (one whole
-    # trace of 32K, prefix_sliding:4096, 28/4 heads of 128), under its defaults, inductor's autotuning and other tiles
+    # issue 38, item 3 (~5 min, any card): FlexAttention's forward and backward at the 7B step's shape (one whole
+    # trace of 32K, prefix_sliding:4096, 28/4 heads of 128), under its defaults and other tiles
     # (the 7B step's backward ran at 183 TFLOP/s on an H100, half its forward's rate); then the profile's GPU test
-    item flex-7b 480 python benchmarks/flex_attention.py --tokens 32768 --prompt 128 --window 4096 --heads 28 \
-      --kv-heads 4 --out "$OUT/flex-7b" --configs default bwd_num_stages=2 bwd_num_stages=4 \
+    item flex-7b 300 python benchmarks/flex_attention.py --tokens 32768 --prompt 128 --window 4096 --heads 28 \
+      --kv-heads 4 --out "$OUT/flex-7b" --configs default bwd_num_stages=2 \
       bwd_BLOCK_M1=64,bwd_BLOCK_N1=64,bwd_BLOCK_M2=64,bwd_BLOCK_N2=64,bwd_num_warps=4 \
       bwd_BLOCK_M1=32,bwd_BLOCK_N1=128,bwd_BLOCK_M2=128,bwd_BLOCK_N2=32,bwd_num_warps=4 \
       bwd_BLOCK_M1=64,bwd_BLOCK_N1=128,bwd_BLOCK_M2=128,bwd_BLOCK_N2=64,bwd_num_stages=2,bwd_num_warps=4 \
-      fwd_BLOCK_N=128,fwd_num_stages=2 autotune
+      fwd_BLOCK_N=128,fwd_num_stages=2
     item profile-gpu-test 60 python -m pytest -q -p no:cacheprovider tests/test_benchmarks_smoke.py -m gpu \
       -k compiled_graph
     ;;
