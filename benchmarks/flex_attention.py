@@ -118,7 +118,7 @@ def time_config(args: argparse.Namespace, visibility, spec: str, options: dict |
     both_ms = statistics.median(timed(both) for _ in range(args.repeats)) if cuda else None  # CPU: no backward
     row = {"status": "ok", "forward_ms": fwd_ms, "forward_backward_ms": both_ms}
     if reference is not None:
-        row["max_abs_diff"] = max(float((a.float() - b.float()).abs().max())
+        row["max_abs_diff"] = max(float((a.detach().float() - b.float()).abs().max())
                                   for a, b in zip((out, *grads), reference["tensors"], strict=True))
     else:
         row["tensors"] = [t.detach() for t in (out, *grads)]
