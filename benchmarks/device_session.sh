@@ -23,6 +23,7 @@
 #   bash benchmarks/device_session.sh M2   # ~9 min, one H200 (needs_h200): the 7B whole-trace step's MFU, compiled (38.3)
 #                                          # M2b: its second row alone (+ a profiled step); M2C: its first row, then C2
 #   bash benchmarks/device_session.sh M2P  # ~7 min, any card: the 7B whole-trace step profiled, then 27 of 28 recomputed (38.3)
+#   bash benchmarks/device_session.sh M26  # ~3 min on an H100: the 7B whole-trace step with 26 of 28 layers recomputed (38.3)
 #   bash benchmarks/device_session.sh FX   # ~5 min, any card: FlexAttention's tiles at the 7B step's shape (38.3)
 #   bash benchmarks/device_session.sh P2   # ~3 min: Pasta's realised speedup, fresh seeds 3-5 on the held-out slice (41;
 #                                          # ran on an H100 at 77c96ce)
@@ -55,7 +56,7 @@
 # docs/results.md gives.
 set -u
 OUT=${OUT:?set OUT to the folder whose files come back}
-group=${1:?name a group: A, B, C, D, E, F, F2, F32, F32F, F128, T, C2, G, H, K, KM, M, M2, M2a, M2b, M2C, M2P, FX, P, P2, Q, R, R2, X2 or X8}
+group=${1:?name a group: A, B, C, D, E, F, F2, F32, F32F, F128, T, C2, G, H, K, KM, M, M2, M2a, M2b, M2C, M2P, M26, FX, P, P2, Q, R, R2, X2 or X8}
 summary=()
 
 item() {  # item NAME SECONDS COMMAND...: run with a limit, tee its log, note rc and seconds
@@ -305,6 +306,11 @@ case "$group" in
     # fragmentation)
     mfu_7b_whole 330 --profile
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True mfu_7b_whole_ckpt 27 220
+    ;;
+  M26)
+    # issue 38, item 3 on an H100 (~3 min): 26 of 28 layers recomputed, the second kept layer's memory and time
+    # beside M2P's 27 (expandable segments: ~76 of the H100's 79 GiB)
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True mfu_7b_whole_ckpt 26 220
     ;;
   FX)
     # issue 38, item 3 (~5 min, any card): FlexAttention's forward and backward at the 7B step's shape (one whole
