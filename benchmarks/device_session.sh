@@ -110,7 +110,7 @@ mfu_7b_whole() {  # LIMIT [FLAG...]: the 7B whole-trace step, every layer recomp
     --models /tmp/sliderl-models "$@"
 }
 mfu_7b_whole_ckpt() {  # K LIMIT [FLAG...]: the same with the first K of 28 layers recomputed (a kept layer holds
-  local k=$1 limit=$2   # ~4.6 GiB at 148 KiB a token: K = 18 needs_h200, ~104 GiB)
+  local k=$1 limit=$2   # ~4.2 GiB, the last none (H100 rows, 2026-12-06): K = 18 needs_h200, ~108 GiB)
   shift 2
   item "mfu-7b-full-comp-ckpt$k" "$limit" python benchmarks/learner_scaling.py --shape 7b --ranks 1 --seq 32768 \
     --mode full --prompt 128 --window 4096 --no-masters --compiled --checkpoint-layers "$k" --steps 2 \
