@@ -33,8 +33,8 @@
 #   bash benchmarks/device_session.sh X2   # ~10 min on nvidia-h200-x2: the sharded learner's 2-GPU rows (36)
 #   bash benchmarks/device_session.sh X8   # ~10 min on an eight-GPU kind: 1.7B at 1-8 ranks, 7B at 4 and 8 (36)
 #
-# Order when a machine is lent (after the 2026-12-06 sessions: M2P and FX ran on an H100 in the fourth (the H200 refused
-# six times); F128, F32F, F32 and P2 ran on an H100 in the third,
+# Order when a machine is lent (after the 2026-12-06 sessions: M2P, FX and M26 ran on an H100 in the fourth (the H200
+# refused twelve times); F128, F32F, F32 and P2 ran on an H100 in the third,
 # finishing Table 1 save full at 128K, which needs ~24 minutes, beyond one call; M2C and most of T ran on an H200 in
 # the second, F2 on an H100 in the first; K and F on an H100 the day before; D, P and the first F before; G, H, M and
 # most of Q earlier still, and B was refused by its host's 128 GiB): M2b (needs_h200), R (its learner item; batch 1
