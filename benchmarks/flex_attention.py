@@ -14,9 +14,7 @@ count the visible (query, key) pairs: forward 4·H·D·pairs, backward 8·H·D·
 forward + backward's minus the forward's. Each config's output and gradients are compared with the first
 config's (max abs difference): a faster config that computes something else shows here.
 
-A config is ``default`` (FlexAttention's own choice for the card), ``autotune`` (compiled with
-``mode="max-autotune-no-cudagraphs"``: inductor times its candidate tiles and keeps the fastest) or
-``KEY=VALUE[,KEY=VALUE...]`` of
+A config is ``default`` (FlexAttention's own choice for the card) or ``KEY=VALUE[,KEY=VALUE...]`` of
 ``flex_attention``'s kernel_options: ``BLOCK_M``/``BLOCK_N`` (forward tiles), ``BLOCK_M1``, ``BLOCK_N1``,
 ``BLOCK_M2``, ``BLOCK_N2`` (backward tiles), ``num_stages``, ``num_warps``, each with a ``fwd_`` or ``bwd_``
 prefix for one pass only, ``USE_TMA``. A config the compiler rejects (too much shared memory) gets its error as
@@ -36,16 +34,15 @@ sys.path.insert(0, str(ROOT))
 
 
 def parse_config(spec: str) -> dict | None:
-    """``default`` and ``autotune`` -> None; ``A=1,B=2`` -> {"A": 1, "B": 2} (integers; ``true``/``false`` as
-    booleans). ValueError names the bad part."""
-    if spec in ("default", "autotune"):
+    """``default`` -> None; ``A=1,B=2`` -> {"A": 1, "B": 2} (integers; ``true``/``false`` as booleans).
+    ValueError names the bad part."""
+    if spec == "default":
         return None
     out = {}
     for part in spec.split(","):
         key, sep, value = part.partition("=")
         if not sep or not key:
-            raise ValueError(f"config {spec!r}: {part!r} is not KEY=VALUE (e.g. bwd_num_stages=2), nor 'default' "
-                             "or 'autotune'")
+            raise ValueError(f"config {spec!r}: {part!r} is not KEY=VALUE (e.g. bwd_num_stages=2), nor 'default'")
         low = value.lower()
         if low in ("true", "false"):
             out[key] = low == "true"
@@ -71,7 +68,10 @@ def visibility_of(tokens: int, prompt: int, window: int):
     return pack_windows(items).visibility, learner_counts([trace], "full", 4)["visible"]
 
 
-def time_config(args: argparse.Namespace, visibility, spec: str, options: dict | None, reference: dict | None) -> dict:
+def time_config(args: argparse.Namespace, visibility, options: dict | None,
+                reference: list | None) -> tuple[dict, list | None]:
+    """The config's row, and its output and gradients (None when it failed); ``reference``: the first ok
+    config's, which the row's max_abs_diff is taken against."""
     import torch
 
     from sliderl.trainer.attention import FlexPolicyAttention
@@ -86,9 +86,6 @@ def time_config(args: argparse.Namespace, visibility, spec: str, options: dict |
                for h in (args.heads, args.kv_heads, args.kv_heads))
     grad = torch.randn(n, args.heads, args.head_dim, device=device, dtype=dtype, generator=gen)
     attn = FlexPolicyAttention(visibility.to(device), compiled=cuda, kernel_options=options)
-    if spec == "autotune" and cuda:  # inductor times its candidate tiles for this shape and keeps the fastest
-        from torch.nn.attention.flex_attention import flex_attention
-        attn.flex = torch.compile(flex_attention, dynamic=False, mode="max-autotune-no-cudagraphs")
 
     def forward():
         return attn(0, q, k, v)
@@ -113,16 +110,15 @@ def time_config(args: argparse.Namespace, visibility, spec: str, options: dict |
     try:
         out, grads = both()  # compiles forward and backward
     except Exception as e:  # noqa: BLE001  (a config the compiler rejects is a row, not the end of the sweep)
-        return {"status": f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
+        return {"status": f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}, None
     fwd_ms = statistics.median(timed(forward) for _ in range(args.repeats))
     both_ms = statistics.median(timed(both) for _ in range(args.repeats)) if cuda else None  # CPU: no backward
     row = {"status": "ok", "forward_ms": fwd_ms, "forward_backward_ms": both_ms}
+    tensors = [t.detach() for t in (out, *grads)]
     if reference is not None:
-        row["max_abs_diff"] = max(float((a.detach().float() - b.float()).abs().max())
-                                  for a, b in zip((out, *grads), reference["tensors"], strict=True))
-    else:
-        row["tensors"] = [t.detach() for t in (out, *grads)]
-    return row
+        row["max_abs_diff"] = max(float((a.float() - b.float()).abs().max())
+                                  for a, b in zip(tensors, reference, strict=True))
+    return row, tensors
 
 
 def rates(row: dict, pairs: int, heads: int, head_dim: int) -> dict:
@@ -190,12 +186,12 @@ def main(argv: list[str] | None = None) -> None:
           f"D {args.head_dim}: {pairs:,} visible pairs ({pairs / args.tokens:.0f} keys a query)", flush=True)
     rows, reference = [], None
     for spec, options in zip(args.configs, args.options, strict=True):
+        timed, tensors = time_config(args, visibility, options, reference)
         row = {"config": spec, "kernel_options": options, "tokens": args.tokens, "prompt": args.prompt,
                "window": args.window, "heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim,
-               "visible_pairs": pairs, **time_config(args, visibility, spec, options, reference)}
+               "visible_pairs": pairs, **timed}
         if row["status"] == "ok":
-            if reference is None:
-                reference = {"tensors": row.pop("tensors")}
+            reference = reference if reference is not None else tensors
             row.update(rates(row, pairs, args.heads, args.head_dim))
         rows.append(row)
         with (args.out / "rows.jsonl").open("a") as f:  # row by row: a sweep cut by its time limit keeps its rows

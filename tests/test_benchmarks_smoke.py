@@ -478,8 +478,8 @@ def test_learner_scaling_smoke_has_a_row_per_rank_count_at_the_same_global_batch
     # per step (16 prompt + 48 generated tokens, each but the last an input: the Learner's num_tokens), a sync
     # never timed (sync_s missing or 0), and scaling not taken over the 1-rank row; group M's flags (partial
     # checkpointing, the model built outside the folder whose files come back) not reaching the rows; --profile (the
-    # 7B whole-trace step's split by kind) not reaching the rank processes, its profile not written into the row or
-    # written over the timed numbers, or not printed
+    # 7B whole-trace step's split by kind) not reaching the rank processes, its profile not written into the row, or
+    # not printed
     out = subprocess.run([sys.executable, "benchmarks/learner_scaling.py", "--cpu-smoke", "--sync", "--out",
                           str(tmp_path / "out"), "--checkpoint-layers", "1", "--models", str(tmp_path / "models"),
                           "--profile"], capture_output=True, text=True, timeout=500)
